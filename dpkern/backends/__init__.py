@@ -1,0 +1,86 @@
+"""Backend selection (SPEC section 6).
+
+A backend is a module exposing the functions of :mod:`dpkern.backends.reference` under
+the same names and signatures: ``gaussian_noise``, ``per_sample_norms``,
+``whitened_norms``, ``accumulate``, ``step``, ``macadam_update_scale``.
+
+- ``"torch"``  -- :mod:`dpkern.backends.reference`, any device, the spec in code;
+- ``"triton"`` -- :mod:`dpkern.backends.triton`, CUDA tensors (CPU tensors only under
+  ``TRITON_INTERPRET=1``);
+- ``"cpp"``    -- :mod:`dpkern.backends.cpp`, CPU tensors, needs the compiled ``dpkern._C``;
+- ``"auto"``   -- CUDA tensors -> triton, CPU tensors -> cpp if built, else torch with a
+  one-time warning saying why.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import warnings
+from types import ModuleType
+
+import torch
+
+BACKENDS = ("auto", "torch", "triton", "cpp")
+_warned_fallback = False
+
+
+def check_name(backend) -> str:
+    """Validate a backend name (a ``ValueError`` naming it otherwise)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"invalid backend={backend!r}: expected one of {BACKENDS}")
+    return backend
+
+
+def triton_interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _load(name: str) -> tuple[ModuleType | None, str]:
+    """Import a backend module; (module, "") or (None, why it is unavailable)."""
+    if name == "torch":
+        from . import reference
+        return reference, ""
+    try:
+        return importlib.import_module(f"{__name__}.{name}"), ""
+    except ImportError as exc:  # not built / not installed
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def is_available(name: str) -> bool:
+    return _load(name)[0] is not None
+
+
+def resolve(backend: str, device: torch.device) -> ModuleType:
+    """The backend module to run ``backend`` on tensors of ``device``.
+
+    Raises ``ValueError`` for an unknown name, and ``RuntimeError`` when an explicitly
+    requested backend is unavailable or cannot run on ``device``."""
+    global _warned_fallback
+    check_name(backend)
+    device = torch.device(device)
+    if backend == "auto":
+        if device.type == "cuda":
+            module, why = _load("triton")
+            if module is not None:
+                return module
+        elif device.type == "cpu":
+            module, why = _load("cpp")
+            if module is not None:
+                return module
+        else:
+            why = f"no fused backend for device type {device.type!r}"
+        if not _warned_fallback:
+            _warned_fallback = True
+            warnings.warn(f"dpkern: backend='auto' falls back to the PyTorch reference "
+                          f"(slow) on {device.type}: {why}", RuntimeWarning, stacklevel=3)
+        return _load("torch")[0]
+    module, why = _load(backend)
+    if module is None:
+        raise RuntimeError(f"backend={backend!r} is not available: {why}")
+    if backend == "triton" and device.type != "cuda" and not (
+            device.type == "cpu" and triton_interpret()):
+        raise RuntimeError(f"backend='triton' needs CUDA tensors (got {device.type}); "
+                           "CPU tensors work only under TRITON_INTERPRET=1")
+    if backend == "cpp" and device.type != "cpu":
+        raise RuntimeError(f"backend='cpp' needs CPU tensors (got {device.type})")
+    return module

@@ -1,0 +1,350 @@
+"""The reference backend: SPEC.md written as plain PyTorch, for clarity, never for speed.
+
+Every other backend (``dpkern.backends.triton``, ``dpkern.backends.cpp``) implements the
+same functions under the same names and is tested against this module:
+
+- :func:`philox4x32_10`, :func:`normal_from_words`, :func:`gaussian_noise` -- the noise
+  stream v1 (SPEC section 3);
+- :func:`per_sample_norms`, :func:`whitened_norms` -- pass 1 (SPEC sections 2 and 7);
+- :func:`accumulate` -- fold one micro-batch's clipped sum into fp32 buffers (SPEC section 2);
+- :func:`step` -- pass 2: clip + sum + noise + moment update + parameter update, for the
+  six update rules (SPEC sections 4, 5 and 7);
+- :func:`macadam_update_scale` -- DP-MacAdam's global scale update (SPEC section 7), run
+  after :func:`step` once the global sum it returned is known.
+
+Conventions shared by all backends
+----------------------------------
+- ``grad_samples[k]`` is ``None`` (parameter unused this step: a zero per-sample gradient)
+  or a tensor of shape ``[B, *params[k].shape]`` in any float dtype.
+- ``clip_factors`` is a float32 ``[B]`` tensor; a factor of exactly 0 means "this row
+  contributes nothing" (it was non-finite and ``nonfinite="zero"``), so ``0 * NaN`` never
+  reaches a sum.
+- ``summed[k]`` is ``None`` or an fp32 tensor shaped like ``params[k]``: the clipped sum
+  accumulated from earlier micro-batches of the same logical batch.
+- ``offsets[k]`` is the global flat index of the first element of ``params[k]`` in the
+  noise stream (SPEC section 3); a Python int, may exceed 2**32.
+- States are fp32 tensors shaped like the parameter, named as in torch.optim
+  (:data:`STATE_NAMES`). Parameters may be fp32, bf16 or fp16: the update is computed in
+  fp32 and rounded once on store.
+- Backends hold no policy: inputs were validated by the caller (``dpkern.optim`` /
+  ``dpkern.functional``); nothing here raises on user input.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ..hyper import DPStep, Hyper
+
+# Names of the per-parameter optimizer states of each update rule (torch.optim's names
+# where a torch.optim twin exists). The order is the order backends receive them in.
+STATE_NAMES: dict[str, tuple[str, ...]] = {
+    "sgd": ("momentum_buffer",),
+    "adam": ("exp_avg", "exp_avg_sq"),
+    "adam_bc": ("exp_avg", "exp_avg_sq"),
+    "adamw": ("exp_avg", "exp_avg_sq"),
+    "adamw_bc": ("exp_avg", "exp_avg_sq"),
+    "macadam": ("exp_avg", "exp_avg_sq", "exp_var", "scale"),
+}
+
+# --------------------------------------------------------------------------------------
+# Noise stream v1 (SPEC section 3)
+# --------------------------------------------------------------------------------------
+_MASK32 = 0xFFFFFFFF
+PHILOX_M0, PHILOX_M1 = 0xD2511F53, 0xCD9E8D57  # round multipliers
+PHILOX_W0, PHILOX_W1 = 0x9E3779B9, 0xBB67AE85  # Weyl key increments
+TWO_PI_F32 = float(torch.tensor(2 * math.pi, dtype=torch.float32))
+
+
+def _mulhilo32(a: int, b: Tensor) -> tuple[Tensor, Tensor]:
+    """(hi, lo) 32-bit words of the 64-bit product a*b, a < 2**32 constant, b int64 < 2**32.
+
+    Computed without int64 overflow by splitting b into 16-bit halves."""
+    b_lo = b & 0xFFFF
+    b_hi = b >> 16
+    lo_part = a * b_lo  # < 2**48
+    hi_part = a * b_hi  # < 2**48; contributes hi_part << 16
+    mid = lo_part + ((hi_part & 0xFFFF) << 16)  # < 2**49
+    lo = mid & _MASK32
+    hi = (hi_part >> 16) + (mid >> 32)
+    return hi & _MASK32, lo
+
+
+def philox4x32_10(c0: Tensor, c1: Tensor, c2: Tensor, c3: Tensor, key: int) -> tuple[Tensor, ...]:
+    """Philox-4x32-10 (Salmon et al., SC'11, "Parallel random numbers: as easy as 1, 2, 3").
+
+    Counter words are int64 tensors holding values in [0, 2**32); ``key`` is a 64-bit int.
+    Returns (r0, r1, r2, r3) as int64 tensors in [0, 2**32). Bit-identical to
+    ``triton.language.philox(key, c0, c1, c2, c3)`` and to Random123's philox4x32_10."""
+    k0, k1 = key & _MASK32, (key >> 32) & _MASK32
+    for _ in range(10):
+        hi0, lo0 = _mulhilo32(PHILOX_M0, c0)
+        hi1, lo1 = _mulhilo32(PHILOX_M1, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0, k1 = (k0 + PHILOX_W0) & _MASK32, (k1 + PHILOX_W1) & _MASK32
+    return c0, c1, c2, c3
+
+
+def noise_counter(index: Tensor, step: int, stream: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Philox counter words for global element indices ``index`` (int64), SPEC section 3."""
+    k = index >> 1
+    c0 = k & _MASK32
+    c1 = k >> 32
+    c2 = torch.full_like(index, step & _MASK32)
+    c3 = torch.full_like(index, ((stream & 0xFFFF) << 16) | ((step >> 32) & 0xFFFF))
+    return c0, c1, c2, c3
+
+
+def normal_from_words(r0: Tensor, r1: Tensor, r2: Tensor, r3: Tensor, lane: Tensor) -> Tensor:
+    """The word -> standard normal transform of SPEC section 3 (float32, exact sum order).
+
+    ``r*`` are int64 tensors in [0, 2**32); ``lane`` is 0 (cos) or 1 (sin) per element."""
+    f32 = torch.float32
+
+    def uniform(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
+        u = a.to(f32) * 2.0**-32 + b.to(f32) * 2.0**-64  # each product is exact
+        u = u + c.to(f32) * 2.0**-96
+        return u + 2.0**-97
+
+    U = uniform(r0, r1, r3)
+    V = uniform(_MASK32 - r0, _MASK32 - r1, _MASK32 - r3)  # 32-bit complement; V = 1 - U
+    w = 1.0 - V
+    # -ln(U) for small U; for U near 1, -log1p(-V) through log only (Goldberg's trick).
+    L_log1p = torch.where(w == 1.0, V, ((-torch.log(w)) * V) / (1.0 - w))
+    L = torch.where(r0 < 2**31, -torch.log(U), L_log1p)
+    R = torch.sqrt(2.0 * L)
+    theta = TWO_PI_F32 * (r2.to(f32) * 2.0**-32)
+    return torch.where(lane == 0, R * torch.cos(theta), R * torch.sin(theta))
+
+
+def gaussian_noise(
+    numel: int, *, key: int, step: int, offset: int = 0, stream: int = 0, device=None
+) -> Tensor:
+    """z for global elements ``offset ... offset + numel - 1``: float32 ``[numel]``."""
+    index = torch.arange(offset, offset + numel, dtype=torch.int64, device=device)
+    r0, r1, r2, r3 = philox4x32_10(*noise_counter(index, step, stream), key)
+    return normal_from_words(r0, r1, r2, r3, index & 1)
+
+
+# --------------------------------------------------------------------------------------
+# Pass 1: per-sample norms (SPEC sections 2 and 7)
+# --------------------------------------------------------------------------------------
+def _rows(x: Tensor) -> Tensor:
+    return x.reshape(x.shape[0], -1).float()
+
+
+def per_sample_norms(grad_samples: list[Tensor | None], batch_size: int, device) -> Tensor:
+    """n_i = sqrt(sum_p ||grad_sample_p[i]||^2), fp32 accumulation: float32 ``[B]``."""
+    sq = torch.zeros(batch_size, dtype=torch.float32, device=device)
+    for gs in grad_samples:
+        if gs is not None:
+            sq += _rows(gs).square().sum(dim=1)
+    return sq.sqrt()
+
+
+def _whiten(gs: Tensor, exp_avg: Tensor, scale: Tensor, bias_correction1: float) -> Tensor:
+    """w_i = (g_i - m_hat_{t-1}) / b for every row i (SPEC section 7); m_hat_0 = 0."""
+    m_hat = exp_avg / bias_correction1 if bias_correction1 > 0 else torch.zeros_like(exp_avg)
+    return (gs.float() - m_hat) / scale
+
+
+def whitened_norms(
+    grad_samples: list[Tensor | None],
+    exp_avgs: list[Tensor],
+    scales: list[Tensor],
+    bias_correction1: float,
+    batch_size: int,
+    device,
+) -> Tensor:
+    """||w_i|| over all coordinates (DP-MacAdam pass 1): float32 ``[B]``.
+
+    ``bias_correction1`` is 1 - beta1**(t-1) (0 at t = 1, where m_hat_0 = 0). A parameter
+    without a grad_sample has g_i = 0, so w_i = -m_hat / b for every row."""
+    sq = torch.zeros(batch_size, dtype=torch.float32, device=device)
+    for gs, m, b in zip(grad_samples, exp_avgs, scales):
+        if gs is None:
+            gs = torch.zeros((batch_size, *m.shape), dtype=torch.float32, device=device)
+        sq += _rows(_whiten(gs, m, b, bias_correction1)).square().sum(dim=1)
+    return sq.sqrt()
+
+
+def _clipped_sum(x: Tensor, clip_factors: Tensor) -> Tensor:
+    """sum_i c_i x_i in fp32; rows with c_i == 0 contribute exactly nothing (even NaN)."""
+    rows = _rows(x)
+    keep = (clip_factors != 0).unsqueeze(1)
+    rows = torch.where(keep, rows, torch.zeros_like(rows))
+    return (clip_factors.unsqueeze(1) * rows).sum(dim=0).reshape(x.shape[1:])
+
+
+def _contribution(k: int, grad_samples, clip_factors, hyper: Hyper, states, bias_correction1):
+    """The clipped per-sample sum of parameter k in the space where noise is added."""
+    gs = grad_samples[k]
+    if hyper.rule == "macadam":
+        m, b = states["exp_avg"][k], states["scale"][k]
+        if gs is None:
+            gs = torch.zeros((clip_factors.shape[0], *m.shape), device=m.device)
+        return _clipped_sum(_whiten(gs, m, b, bias_correction1), clip_factors)
+    if gs is None:
+        return None
+    return _clipped_sum(gs, clip_factors)
+
+
+def accumulate(
+    hyper: Hyper,
+    dp: DPStep,
+    grad_samples: list[Tensor | None],
+    clip_factors: Tensor,
+    buffers: list[Tensor],
+    states: dict[str, list[Tensor]],
+) -> None:
+    """buffers[k] += sum_i c_i x_i (x = per-sample gradient, or whitened for MacAdam).
+
+    ``dp.step`` is the step that the logical batch will end with."""
+    bc1 = 1.0 - hyper.beta1 ** (dp.step - 1) if hyper.rule == "macadam" else 1.0
+    for k, buf in enumerate(buffers):
+        c = _contribution(k, grad_samples, clip_factors, hyper, states, bc1)
+        if c is not None:
+            buf += c
+
+
+# --------------------------------------------------------------------------------------
+# Pass 2: privatised gradient and the six update rules (SPEC sections 4, 5, 7)
+# --------------------------------------------------------------------------------------
+def step(
+    hyper: Hyper,
+    dp: DPStep,
+    params: list[Tensor],
+    grad_samples: list[Tensor | None],
+    clip_factors: Tensor | None,
+    summed: list[Tensor | None],
+    states: dict[str, list[Tensor]],
+    offsets: list[int],
+) -> float:
+    """One DP step of one parameter group, in place on ``params`` and ``states``.
+
+    g_hat_p = (S_p + noise_std * z_p) / B_e, S_p = summed_p + sum_i c_i grad_sample_p[i]
+    (SPEC section 4), then the update rule ``hyper.rule``. ``clip_factors`` may be None
+    when every ``grad_samples`` entry is None (summed-gradient entry point).
+
+    Returns the group's partial sum of sqrt(S_hat_j) for DP-MacAdam (SPEC section 7;
+    0.0 at t = 1 and for the other rules)."""
+    t = dp.step
+    bc1_prev = 1.0 - hyper.beta1 ** (t - 1) if hyper.rule == "macadam" else 1.0
+    sqrt_sum = 0.0
+    for k, p in enumerate(params):
+        S = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        if summed[k] is not None:
+            S += summed[k]
+        if clip_factors is not None:
+            c = _contribution(k, grad_samples, clip_factors, hyper, states, bc1_prev)
+            if c is not None:
+                S += c
+        z = gaussian_noise(p.numel(), key=dp.key, step=t, offset=offsets[k], stream=dp.stream,
+                           device=p.device).reshape(p.shape)
+        g_hat = (S + dp.noise_std * z) / dp.expected_batch_size
+        state = {name: states[name][k] for name in STATE_NAMES[hyper.rule]}
+        p32 = p.detach().float()
+        sqrt_sum += _UPDATE_RULES[hyper.rule](hyper, dp, p32, g_hat, state)
+        p.detach().copy_(p32)  # one rounding to the parameter dtype
+    return sqrt_sum
+
+
+def _sgd(h: Hyper, dp: DPStep, p: Tensor, g: Tensor, state) -> float:
+    """torch.optim.SGD on g_hat (SPEC 5.1)."""
+    if h.weight_decay != 0:
+        g = g + h.weight_decay * p
+    if h.momentum != 0:
+        buf = state["momentum_buffer"]
+        if dp.step == 1:
+            buf.copy_(g)
+        else:
+            buf.mul_(h.momentum).add_((1 - h.dampening) * g)
+        g = g + h.momentum * buf if h.nesterov else buf
+    p.sub_(h.lr * g)
+    return 0.0
+
+
+def _adam_moments(h: Hyper, t: int, g: Tensor, m: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """Update m, v in place; return (m_hat, v_hat)."""
+    m.mul_(h.beta1).add_((1 - h.beta1) * g)
+    v.mul_(h.beta2).add_((1 - h.beta2) * g * g)
+    return m / (1 - h.beta1**t), v / (1 - h.beta2**t)
+
+
+def _bc_denominator(h: Hyper, dp: DPStep, v_hat: Tensor) -> Tensor:
+    """sqrt(max(v_hat - phi_hat, gamma)), phi_hat = phi_t / (1 - beta2^t) (SPEC 5.3)."""
+    phi_hat = dp.noise_var_avg / (1 - h.beta2**dp.step)
+    return torch.sqrt(torch.clamp(v_hat - phi_hat, min=h.gamma))
+
+
+def _adam(h: Hyper, dp: DPStep, p: Tensor, g: Tensor, state) -> float:
+    """DP-Adam (SPEC 5.2), DP-AdamBC (5.3), DP-AdamW (5.4), DP-AdamW-BC (5.5)."""
+    decoupled = h.rule in ("adamw", "adamw_bc")
+    if decoupled:
+        p.mul_(1 - h.lr * h.weight_decay)
+    elif h.weight_decay != 0:
+        g = g + h.weight_decay * p
+    m_hat, v_hat = _adam_moments(h, dp.step, g, state["exp_avg"], state["exp_avg_sq"])
+    if h.rule in ("adam_bc", "adamw_bc"):
+        denom = _bc_denominator(h, dp, v_hat)
+    else:
+        denom = v_hat.sqrt() + h.eps
+    p.sub_(h.lr * m_hat / denom)
+    return 0.0
+
+
+def macadam_kappa(beta1: float, t: int) -> float:
+    """kappa_t = 2 (beta1 - beta1^t) / (1 + beta1) (SPEC section 7)."""
+    return 2 * (beta1 - beta1**t) / (1 + beta1)
+
+
+def macadam_variance(h: Hyper, dp: DPStep, exp_var: Tensor, scale: Tensor) -> Tensor:
+    """S_hat = clamp(S / kappa_t - b^2 sigma^2 / B_e^2, h1, h2), t >= 2 (SPEC section 7)."""
+    kappa = macadam_kappa(h.beta1, dp.step)
+    noise_var = scale.square() * (dp.noise_std / dp.expected_batch_size) ** 2
+    return torch.clamp(exp_var / kappa - noise_var, min=h.h1, max=h.h2)
+
+
+def _macadam(h: Hyper, dp: DPStep, p: Tensor, w_tilde: Tensor, state) -> float:
+    """DP-MacAdam (SPEC section 7): w_tilde is the noisy whitened mean."""
+    t = dp.step
+    m, v, S, b = state["exp_avg"], state["exp_avg_sq"], state["exp_var"], state["scale"]
+    m_hat_prev = m / (1 - h.beta1 ** (t - 1)) if t > 1 else torch.zeros_like(m)
+    g = b * w_tilde + m_hat_prev
+    m_hat, v_hat = _adam_moments(h, t, g, m, v)
+    p.sub_(h.lr * m_hat / (v_hat.sqrt() + h.gamma))
+    if h.variance_estimate == "unbiased":
+        u = (g - m_hat_prev) * (g - m_hat)
+    elif h.variance_estimate == "paper":
+        u = (g - m_hat).square()
+    else:  # "code"
+        u = (g - m_hat_prev).square()
+    S.mul_(h.beta1).add_((1 - h.beta1) * u)
+    if t < 2:
+        return 0.0
+    return float(macadam_variance(h, dp, S, b).sqrt().sum(dtype=torch.float64))
+
+
+def macadam_update_scale(
+    hyper: Hyper, dp: DPStep, exp_vars: list[Tensor], scales: list[Tensor], sqrt_sum: float
+) -> None:
+    """b <- S_hat^(1/4) * (sum_j S_hat_j^(1/2))^(1/2) for every parameter (t >= 2).
+
+    ``sqrt_sum`` is the global sum returned by :func:`step` over all groups."""
+    if dp.step < 2:
+        return
+    for S, b in zip(exp_vars, scales):
+        S_hat = macadam_variance(hyper, dp, S, b)
+        b.copy_(S_hat.sqrt().sqrt() * math.sqrt(sqrt_sum))
+
+
+_UPDATE_RULES = {
+    "sgd": _sgd,
+    "adam": _adam,
+    "adam_bc": _adam,
+    "adamw": _adam,
+    "adamw_bc": _adam,
+    "macadam": _macadam,
+}

@@ -1,0 +1,186 @@
+"""Hyper-parameters: one small frozen dataclass per update rule, validated on construction.
+
+These travel unchanged from the front-ends (``dpkern.optim``, ``dpkern.functional``) to
+every backend, so a backend never re-validates and never sees a long argument list.
+Every invalid value is a ``ValueError`` naming the parameter and its value (SPEC section 9).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import ClassVar, Union
+
+RULES = ("sgd", "adam", "adam_bc", "adamw", "adamw_bc", "macadam")
+VARIANCE_ESTIMATES = ("unbiased", "paper", "code")
+
+
+def _bad(name: str, value, why: str) -> ValueError:
+    return ValueError(f"invalid {name}={value!r}: {why}")
+
+
+def _finite(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _bad(name, value, "expected a real number")
+    if not math.isfinite(value):
+        raise _bad(name, value, "expected a finite number")
+    return float(value)
+
+
+def check_nonnegative(name: str, value) -> float:
+    if _finite(name, value) < 0:
+        raise _bad(name, value, "must be >= 0")
+    return float(value)
+
+
+def check_positive(name: str, value) -> float:
+    if _finite(name, value) <= 0:
+        raise _bad(name, value, "must be > 0")
+    return float(value)
+
+
+def check_beta(name: str, value) -> float:
+    if not 0.0 <= _finite(name, value) < 1.0:
+        raise _bad(name, value, "must be in [0, 1)")
+    return float(value)
+
+
+def check_betas(betas) -> tuple[float, float]:
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise _bad("betas", betas, "expected a pair (beta1, beta2)")
+    return check_beta("betas[0]", betas[0]), check_beta("betas[1]", betas[1])
+
+
+@dataclass(frozen=True)
+class _Base:
+    rule: ClassVar[str]
+    lr: float
+
+    def __post_init__(self):
+        check_nonnegative("lr", self.lr)
+
+
+@dataclass(frozen=True)
+class SGDHyper(_Base):
+    """DP-SGD (SPEC 5.1): torch.optim.SGD's momentum, dampening, nesterov, coupled L2."""
+    rule: ClassVar[str] = "sgd"
+    momentum: float = 0.0
+    dampening: float = 0.0
+    weight_decay: float = 0.0
+    nesterov: bool = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_nonnegative("momentum", self.momentum)
+        check_nonnegative("dampening", self.dampening)
+        check_nonnegative("weight_decay", self.weight_decay)
+        if not isinstance(self.nesterov, bool):
+            raise _bad("nesterov", self.nesterov, "expected a bool")
+        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+            raise _bad("nesterov", self.nesterov, "requires momentum > 0 and dampening = 0")
+
+
+@dataclass(frozen=True)
+class _AdamBase(_Base):
+    beta1: float = 0.9
+    beta2: float = 0.999
+    weight_decay: float = 0.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_beta("betas[0]", self.beta1)
+        check_beta("betas[1]", self.beta2)
+        check_nonnegative("weight_decay", getattr(self, "weight_decay", 0.0))
+
+
+@dataclass(frozen=True)
+class AdamHyper(_AdamBase):
+    """DP-Adam (SPEC 5.2): coupled L2 weight decay, denominator sqrt(v_hat) + eps."""
+    rule: ClassVar[str] = "adam"
+    eps: float = 1e-8
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_positive("eps", self.eps)
+
+
+@dataclass(frozen=True)
+class AdamBCHyper(_AdamBase):
+    """DP-AdamBC (SPEC 5.3): denominator sqrt(max(v_hat - phi_hat, gamma))."""
+    rule: ClassVar[str] = "adam_bc"
+    gamma: float = 1e-8
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_positive("gamma", self.gamma)
+
+
+@dataclass(frozen=True)
+class AdamWHyper(AdamHyper):
+    """DP-AdamW (SPEC 5.4): decoupled weight decay p <- p (1 - lr wd) first."""
+    rule: ClassVar[str] = "adamw"
+    weight_decay: float = 1e-2
+
+
+@dataclass(frozen=True)
+class AdamWBCHyper(AdamBCHyper):
+    """DP-AdamW-BC (SPEC 5.5): DP-AdamW with the DP-AdamBC denominator."""
+    rule: ClassVar[str] = "adamw_bc"
+    weight_decay: float = 1e-2
+
+
+@dataclass(frozen=True)
+class MacAdamHyper(_AdamBase):
+    """DP-MacAdam (SPEC section 7). No weight decay; gamma is added outside the sqrt."""
+    rule: ClassVar[str] = "macadam"
+    gamma: float = 1e-8
+    h1: float = 1e-9
+    h2: float = 1e-6
+    variance_estimate: str = "unbiased"
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_positive("gamma", self.gamma)
+        check_positive("h1", self.h1)
+        check_positive("h2", self.h2)
+        if self.h1 > self.h2:
+            raise _bad("h1", self.h1, f"must be <= h2={self.h2!r}")
+        if self.variance_estimate not in VARIANCE_ESTIMATES:
+            raise _bad("variance_estimate", self.variance_estimate,
+                       f"expected one of {VARIANCE_ESTIMATES}")
+
+
+Hyper = Union[SGDHyper, AdamHyper, AdamBCHyper, AdamWHyper, AdamWBCHyper, MacAdamHyper]
+
+HYPER_CLASSES = {cls.rule: cls for cls in
+                 (SGDHyper, AdamHyper, AdamBCHyper, AdamWHyper, AdamWBCHyper, MacAdamHyper)}
+
+
+@dataclass(frozen=True)
+class DPStep:
+    """What one DP step needs besides the update rule's hyper-parameters.
+
+    key: 64-bit noise key (secret in secure mode: excluded from repr).
+    step: t, counted from 1, shared by all parameter groups.
+    noise_std: standard deviation of the noise added to the clipped sum, sigma * C
+        (sigma for DP-MacAdam, whose clip bound is 1 in the whitened space).
+    expected_batch_size: B_e, the normaliser (SPEC section 4).
+    stream: 16-bit noise stream id (0 = gradient noise).
+    noise_var_avg: phi_t, the EMA of Phi = (sigma C / B_e)^2 including this step
+        (DP-AdamBC / DP-AdamW-BC, SPEC 5.3); unused by the other rules.
+    """
+    key: int = field(repr=False)
+    step: int
+    noise_std: float
+    expected_batch_size: float
+    stream: int = 0
+    noise_var_avg: float = 0.0
+
+    def __post_init__(self):
+        if not (isinstance(self.key, int) and 0 <= self.key < 2**64):
+            raise ValueError("invalid key: expected an int in [0, 2**64)")
+        if not (isinstance(self.step, int) and 1 <= self.step < 2**48):
+            raise _bad("step", self.step, "expected an int in [1, 2**48)")
+        if not (isinstance(self.stream, int) and 0 <= self.stream < 2**16):
+            raise _bad("stream", self.stream, "expected an int in [0, 2**16)")
+        check_nonnegative("noise_std", self.noise_std)
+        check_positive("expected_batch_size", self.expected_batch_size)
