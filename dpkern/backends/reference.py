@@ -3,7 +3,7 @@
 Every other backend (``dpkern.backends.triton``, ``dpkern.backends.cpp``) implements the
 same functions under the same names and is tested against this module:
 
-- :func:`philox4x32_10`, :func:`normal_from_words`, :func:`gaussian_noise` -- the noise
+- :func:`philox_words`, :func:`gaussian_noise` -- the noise
   stream v1 (SPEC section 3);
 - :func:`per_sample_norms`, :func:`whitened_norms` -- pass 1 (SPEC sections 2 and 7);
 - :func:`accumulate` -- fold one micro-batch's clipped sum into fp32 buffers (SPEC section 2);
@@ -119,6 +119,12 @@ def normal_from_words(r0: Tensor, r1: Tensor, r2: Tensor, r3: Tensor, lane: Tens
     return torch.where(lane == 0, R * torch.cos(theta), R * torch.sin(theta))
 
 
+def philox_words(index: Tensor, *, key: int, step: int, stream: int = 0) -> Tensor:
+    """The Philox words (r0, r1, r2, r3) of global element indices ``index`` (int64 ``[n]``):
+    int64 ``[n, 4]`` holding values in [0, 2**32). Exposed so tests compare integers exactly."""
+    return torch.stack(philox4x32_10(*noise_counter(index, step, stream), key), dim=1)
+
+
 def gaussian_noise(
     numel: int, *, key: int, step: int, offset: int = 0, stream: int = 0, device=None
 ) -> Tensor:
@@ -132,7 +138,7 @@ def gaussian_noise(
 # Pass 1: per-sample norms (SPEC sections 2 and 7)
 # --------------------------------------------------------------------------------------
 def _rows(x: Tensor) -> Tensor:
-    return x.reshape(x.shape[0], -1).float()
+    return x.reshape(x.shape[0], x.shape[1:].numel()).float()
 
 
 def per_sample_norms(grad_samples: list[Tensor | None], batch_size: int, device) -> Tensor:

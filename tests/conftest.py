@@ -1,0 +1,48 @@
+"""Shared fixtures. Backends are test columns: adding one adds parameters, not files.
+
+The Triton column runs only in a pytest process started with TRITON_INTERPRET=1 (on CPU)
+or on a CUDA machine; ``tests/run.sh`` runs that process separately (``-m triton``)."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from dpkern.backends import is_available, triton_interpret
+
+VECTORS = Path(__file__).resolve().parent.parent.parent / "shared" / "vectors" / "noise_v1.json"
+_LOCAL_VECTORS = Path(__file__).resolve().parent / "data" / "noise_v1.json"
+
+
+def load_vectors() -> dict:
+    """The noise stream known answers (shared/vectors, or the copy kept in tests/data)."""
+    path = VECTORS if VECTORS.exists() else _LOCAL_VECTORS
+    return json.loads(path.read_text())
+
+
+def backend_device(name: str) -> torch.device:
+    if name == "triton" and torch.cuda.is_available() and not triton_interpret():
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def _backend_params():
+    out = []
+    for name in ("cpp", "triton"):
+        marks = [pytest.mark.triton] if name == "triton" else []
+        out.append(pytest.param(name, marks=marks, id=name))
+    return out
+
+
+@pytest.fixture(params=_backend_params())
+def fused_backend(request):
+    """Name of a fused backend to compare against the reference; skipped if unavailable."""
+    name = request.param
+    if name == "triton" and not (triton_interpret() or torch.cuda.is_available()):
+        pytest.skip("triton column: run with TRITON_INTERPRET=1 (tests/run.sh does)")
+    if not is_available(name):
+        pytest.skip(f"backend {name!r} not available")
+    return name
