@@ -1,0 +1,491 @@
+"""torch.optim front-ends: DPSGD, DPAdam, DPAdamBC, DPAdamW, DPAdamWBC, DPMacAdam.
+
+Each is a ``torch.optim.Optimizer`` constructed like its torch.optim twin plus keyword-only
+privacy arguments; ``step()`` consumes Opacus' ``p.grad_sample`` (shape ``[B, *p.shape]``)
+and runs one fused DP step (SPEC sections 1-7) through :mod:`dpkern.functional`. The classes
+hold state and policy (validation, the noise key, step counting); they hold no math.
+
+Privacy arguments (keyword-only, all classes):
+    max_grad_norm (C > 0): per-sample L2 clipping bound over all parameters (not MacAdam).
+    noise_multiplier (sigma >= 0): noise std on the clipped sum is sigma * C.
+    expected_batch_size (B_e > 0): normaliser, sample_rate * dataset size under Poisson
+        sampling (the real batch may be 0).
+    seed (None or int in [0, 2**64)): None = secure mode, the noise key comes from
+        os.urandom and never leaves the process; an int = reproducible research run
+        (the key is the seed and is saved in state_dict).
+    backend ("auto", "torch", "triton", "cpp"): see dpkern.backends.
+    nonfinite ("error" or "zero"): a sample with NaN/Inf gradient raises
+        FloatingPointError (nothing updated), or is dropped and counted in ``stats``.
+
+Gradient accumulation: call ``accumulate()`` after each micro-batch's backward (it folds
+the clipped per-sample gradients into an fp32 buffer and consumes ``grad_sample``), then
+``step()`` after the last one: noise is added once per logical batch.
+
+The accumulation buffers (un-noised sums of private gradients) are never put in a
+``state_dict``.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import backends
+from . import functional as F
+from .hyper import (AdamBCHyper, AdamHyper, AdamWBCHyper, AdamWHyper, Hyper, MacAdamHyper,
+                    SGDHyper, check_betas, check_nonnegative, check_positive)
+from .backends.reference import STATE_NAMES
+
+__all__ = ["DPOptimizer", "DPSGD", "DPAdam", "DPAdamBC", "DPAdamW", "DPAdamWBC", "DPMacAdam"]
+
+
+def secure_key() -> int:
+    """A fresh 64-bit noise key from the OS's CSPRNG (os.urandom)."""
+    return int.from_bytes(os.urandom(8), "little")
+
+
+def _check_seed(seed) -> int | None:
+    if seed is None:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ValueError(f"invalid seed={seed!r}: expected None or an int in [0, 2**64)")
+    return seed
+
+
+class DPOptimizer(torch.optim.Optimizer):
+    """Base class: state, key handling, validation and step counting for every DP optimizer.
+
+    Subclasses set ``hyper_class`` and implement ``_hyper(group)`` (group dict -> frozen
+    hyper-parameter dataclass)."""
+
+    hyper_class: type = None
+
+    def __init__(self, params, defaults: dict, *, max_grad_norm: float,
+                 noise_multiplier: float, expected_batch_size: float, seed=None,
+                 backend: str = "auto", nonfinite: str = "error"):
+        self.max_grad_norm = max_grad_norm
+        self.noise_multiplier = noise_multiplier
+        self.expected_batch_size = expected_batch_size
+        self._seed = _check_seed(seed)
+        self.backend = backends.check_name(backend)
+        self.nonfinite = F.check_nonfinite(nonfinite)
+        self._key = self._seed if self._seed is not None else secure_key()
+        self._dp_step = 0
+        self._accum: dict[Tensor, Tensor] = {}  # never saved: un-noised private sums
+        self.stats = {"steps": 0, "samples": 0, "clipped_samples": 0, "nonfinite_samples": 0}
+        super().__init__(params, defaults)
+
+    # -- privacy attributes, validated on every assignment (noise schedules set them) --
+    @property
+    def max_grad_norm(self) -> float:
+        return self._max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value):
+        self._max_grad_norm = check_positive("max_grad_norm", value)
+
+    @property
+    def noise_multiplier(self) -> float:
+        return self._noise_multiplier
+
+    @noise_multiplier.setter
+    def noise_multiplier(self, value):
+        self._noise_multiplier = check_nonnegative("noise_multiplier", value)
+
+    @property
+    def expected_batch_size(self) -> float:
+        return self._expected_batch_size
+
+    @expected_batch_size.setter
+    def expected_batch_size(self, value):
+        self._expected_batch_size = check_positive("expected_batch_size", value)
+
+    @property
+    def dp_step(self) -> int:
+        """Number of DP steps taken (t of the last step; 0 before the first)."""
+        return self._dp_step
+
+    @property
+    def secure(self) -> bool:
+        """True when the noise key is secret (no ``seed=`` given)."""
+        return self._seed is None
+
+    _PICKLED = ("_seed", "_key", "_dp_step", "_max_grad_norm", "_noise_multiplier",
+                "_expected_batch_size", "backend", "nonfinite", "stats", "b_init")
+
+    def __getstate__(self):
+        # Pickling would carry the key: refused in secure mode (use state_dict()).
+        if self.secure:
+            raise TypeError(f"{type(self).__name__} in secure mode cannot be pickled or "
+                            "deep-copied: the noise key must not leave the process; "
+                            "use state_dict() / load_state_dict()")
+        state = super().__getstate__()
+        state.update({k: v for k, v in self.__dict__.items() if k in self._PICKLED})
+        state["_accum"] = {}
+        return state
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        try:
+            self._hyper(self.param_groups[-1])  # validate (ValueError names the value)
+        except ValueError:
+            self.param_groups.pop()
+            raise
+
+    def _hyper(self, group: dict) -> Hyper:
+        raise NotImplementedError
+
+    # -- collecting the step's tensors ------------------------------------------------
+    def _rule(self) -> str:
+        return self.hyper_class.rule
+
+    def _fresh_state(self, p: Tensor, n_total: int) -> dict[str, Tensor]:
+        return {name: torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+                for name in STATE_NAMES[self._rule()]}
+
+    def _groups(self, for_accumulate: bool = False):
+        """Build functional Groups over trainable params; validate the grad_sample rules.
+
+        Returns (groups, new_states, new_buffers): tensors created for params seen for
+        the first time, to commit into ``self.state`` / ``self._accum`` on success only."""
+        trainable = [(gi, pi, p) for gi, g in enumerate(self.param_groups)
+                     for pi, p in enumerate(g["params"]) if p.requires_grad]
+        n_total = sum(p.numel() for _, _, p in trainable)
+        any_gs = any(getattr(p, "grad_sample", None) is not None for _, _, p in trainable)
+        if not any_gs and (for_accumulate or not self._accum):
+            raise ValueError("no parameter has a grad_sample: per-sample gradients were "
+                             "never computed (wrap the model with opacus.GradSampleModule "
+                             "or call dpkern.grad_sample.compute_grad_sample); an empty batch "
+                             "is grad_sample tensors with B = 0, not their absence")
+        new_states, new_buffers = {}, {}
+        groups, offset = [], 0
+        for gi, group in enumerate(self.param_groups):
+            hyper = self._hyper(group)
+            params, gss, summed, offsets, names = [], [], [], [], []
+            states = {name: [] for name in STATE_NAMES[self._rule()]}
+            for pi, p in enumerate(group["params"]):
+                if not p.requires_grad:
+                    continue
+                name = f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)})"
+                gs = getattr(p, "grad_sample", None)
+                if isinstance(gs, (list, tuple)):  # Opacus: several forward passes
+                    gs = torch.cat(list(gs), dim=0) if gs else None
+                if p.grad is not None and p.grad.is_sparse:
+                    raise ValueError(f"{name}: sparse gradients are not supported")
+                if gs is None and any_gs and p.grad is not None:
+                    raise ValueError(f"{name}: has .grad but no grad_sample (was it created "
+                                     "outside the module wrapped for per-sample gradients?)")
+                state = self.state.get(p)
+                if not state:
+                    state = new_states[p] = self._fresh_state(p, n_total)
+                for sname in states:
+                    states[sname].append(state[sname])
+                buf = self._accum.get(p)
+                if buf is None and for_accumulate:
+                    buf = new_buffers[p] = torch.zeros_like(
+                        p, dtype=torch.float32, memory_format=torch.contiguous_format)
+                params.append(p)
+                gss.append(gs)
+                summed.append(buf)
+                offsets.append(offset)
+                names.append(name)
+                offset += p.numel()
+            if params:
+                groups.append(F.Group(hyper, params, gss, summed, states, offsets, names,
+                                      self._noise_var_avg(group, hyper)))
+        if not groups:
+            raise ValueError("the optimizer owns no trainable parameter")
+        return groups, new_states, new_buffers
+
+    def _noise_var_avg(self, group: dict, hyper: Hyper) -> float:
+        return 0.0
+
+    def _commit_noise_var_avg(self, groups) -> None:
+        pass
+
+    # -- the public API --------------------------------------------------------------
+    @torch.no_grad()
+    def accumulate(self) -> None:
+        """Fold the current micro-batch's clipped per-sample gradients into the logical
+        batch (fp32 buffers) and consume ``p.grad_sample``. No noise is added here.
+
+        Raises: ValueError (no/inconsistent grad_sample), FloatingPointError (non-finite
+        with nonfinite="error"); buffers and state are untouched when it raises."""
+        groups, new_states, new_buffers = self._groups(for_accumulate=True)
+        result = F.accumulate_groups(groups, step=self._dp_step + 1,
+                                     max_grad_norm=self.max_grad_norm, backend=self.backend,
+                                     nonfinite=self.nonfinite)
+        self._accum.update(new_buffers)
+        self._record(result, step=False)
+        for grp in groups:
+            for p in grp.params:
+                p.grad_sample = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One DP step: clip every per-sample gradient, sum (with accumulated micro-batches),
+        add Gaussian noise once, and apply the update rule (SPEC sections 2-7).
+
+        Raises: ValueError (inconsistent grad_sample / parameters, SPEC section 1),
+        FloatingPointError (non-finite per-sample gradient with nonfinite="error").
+        When it raises, parameters, optimizer state and accumulation buffers are exactly
+        as before, and a later valid step works."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        groups, new_states, _ = self._groups()
+        t = self._dp_step + 1
+        result = F.dp_step_groups(groups, key=self._key, step=t,
+                                  max_grad_norm=self.max_grad_norm,
+                                  noise_multiplier=self.noise_multiplier,
+                                  expected_batch_size=self.expected_batch_size,
+                                  backend=self.backend, nonfinite=self.nonfinite)
+        for p, st in new_states.items():
+            self.state[p].update(st)
+        self._commit_noise_var_avg(groups)
+        self._dp_step = t
+        self._accum.clear()
+        self._record(result, step=True)
+        return loss
+
+    def _record(self, result: F.StepResult, step: bool) -> None:
+        self.stats["steps"] += int(step)
+        self.stats["samples"] += result.batch_size
+        self.stats["clipped_samples"] += result.clipped_samples
+        self.stats["nonfinite_samples"] += result.nonfinite_samples
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch.optim's zero_grad, and also clears ``p.grad_sample`` (Opacus convention).
+        Accumulated micro-batches are kept (they belong to the logical batch)."""
+        super().zero_grad(set_to_none=set_to_none)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if hasattr(p, "grad_sample"):
+                    p.grad_sample = None
+
+    # -- checkpoints -----------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim's state_dict plus a ``"dp"`` entry: the step count, privacy
+        parameters and stats; the seed only in reproducible mode (never the secure key)."""
+        sd = super().state_dict()
+        dp = {"step": self._dp_step, "max_grad_norm": self.max_grad_norm,
+              "noise_multiplier": self.noise_multiplier,
+              "expected_batch_size": self.expected_batch_size, "stats": dict(self.stats)}
+        if self._seed is not None:
+            dp["seed"] = self._seed
+        sd["dp"] = dp
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore states (kept float32 whatever the parameter dtype) and the step count.
+
+        Secure mode draws a fresh noise key, so no (key, step) pair is ever used twice;
+        reproducible mode takes the checkpoint's seed. Validates before changing anything."""
+        sd = dict(state_dict)
+        dp = dict(sd.pop("dp", {}))
+        saved_state = sd.get("state", {})
+        saved_groups = sd.get("param_groups", [])
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        id_to_param = {}
+        for saved, group in zip(saved_groups, self.param_groups):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError("loaded state dict contains a parameter group that doesn't "
+                                 "match the size of optimizer's group")
+            self._hyper({**group, **{k: v for k, v in saved.items() if k != "params"}})
+            id_to_param.update(zip(saved["params"], group["params"]))
+        new_state = {}
+        for pid, st in saved_state.items():
+            p = id_to_param[pid]
+            new_state[p] = {}
+            for name, value in st.items():
+                if isinstance(value, Tensor):
+                    if value.shape != p.shape and value.dim() != 0:
+                        raise ValueError(f"state {name!r} has shape {tuple(value.shape)}, "
+                                         f"parameter has {tuple(p.shape)}")
+                    value = value.to(device=p.device, dtype=torch.float32).clone()
+                new_state[p][name] = value
+        step = dp.get("step", 0)
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"invalid dp step {step!r} in state dict")
+        seed = _check_seed(dp.get("seed"))
+        privacy = {k: dp[k] for k in ("max_grad_norm", "noise_multiplier",
+                                      "expected_batch_size") if k in dp}
+        F.check_privacy(**{"max_grad_norm": self.max_grad_norm,
+                           "noise_multiplier": self.noise_multiplier,
+                           "expected_batch_size": self.expected_batch_size, **privacy})
+        # validated: now change things
+        super().load_state_dict({"state": {}, "param_groups": saved_groups})
+        self.state.clear()
+        for p, st in new_state.items():
+            self.state[p] = st
+        for k, v in privacy.items():
+            setattr(self, k, v)
+        self._dp_step = step
+        self.stats.update(dp.get("stats", {}))
+        self._accum.clear()
+        if self._seed is None:
+            self._key = secure_key()  # never reuse a (key, step) pair after a resume
+        elif seed is not None:
+            self._seed = self._key = seed
+
+
+class DPSGD(DPOptimizer):
+    """DP-SGD (Abadi et al. 2016, Algorithm 1) with torch.optim.SGD's update (SPEC 5.1).
+
+    State: ``momentum_buffer`` (float32, like the param) when momentum != 0."""
+
+    hyper_class = SGDHyper
+
+    def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
+                 weight_decay: float = 0.0, nesterov: bool = False, *, max_grad_norm: float,
+                 noise_multiplier: float, expected_batch_size: float, seed=None,
+                 backend: str = "auto", nonfinite: str = "error"):
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
+                        weight_decay=weight_decay, nesterov=nesterov)
+        super().__init__(params, defaults, max_grad_norm=max_grad_norm,
+                         noise_multiplier=noise_multiplier,
+                         expected_batch_size=expected_batch_size, seed=seed, backend=backend,
+                         nonfinite=nonfinite)
+
+    def _hyper(self, group):
+        return SGDHyper(lr=group["lr"], momentum=group["momentum"],
+                        dampening=group["dampening"], weight_decay=group["weight_decay"],
+                        nesterov=group["nesterov"])
+
+
+class _AdamFamily(DPOptimizer):
+    _defaults: dict = {}
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), *, max_grad_norm: float,
+                 noise_multiplier: float, expected_batch_size: float, seed=None,
+                 backend: str = "auto", nonfinite: str = "error", **extra):
+        defaults = dict(lr=lr, betas=tuple(betas), **extra)
+        super().__init__(params, defaults, max_grad_norm=max_grad_norm,
+                         noise_multiplier=noise_multiplier,
+                         expected_batch_size=expected_batch_size, seed=seed, backend=backend,
+                         nonfinite=nonfinite)
+
+    def _hyper(self, group):
+        beta1, beta2 = check_betas(group["betas"])
+        extra = {k: group[k] for k in self._defaults}
+        return self.hyper_class(lr=group["lr"], beta1=beta1, beta2=beta2, **extra)
+
+
+class DPAdam(_AdamFamily):
+    """DP-Adam (TF Privacy / Opacus + torch.optim.Adam; SPEC 5.2): coupled L2 weight decay.
+
+    State: ``exp_avg``, ``exp_avg_sq`` (float32)."""
+    hyper_class = AdamHyper
+    _defaults = {"eps": 1e-8, "weight_decay": 0.0}
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
+                 max_grad_norm, noise_multiplier, expected_batch_size, seed=None,
+                 backend="auto", nonfinite="error"):
+        super().__init__(params, lr, betas, eps=eps, weight_decay=weight_decay,
+                         max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
+                         expected_batch_size=expected_batch_size, seed=seed,
+                         backend=backend, nonfinite=nonfinite)
+
+
+class DPAdamW(_AdamFamily):
+    """DP-AdamW (arXiv 2511.07843, Algorithm 1; SPEC 5.4): decoupled weight decay
+    (torch.optim.AdamW convention, default 1e-2). State: ``exp_avg``, ``exp_avg_sq``."""
+    hyper_class = AdamWHyper
+    _defaults = {"eps": 1e-8, "weight_decay": 1e-2}
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
+                 max_grad_norm, noise_multiplier, expected_batch_size, seed=None,
+                 backend="auto", nonfinite="error"):
+        super().__init__(params, lr, betas, eps=eps, weight_decay=weight_decay,
+                         max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
+                         expected_batch_size=expected_batch_size, seed=seed,
+                         backend=backend, nonfinite=nonfinite)
+
+
+class _BCMixin:
+    """phi = beta2 phi + (1 - beta2) Phi_t per parameter group (SPEC 5.3), kept in each
+    parameter's state as ``noise_var_avg`` (a 0-dim float32 tensor, like torch's ``step``)."""
+
+    def _fresh_state(self, p, n_total):
+        st = super()._fresh_state(p, n_total)
+        st["noise_var_avg"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        return st
+
+    def _noise_var_avg(self, group, hyper) -> float:
+        Phi = (self.noise_multiplier * self.max_grad_norm / self.expected_batch_size) ** 2
+        prev = 0.0
+        for p in group["params"]:
+            st = self.state.get(p)
+            if p.requires_grad and st and "noise_var_avg" in st:
+                prev = float(st["noise_var_avg"])
+                break
+        return hyper.beta2 * prev + (1 - hyper.beta2) * Phi
+
+    def _commit_noise_var_avg(self, groups) -> None:
+        for grp in groups:
+            for p in grp.params:
+                self.state[p]["noise_var_avg"].fill_(grp.noise_var_avg)
+
+
+class DPAdamBC(_BCMixin, _AdamFamily):
+    """DP-AdamBC (Tang et al., arXiv 2312.14334; SPEC 5.3): Adam with the noise variance
+    removed from the second moment, denominator sqrt(max(v_hat - phi_hat, gamma)).
+
+    State: ``exp_avg``, ``exp_avg_sq``, ``noise_var_avg`` (phi, 0-dim)."""
+    hyper_class = AdamBCHyper
+    _defaults = {"gamma": 1e-8, "weight_decay": 0.0}
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), gamma=1e-8, weight_decay=0.0, *,
+                 max_grad_norm, noise_multiplier, expected_batch_size, seed=None,
+                 backend="auto", nonfinite="error"):
+        super().__init__(params, lr, betas, gamma=gamma, weight_decay=weight_decay,
+                         max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
+                         expected_batch_size=expected_batch_size, seed=seed,
+                         backend=backend, nonfinite=nonfinite)
+
+
+class DPAdamWBC(_BCMixin, _AdamFamily):
+    """DP-AdamW-BC (arXiv 2511.07843, Algorithm 2; SPEC 5.5): DP-AdamW with DP-AdamBC's
+    denominator. State: ``exp_avg``, ``exp_avg_sq``, ``noise_var_avg``."""
+    hyper_class = AdamWBCHyper
+    _defaults = {"gamma": 1e-8, "weight_decay": 1e-2}
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), gamma=1e-8, weight_decay=1e-2, *,
+                 max_grad_norm, noise_multiplier, expected_batch_size, seed=None,
+                 backend="auto", nonfinite="error"):
+        super().__init__(params, lr, betas, gamma=gamma, weight_decay=weight_decay,
+                         max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
+                         expected_batch_size=expected_batch_size, seed=seed,
+                         backend=backend, nonfinite=nonfinite)
+
+
+class DPMacAdam(_AdamFamily):
+    """DP-MacAdam (arXiv 2606.05435, Algorithm 1; AdaClip arXiv 1908.07643; SPEC 7).
+
+    Per-coordinate whitening before clipping, noise in the whitened space; no
+    max_grad_norm (the bound is 1 there). ``b_init`` defaults to 1/d, d = number of
+    trainable coordinates at the first step. State: ``exp_avg``, ``exp_avg_sq``,
+    ``exp_var`` (S), ``scale`` (b), all float32."""
+    hyper_class = MacAdamHyper
+    _defaults = {"gamma": 1e-8, "h1": 1e-9, "h2": 1e-6, "variance_estimate": "unbiased"}
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), gamma=1e-8, h1=1e-9, h2=1e-6,
+                 b_init=None, variance_estimate="unbiased", *, noise_multiplier,
+                 expected_batch_size, seed=None, backend="auto", nonfinite="error"):
+        if b_init is not None:
+            check_positive("b_init", b_init)
+        self.b_init = b_init
+        super().__init__(params, lr, betas, gamma=gamma, h1=h1, h2=h2,
+                         variance_estimate=variance_estimate, max_grad_norm=1.0,
+                         noise_multiplier=noise_multiplier,
+                         expected_batch_size=expected_batch_size, seed=seed,
+                         backend=backend, nonfinite=nonfinite)
+
+    def _fresh_state(self, p, n_total):
+        st = super()._fresh_state(p, n_total)
+        st["scale"].fill_(self.b_init if self.b_init is not None else 1.0 / max(n_total, 1))
+        return st
