@@ -223,6 +223,54 @@ class DPOptimizer(torch.optim.Optimizer):
             for p in grp.params:
                 p.grad_sample = None
 
+    def trainable_params(self) -> list[Tensor]:
+        """Trainable parameters in noise-index order (param_groups order, frozen skipped)."""
+        return [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+
+    def clipped_sum_buffers(self) -> list[Tensor]:
+        """The logical batch's fp32 clipped-sum buffers, one per trainable parameter
+        (created as zeros where missing), e.g. for an all-reduce across data-parallel
+        ranks before ``step()``. Un-noised private sums: never log or save them."""
+        out = []
+        for p in self.trainable_params():
+            if p not in self._accum:
+                self._accum[p] = torch.zeros_like(p, dtype=torch.float32,
+                                                  memory_format=torch.contiguous_format)
+            out.append(self._accum[p])
+        return out
+
+    @torch.no_grad()
+    def accumulate_clipped(self, clipped_sums, batch_size: int = 0) -> None:
+        """Add clipped sums computed elsewhere (ghost clipping, book-keeping) to the
+        logical batch; the next ``step()`` adds noise once and updates.
+
+        Args:
+            clipped_sums: one entry per ``trainable_params()`` entry, ``None`` or a tensor
+                shaped like the parameter holding sum_i c_i g_i with every sample's
+                gradient clipped to norm <= max_grad_norm over all parameters (for
+                DP-MacAdam: the sum of clipped whitened rows).
+            batch_size: samples in this micro-batch (for ``stats`` only).
+        Raises: ValueError (wrong count, shape, device, non-finite values); nothing is
+        modified when it raises."""
+        params = self.trainable_params()
+        clipped_sums = list(clipped_sums)
+        if len(clipped_sums) != len(params):
+            raise ValueError(f"accumulate_clipped: {len(clipped_sums)} sums for "
+                             f"{len(params)} trainable parameters")
+        for k, (s, p) in enumerate(zip(clipped_sums, params)):
+            if s is None:
+                continue
+            if not isinstance(s, Tensor) or s.shape != p.shape or s.device != p.device \
+                    or not s.is_floating_point() or s.is_sparse:
+                raise ValueError(f"clipped_sums[{k}]: expected a dense float tensor of shape "
+                                 f"{tuple(p.shape)} on {p.device}")
+            if not torch.isfinite(s).all():
+                raise ValueError(f"clipped_sums[{k}]: non-finite values")
+        for s, buf in zip(clipped_sums, self.clipped_sum_buffers()):
+            if s is not None:
+                buf += s.float()
+        self.stats["samples"] += int(batch_size)
+
     @torch.no_grad()
     def step(self, closure=None):
         """One DP step: clip every per-sample gradient, sum (with accumulated micro-batches),

@@ -1,0 +1,1 @@
+"""Command-line jobs: ``dpkern finetune`` (the main job) and ``dpkern compare``."""
