@@ -12,7 +12,9 @@ sampling rate q and noise multiplier sigma, under add/remove-one neighbouring da
   (SPEC section 3), which :meth:`PrivacyAccountant.get_privacy_spent` adds to delta.
 
 RDP uses Opacus' (and TF Privacy's) grid of orders, so epsilons agree with Opacus'
-``RDPAccountant``; PLD is tighter.
+``RDPAccountant`` (to 1e-3 relative wherever epsilon <= 12; for larger epsilons
+dp-accounting drops low orders whose series does not converge and reports a larger,
+still valid, epsilon); PLD is tighter.
 """
 from __future__ import annotations
 

@@ -171,6 +171,8 @@ class DPOptimizer(torch.optim.Optimizer):
                 name = f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)})"
                 gs = getattr(p, "grad_sample", None)
                 if isinstance(gs, (list, tuple)):  # Opacus: several forward passes
+                    if not all(isinstance(x, Tensor) for x in gs):
+                        raise ValueError(f"{name}: grad_sample is a list of non-tensors")
                     gs = torch.cat(list(gs), dim=0) if gs else None
                 if p.grad is not None and p.grad.is_sparse:
                     raise ValueError(f"{name}: sparse gradients are not supported")

@@ -1,0 +1,218 @@
+"""Bad input gets a clear error and loses nothing (SPEC sections 1 and 9)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import dpkern
+from dpkern import functional as F
+
+PRIVACY = dict(max_grad_norm=1.0, noise_multiplier=0.5, expected_batch_size=4.0)
+CLASSES = [dpkern.DPSGD, dpkern.DPAdam, dpkern.DPAdamBC, dpkern.DPAdamW, dpkern.DPAdamWBC,
+           dpkern.DPMacAdam]
+
+
+def _make(cls, params, **kw):
+    kw = {**PRIVACY, "backend": "torch", "seed": 1, "lr": 0.01, **kw}
+    if cls is dpkern.DPMacAdam:
+        kw.pop("max_grad_norm", None)
+    return cls(params, **kw)
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+
+
+def _fill(model, B=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad_sample = torch.randn((B, *p.shape), generator=g)
+        p.grad = p.grad_sample.mean(0)
+
+
+def _snapshot(model, opt):
+    return ([p.detach().clone() for p in model.parameters()],
+            copy.deepcopy(opt.state_dict()["state"]), opt.dp_step, dict(opt.stats))
+
+
+def _assert_same(a, b):
+    params_a, state_a, step_a, stats_a = a
+    params_b, state_b, step_b, stats_b = b
+    for x, y in zip(params_a, params_b):
+        assert torch.equal(x, y)
+    assert state_a.keys() == state_b.keys()
+    for k in state_a:
+        for name in state_a[k]:
+            assert torch.equal(state_a[k][name], state_b[k][name])
+    assert (step_a, stats_a) == (step_b, stats_b)
+
+
+BAD_HYPER = [
+    ("lr", -1.0), ("lr", float("nan")), ("betas", (1.0, 0.9)), ("betas", (0.9, -0.1)),
+    ("eps", 0.0), ("gamma", 0.0), ("weight_decay", -0.1), ("momentum", -0.5),
+]
+BAD_PRIVACY = [("max_grad_norm", 0.0), ("max_grad_norm", -1.0), ("noise_multiplier", -0.1),
+               ("expected_batch_size", 0), ("backend", "cuda"), ("nonfinite", "ignore"),
+               ("seed", -1), ("seed", 2**64), ("seed", 1.5)]
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_every_invalid_hyper_parameter_is_a_value_error_naming_it(cls):
+    import inspect
+    accepted = inspect.signature(cls.__init__).parameters
+    cases = [c for c in BAD_HYPER + BAD_PRIVACY if c[0] in accepted]
+    if cls is dpkern.DPMacAdam:
+        cases += [("h1", 0.0), ("h2", -1.0), ("b_init", 0.0), ("variance_estimate", "biased")]
+    assert len(cases) >= 8
+    for name, value in cases:
+        with pytest.raises(ValueError, match=name.split("[")[0]):
+            _make(cls, _model().parameters(), **{name: value})
+
+
+def test_nesterov_needs_momentum():
+    with pytest.raises(ValueError, match="nesterov"):
+        dpkern.DPSGD(_model().parameters(), lr=0.1, nesterov=True, **PRIVACY)
+
+
+def test_invalid_privacy_attribute_assignment():
+    opt = _make(dpkern.DPAdamW, _model().parameters())
+    with pytest.raises(ValueError, match="noise_multiplier"):
+        opt.noise_multiplier = -1
+    assert opt.noise_multiplier == 0.5
+
+
+def test_unavailable_backend_is_a_clear_error():
+    opt = _make(dpkern.DPAdamW, _model().parameters(), backend="triton")
+    model = _model()
+    opt = _make(dpkern.DPAdamW, model.parameters(), backend="triton")
+    _fill(model)
+    import os
+    if dpkern.backends.is_available("triton") and os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("triton usable here")
+    with pytest.raises(RuntimeError, match="triton"):
+        opt.step()
+
+
+def _corrupt_cases():
+    def mismatched_B(m):
+        m[0].weight.grad_sample = torch.randn(5, 3, 4)
+
+    def grad_without_grad_sample(m):
+        del m[1].bias.grad_sample
+
+    def wrong_shape(m):
+        m[0].bias.grad_sample = torch.randn(4, 4)
+
+    def sparse(m):
+        m[0].bias.grad_sample = torch.randn(4, 3).to_sparse()
+
+    def device_mismatch(m):
+        m[1].weight.grad_sample = torch.empty(4, 2, 3, device="meta")
+
+    def nan_rows(m):
+        m[0].weight.grad_sample[2, 1, 1] = float("nan")
+        m[1].bias.grad_sample[3, 0] = float("inf")
+
+    def no_grad_sample_at_all(m):
+        for p in m.parameters():
+            p.grad_sample = None
+
+    def not_a_tensor(m):
+        m[0].bias.grad_sample = [[1.0, 2.0, 3.0]] * 4
+
+    return [(mismatched_B, ValueError, "differs from"),
+            (grad_without_grad_sample, ValueError, r"param_groups\[0\]\['params'\]\[3\]"),
+            (wrong_shape, ValueError, "shape"),
+            (sparse, ValueError, "sparse"),
+            (device_mismatch, ValueError, "meta"),
+            (nan_rows, FloatingPointError, r"rows \[2, 3\]"),
+            (no_grad_sample_at_all, ValueError, "never computed"),
+            (not_a_tensor, ValueError, "grad_sample")]
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize("corrupt,exc,match", _corrupt_cases(),
+                         ids=[c[0].__name__ for c in _corrupt_cases()])
+def test_failed_step_leaves_everything_untouched_then_a_valid_step_works(cls, corrupt, exc,
+                                                                         match):
+    model = _model()
+    opt = _make(cls, model.parameters())
+    _fill(model, seed=1)
+    opt.step()  # states exist, t = 1
+    _fill(model, seed=2)
+    corrupt(model)
+    before = _snapshot(model, opt)
+    with pytest.raises(exc, match=match):
+        opt.step()
+    _assert_same(before, _snapshot(model, opt))
+    with pytest.raises(exc, match=match):
+        opt.accumulate()
+    _assert_same(before, _snapshot(model, opt))
+    assert not opt._accum
+    _fill(model, seed=3)
+    opt.step()
+    assert opt.dp_step == 2
+
+
+def test_failed_first_step_creates_no_state():
+    model = _model()
+    opt = _make(dpkern.DPMacAdam, model.parameters())
+    _fill(model)
+    model[0].weight.grad_sample[0, 0, 0] = float("nan")
+    with pytest.raises(FloatingPointError):
+        opt.step()
+    assert len(opt.state) == 0 and opt.dp_step == 0
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_nonfinite_zero_drops_the_sample_and_counts_it(cls):
+    """nonfinite='zero' == the same step without that sample (its clip factor is 0)."""
+    m1, m2 = _model(), _model()
+    o1 = _make(cls, m1.parameters(), nonfinite="zero")
+    o2 = _make(cls, m2.parameters())
+    _fill(m1, B=4, seed=5)
+    m1[0].weight.grad_sample[1, 0, 0] = float("nan")
+    m1[1].bias.grad_sample[1, 0] = float("inf")
+    for p1, p2 in zip(m1.parameters(), m2.parameters()):
+        p2.grad_sample = p1.grad_sample[[0, 2, 3]].clone()
+    o1.step()
+    o2.step()
+    for p1, p2 in zip(m1.parameters(), m2.parameters()):
+        assert torch.isfinite(p1).all()
+        torch.testing.assert_close(p1, p2, rtol=1e-6, atol=1e-7)
+    assert o1.stats["nonfinite_samples"] == 1
+
+
+def test_empty_batch_steps_with_noise():
+    model = _model()
+    opt = _make(dpkern.DPAdamW, model.parameters())
+    before = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad_sample = torch.zeros((0, *p.shape))
+    opt.step()
+    assert opt.dp_step == 1
+    for b, p in zip(before, model.parameters()):
+        assert not torch.equal(b, p)
+
+
+def test_functional_validation_before_mutation():
+    p = [torch.randn(5), torch.randn(2, 2)]
+    before = [x.clone() for x in p]
+    m = [torch.zeros(5), torch.zeros(2, 2)]
+    v = [torch.zeros(5), torch.zeros(2, 2)]
+    common = dict(step=1, key=3, lr=0.1, max_grad_norm=1.0, noise_multiplier=1.0,
+                  expected_batch_size=2.0, backend="torch")
+    with pytest.raises(ValueError, match="exp_avg_sq"):
+        F.dp_adamw(p, [torch.randn(2, 5), torch.randn(2, 2, 2)], m, [torch.zeros(5)], **common)
+    with pytest.raises(ValueError, match="batch size"):
+        F.dp_adamw(p, [torch.randn(2, 5), torch.randn(3, 2, 2)], m, v, **common)
+    with pytest.raises(ValueError, match="grad_samples .* or summed_grads"):
+        F.dp_adamw(p, None, m, v, **common)
+    with pytest.raises(ValueError, match="step"):
+        F.dp_adamw(p, [torch.randn(2, 5), None], m, v, **{**common, "step": 0})
+    for a, b in zip(p, before):
+        assert torch.equal(a, b)
+    assert all(torch.count_nonzero(x) == 0 for x in m + v)
