@@ -1,0 +1,20 @@
+"""README.md stays true: its Python example runs as written."""
+from __future__ import annotations
+
+import re
+import runpy
+from pathlib import Path
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def test_readme_python_example_runs(tmp_path, capsys):
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    assert blocks, "README.md has no python example"
+    script = tmp_path / "example.py"
+    script.write_text(blocks[0])
+    runpy.run_path(str(script), run_name="__main__")
+    out = capsys.readouterr().out
+    eps = float(re.search(r"epsilon=([0-9.]+)", out).group(1))
+    acc = float(re.search(r"accuracy=([0-9.]+)", out).group(1))
+    assert eps <= 3.0 + 1e-6 and acc > 0.75
