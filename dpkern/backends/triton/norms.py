@@ -29,6 +29,7 @@ def _sq_partial_kernel(table, chunks, partial, B, n_slots, slot0, bc1,
     row, blk = C.chunk_row(table, chunks, pid)
     numel = C.row_numel(row, ALIGNED)
     has_g = tl.load(row + C.COL_G) != 0
+    row_stride = n_slots.to(tl.int64)  # partial is [B, n_slots]
     g_ptr = C.typed_ptr(row, C.COL_G, G_DTYPE, ALIGNED)
     m_ptr = C.typed_ptr(row, C.COL_S0, tl.float32, ALIGNED)  # exp_avg
     b_ptr = C.typed_ptr(row, C.COL_S0 + 1, tl.float32, ALIGNED)  # scale
@@ -47,7 +48,7 @@ def _sq_partial_kernel(table, chunks, partial, B, n_slots, slot0, bc1,
             x = tl.load(g_ptr + b * numel + offs, mask=load_g, other=0.0).to(tl.float32)
             if WHITEN:
                 x = tl.where(inb, (x - m_hat) / scale, 0.0)
-            tl.store(partial + b * n_slots + slot, tl.sum(x * x, axis=0))
+            tl.store(partial + b * row_stride + slot, tl.sum(x * x, axis=0))
 
 
 @triton.jit(do_not_specialize=["n_slots"])

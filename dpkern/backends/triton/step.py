@@ -226,8 +226,10 @@ def _flags(hyper, dp) -> dict:
 
 def _launch(hyper, dp, params, grad_samples, clip_factors, summed, states, offsets,
             accumulate_only: bool) -> float:
-    dev = C.check_device(C.first_device(params, *states.values(),
-                                        summed if summed is not None else []))
+    dev = C.first_device(params, *states.values(), summed)
+    if dev is None:
+        return 0.0  # no tensors at all
+    C.check_device(dev)
     cfg = C.config()
     names = STATE_NAMES[hyper.rule]
     macadam = hyper.rule == "macadam"
@@ -288,7 +290,10 @@ def macadam_update_scale(hyper, dp, exp_vars, scales, sqrt_sum: float) -> None:
     """b <- S_hat^(1/4) * (sum_j S_hat_j^(1/2))^(1/2) for every parameter (t >= 2)."""
     if dp.step < 2:
         return
-    dev = C.check_device(C.first_device(scales))
+    dev = C.first_device(scales)
+    if dev is None:
+        return
+    C.check_device(dev)
     cfg = C.config()
     inplace = C.InPlace()
     entries = [C.Entry(k, b.numel(), 0, (None, None, None, None, None, C.readonly(S), inplace(b)))
