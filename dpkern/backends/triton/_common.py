@@ -112,6 +112,7 @@ def _probe():
 
 
 INTERPRETED = type(_probe).__name__ == "InterpretedFunction"
+EMULATE_RNE = tl.constexpr(INTERPRETED)  # see to_dtype_rne
 # libdevice (__nv_logf, __nv_cosf, ...) is exact to an ulp on CUDA, where tl.log/tl.cos may
 # lower to approximate PTX; the interpreter has no libdevice but its tl.* are numpy's.
 LIBDEVICE = not INTERPRETED
@@ -317,3 +318,16 @@ def row_numel(row, ALIGNED: tl.constexpr):
     if ALIGNED:
         numel = tl.multiple_of(numel, 16)
     return numel
+
+
+@triton.jit
+def to_dtype_rne(x, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
+    """float32 -> DTYPE rounded to nearest even (one rounding on store, as torch's copy_).
+
+    The interpreter converts float32 -> bfloat16 by truncation whatever the requested
+    rounding mode, so there (EMULATE) the bits are rounded first and the cast is exact."""
+    if EMULATE and DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+        x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+    return x.to(DTYPE)

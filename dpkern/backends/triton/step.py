@@ -157,7 +157,7 @@ def _step_kernel(table, chunks, clip_ptr, partial, B, slot0,
                     s_hat = _macadam_variance(var, scale, kappa, noise_var, h1, h2)
                     r = tl.where(inb, tl.math.sqrt_rn(s_hat), 0.0).to(tl.float64)
                     tl.store(partial + slot0 + pid, tl.sum(r, axis=0))
-        tl.store(p_ptr + offs, p.to(P_DTYPE), mask=inb)
+        tl.store(p_ptr + offs, C.to_dtype_rne(p, P_DTYPE, C.EMULATE_RNE), mask=inb)
 
 
 @triton.jit
