@@ -1,0 +1,156 @@
+"""The benchmark report's logic (bench/report.py) at tiny sizes: layouts, byte floors,
+alternating timing, ratios, targets, and one end-to-end run writing its files."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from bench import format_size, gpt2_like_shapes, layout_shapes, parse_size
+from bench import report as R
+
+
+@pytest.mark.parametrize("trial", range(3))
+def test_gpt2_like_layout_has_148_tensors_and_about_d_coordinates(trial):
+    d = random.choice([random.randint(3_000, 20_000), random.randint(20_000, 70 * 2**20)])
+    shapes = gpt2_like_shapes(d)
+    total = sum(math.prod(s) for s in shapes)
+    h = shapes[0][1]
+    assert len(shapes) == 148
+    assert d - h < total <= d
+    assert shapes[2:14] == shapes[14:26]  # identical blocks
+    assert layout_shapes(d, "tensor") == [(d,)]
+    with pytest.raises(ValueError, match="too small"):
+        gpt2_like_shapes(500)
+    with pytest.raises(ValueError, match="layout"):
+        layout_shapes(d, "moe")
+
+
+def test_sizes_parse_and_format():
+    assert parse_size("16M") == 16 * 2**20 and parse_size("64k") == 65536
+    assert parse_size("4096") == 4096 and parse_size("0.5M") == 2**19
+    assert format_size(parse_size("64M")) == "64M" and format_size(3000) == "3000"
+    for bad in ("", "M", "abc", "0", "-3M"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+
+
+def test_bytes_floor_is_the_spec_formula():
+    d, B = random.randint(1, 10**8), random.randint(1, 64)
+    assert R.bytes_floor("per_sample", d, B) == 2 * B * d * 4 + 24 * d
+    assert R.bytes_floor("per_sample", d, B, grad_bytes=2) == 4 * B * d + 24 * d
+    assert R.bytes_floor("summed", d, B) == 28 * d
+    assert R.bytes_floor("noise", d, 0) == 4 * d
+    with pytest.raises(ValueError, match="path"):
+        R.bytes_floor("sgd", d, B)
+
+
+def test_alternating_timing_rotates_the_order_and_counts_calls():
+    calls = []
+    cands = [R.Candidate("dpkern", name, run=lambda name=name: calls.append(name))
+             for name in ("a", "b", "c")]
+    times = R.time_alternating(cands, repeats=4, device="cpu", warmup=2)
+    assert calls[:6] == ["a", "b", "c"] * 2  # warm-up rounds
+    rounds = [calls[6 + 3 * r: 9 + 3 * r] for r in range(4)]
+    assert rounds == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    assert {k: len(v) for k, v in times.items()} == {"dpkern:a": 4, "dpkern:b": 4,
+                                                     "dpkern:c": 4}
+    assert all(t >= 0 for v in times.values() for t in v)
+
+
+def _summary(medians, peaks=None, case=R.Case("summed", "tensor", 1000, 0)):
+    return R.summarize(case, 1000, 1, medians, peaks or {}, bandwidth=28e3)
+
+
+def test_summary_ratios_are_baseline_over_dpkern():
+    t_cpp, t_ref = random.uniform(0.01, 1), random.uniform(1, 2)
+    med = {"dpkern:cpp": t_cpp, "dpkern:torch": t_ref, "baseline:foreach": 0.5,
+           "baseline:fused": 0.25, "floor:foreach": 0.1}
+    rows = {r["backend"]: r for r in _summary(med, {"baseline:fused": 7 * 2**20})}
+    assert set(rows) == {"cpp", "torch"}
+    r = rows["cpp"]
+    assert r["baseline_foreach_ratio"] == pytest.approx(0.5 / t_cpp)
+    assert r["baseline_fused_ratio"] == pytest.approx(0.25 / t_cpp)
+    assert r["adamw_foreach_ratio"] == pytest.approx(0.1 / t_cpp)
+    assert r["adamw_fused_s"] is None and r["adamw_fused_ratio"] is None
+    assert r["bw_floor_s"] == pytest.approx(1.0)  # 28 * 1000 bytes at 28e3 B/s
+    assert r["bw_fraction"] == pytest.approx(1.0 / t_cpp)
+    assert r["baseline_fused_peak_bytes"] == 7 * 2**20 and r["dpkern_peak_bytes"] is None
+    table = R.markdown_table([r, rows["torch"]])
+    lines = table.splitlines()
+    assert len(lines) == 4 and all(l.count("|") == lines[0].count("|") for l in lines)
+    assert f"{0.5 / t_cpp:.2f}×" in table
+
+
+def test_targets_report_measured_ratio_or_why_not():
+    case = R.Case("summed", "tensor", 16 * 2**20, 0)
+    rows = R.summarize(case, case.d, 1, {"dpkern:cpp": 1.0, "baseline:foreach": 3.5}, {}, 1e9)
+    rows += R.summarize(case, case.d, 1, {"dpkern:torch": 1.0, "baseline:foreach": 9.0}, {},
+                        1e9)
+    out = R.check_targets(rows, ["cpp"])
+    assert len(out) == len(R.TARGETS)
+    summed = next(t for t in out if t["target"].startswith("summed"))
+    assert summed["measured"] == pytest.approx(3.5) and summed["met"] is True
+    noise = next(t for t in out if t["target"].startswith("noise"))
+    assert noise["measured"] is None and "not in" in noise["note"]
+    missing = R.check_targets(rows, [])
+    assert all(t["measured"] is None and "not available" in t["note"] for t in missing)
+    slow = R.summarize(case, case.d, 1, {"dpkern:cpp": 2.0, "baseline:foreach": 3.0}, {}, 1e9)
+    assert next(t for t in R.check_targets(slow, ["cpp"])
+                if t["target"].startswith("summed"))["met"] is False
+    assert "**no**" in R.markdown_targets(R.check_targets(slow, ["cpp"]))
+
+
+def test_peak_memory_sees_a_large_temporary():
+    big = R.Candidate("baseline", "foreach", run=lambda: torch.ones(16 * 2**20).sum())
+    small = R.Candidate("dpkern", "cpp", run=lambda: None)
+    peak_big = R.peak_extra_bytes(big, "cpu")
+    if peak_big is None:
+        pytest.skip("no /proc/self/clear_refs here")
+    assert peak_big >= 60 * 2**20  # the 64 MiB tensor
+    assert R.peak_extra_bytes(small, "cpu") < 16 * 2**20
+
+
+def test_report_end_to_end_tiny(tmp_path):
+    pytest.importorskip("opacus")
+    out = tmp_path / "res"
+    threads = torch.get_num_threads()
+    try:  # one thread: quick even on a busy machine; restored for the other tests
+        res = R.main(["--noise-d", "4K", "--summed-d", "8K", "--per-sample-d", "8K",
+                      "--batch", "2", "--repeats", "2", "--warmup", "0", "--threads", "1",
+                      "--torch-max-d", "4K", "--bandwidth-mib", "8", "--no-memory",
+                      "--out", str(out), "--quiet"]
+                     + ([] if _has_matplotlib() else ["--no-plot"]))
+    finally:
+        R.set_threads(threads)
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["summary"] == json.loads(json.dumps(res["summary"]))
+    for key in ("cpu", "cores", "torch", "dpkern", "date", "loadavg"):
+        assert key in saved["machine"]
+    assert saved["bandwidth"]["bytes_per_s"] > 0
+    # 1 noise case + 2 summed (tensor, gpt2) + 2 per-sample (tensor, gpt2)
+    cases = {(t["path"], t["layout"]) for t in saved["timings"]}
+    assert cases == {("noise", "tensor"), ("summed", "tensor"), ("summed", "gpt2"),
+                     ("per_sample", "tensor"), ("per_sample", "gpt2")}
+    backends = set(saved["backends"])
+    assert "torch" in backends
+    assert {r["backend"] for r in saved["summary"]} == backends
+    per_sample = [r for r in saved["summary"] if r["path"] == "per_sample"]
+    assert all(r["baseline_foreach_ratio"] > 0 and r["batch"] == 2 for r in per_sample)
+    with open(out / "summary.csv") as f:
+        assert len(list(csv.DictReader(f))) == len(saved["summary"])
+    assert len(saved["targets"]) >= len(R.TARGETS)
+    if _has_matplotlib():
+        assert (out / "results.png").stat().st_size > 1000
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+        return True
+    except ImportError:
+        return False
