@@ -252,3 +252,43 @@ def test_cpu_without_interpreter_is_a_clear_error(tr):
     res = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert res.returncode == 0 and "ok" in res.stdout, res.stdout + res.stderr
+
+
+# ---------------------------------------------------------------------------------------
+# bench/gpu_check.{sh,py}: the parts that run without a GPU
+def _gpu_check():
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.pop(0)
+    return gpu_check
+
+
+def test_gpu_check_workload_and_floors():
+    g = _gpu_check()
+    shapes = g.gpt2_shapes(**g.GPT2_SMALL)
+    assert len(shapes) == 148
+    assert sum(torch.Size(s).numel() for s in shapes) == 124_439_808  # GPT-2 small
+    assert g.floor_per_sample(8, 10, 2) == 2 * 8 * 10 * 2 + 6 * 10 * 4
+    assert g.floor_summed(10) == 280
+
+
+def test_gpu_check_smoke(tr, capsys):
+    """Every timing path of gpu_check.py on a tiny GPT-2-like model."""
+    if not triton_interpret():
+        pytest.skip("smoke mode is for CPU under TRITON_INTERPRET=1")
+    assert _gpu_check().main(["--smoke", "--batches", "2"]) == 0
+    out = capsys.readouterr().out
+    for impl in ("opacus-style", "| fused |", "fused sigma=0", "reference",
+                 "torch.normal+AdamW(fused)"):
+        assert impl in out, out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA exit")
+def test_gpu_check_without_cuda_exits_cleanly():
+    res = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHON": sys.executable})
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "no CUDA device" in res.stdout

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The GPU check of the Triton backend (issue 3), one script for a CUDA machine:
+#   1. installs this checkout (pip install -e ., no dependencies: torch and triton are
+#      already there and must not be reinstalled; no network needed);
+#   2. runs the Triton parity tests on CUDA (tests/test_backend_parity.py,
+#      tests/test_triton_backend.py, -m triton, without TRITON_INTERPRET);
+#   3. times GPT-2 small (124M coordinates, 148 tensors), B in {1, 8, 32}: fused step vs
+#      reference vs an Opacus-style pipeline, the summed path vs torch.normal + AdamW(fused),
+#      sigma = 0 vs sigma > 0, as GB/s against the bytes floor and the copy bandwidth
+#      (bench/gpu_check.py; its --smoke mode tests it on CPU).
+# Budget: under 8 minutes on an H200 (Triton compilation of the test variants included).
+# Usage: bash bench/gpu_check.sh [extra gpu_check.py arguments, e.g. --gs-dtype bfloat16]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+unset TRITON_INTERPRET
+
+if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "gpu_check: no CUDA device (torch.cuda.is_available() is False); nothing to check."
+    exit 0
+fi
+"$PY" -c "import torch, triton; print('gpu_check:', torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__)" || {
+    echo "gpu_check: triton is not importable; cannot run the Triton backend"; exit 1; }
+
+# 1. install (editable, no deps, no build isolation: nothing is downloaded)
+if ! "$PY" -m pip install --quiet --no-deps --no-build-isolation -e . ; then
+    echo "gpu_check: pip install -e . failed; using the checkout through PYTHONPATH"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+status=0
+# 2. parity tests on CUDA
+if "$PY" -c "import pytest" 2>/dev/null; then
+    timeout 330 "$PY" -m pytest -q -x -m triton -p no:cacheprovider \
+        tests/test_backend_parity.py tests/test_triton_backend.py
+    rc=$?
+    echo "gpu_check: triton parity tests exit $rc"
+    [ "$rc" -ne 0 ] && status=1
+else
+    echo "gpu_check: pytest is not installed; skipping the parity tests"
+fi
+
+# 3. timings
+timeout 240 "$PY" bench/gpu_check.py "$@" || status=1
+exit $status
