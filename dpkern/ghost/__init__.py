@@ -1,0 +1,217 @@
+"""Ghost clipping + book-keeping: DP fine-tuning without per-sample gradients.
+
+Per-sample gradients cost B x (model size) memory. Ghost clipping computes each sample's
+gradient norm from every layer's input A and output gradient G (:mod:`.norms`), and
+book-keeping builds the clipped sum ``sum_i c_i g_i`` as one GEMM per layer
+(:mod:`.bookkeeping`), both from ONE backward pass (:mod:`.capture`). The sum then goes to
+the optimizer's summed-gradient path (``optimizer.accumulate_clipped``) and
+``optimizer.step()`` adds the Gaussian noise once and updates: the same DP step as the
+per-sample path (SPEC sections 2-4), to float32 rounding.
+
+Usage in your own loop::
+
+    opt = dpkern.DPAdamW(model.parameters(), lr=1e-3, max_grad_norm=1.0,
+                         noise_multiplier=sigma, expected_batch_size=256)
+    with dpkern.ghost.GhostClipping(model, opt) as gc:
+        for logical_batch in loader:                       # Poisson-sampled
+            for x, y in micro_batches(logical_batch):      # gradient accumulation
+                losses = per_sample_loss(model(x), y)      # float [B]: NOT averaged
+                gc.backward(losses)                        # clip + sum into opt's buffers
+            opt.step()                                     # noise once, update
+
+``gc.backward`` replaces ``loss.backward()``: it never fills ``p.grad`` (the accumulator is
+the optimizer's fp32 buffer, never aliasing ``.grad``). An empty micro-batch (B = 0) is
+fine; for one the model cannot run on, call ``gc.add_empty_batch()``. Forwards run under ``torch.no_grad()`` (evaluation) are not recorded.
+
+Covered layers: ``nn.Linear``, transformers' ``Conv1D`` (GPT-2), ``nn.Embedding``
+(``padding_idx`` respected), ``nn.LayerNorm``, ``nn.RMSNorm``; tied weights (embedding
+<-> lm-head) get the exact norm of the sum of both uses. Any other trainable layer type
+is an error naming the parameter, unless ``instantiate_unsupported=True``.
+DP-MacAdam clips whitened per-sample gradients, which ghost norms cannot give: use the
+per-sample path (``dpkern.grad_sample.compute_grad_sample`` + ``optimizer.step()``).
+
+Sources: Li et al. 2022 (arXiv 2110.05679, ghost clipping); Bu et al. 2023 (arXiv
+2210.00038, book-keeping); Goodfellow 2015 (per-example norms of a Linear layer).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import backends
+from ..functional import clip_factors
+from .bookkeeping import clipped_sum
+from .capture import Capture, module_kind
+from .norms import DEFAULT_CHUNK_BYTES, param_norm_sq
+
+__all__ = ["GhostClipping", "module_kind", "supports"]
+
+NORM_BACKENDS = ("auto", "torch", "triton")
+
+
+def supports(model: torch.nn.Module, params=None) -> tuple[bool, list[str]]:
+    """Whether ghost clipping covers every trainable parameter of ``model``.
+
+    Args: params: the parameters to check (default: the model's trainable ones).
+    Returns: ``(ok, names)`` where ``names`` lists the uncovered parameters as
+    ``"name (ModuleType)"`` (e.g. to choose the per-sample path)."""
+    params = [p for p in (params if params is not None else model.parameters())
+              if p.requires_grad]
+    ids = {id(p) for p in params}
+    bad = []
+    for mname, m in model.named_modules():
+        if module_kind(m) is None:
+            bad += [f"{mname + '.' if mname else ''}{n} ({type(m).__name__})"
+                    for n, p in m.named_parameters(recurse=False) if id(p) in ids]
+    return not bad, bad
+
+
+class GhostClipping:
+    """Ghost-clipped, book-kept DP gradients for ``optimizer`` from one backward pass.
+
+    Args:
+        model: the module whose forward computes the losses (batch-first inputs).
+        optimizer: a dpkern optimizer (DPSGD, DPAdam, DPAdamBC, DPAdamW, DPAdamWBC);
+            norms run over its ``trainable_params()``, clipping at its ``max_grad_norm``,
+            non-finite samples follow its ``nonfinite`` policy.
+        instantiate_unsupported: give uncovered layer types per-sample gradients by
+            torch.func (memory B x their parameter count) instead of raising.
+        backend: Linear Gram-path norms: ``"auto"`` (the fused Triton kernel for CUDA
+            tensors when triton is installed, else the PyTorch reference), ``"torch"``,
+            ``"triton"``.
+        chunk_bytes: temporary memory per chunk of samples in the reference norms.
+        check: debugging aid: also compute autograd's summed gradient and raise
+            RuntimeError if the unclipped sum rebuilt from the recorded uses differs
+            (a parameter used outside its module's forward). Costs one GEMM per layer.
+    Raises:
+        ValueError: DP-MacAdam; an uncovered trainable parameter (named); an invalid
+            backend; a parameter the model does not own.
+
+    Use as a context manager (hooks attached inside), or call ``attach()`` / ``detach()``.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer, *,
+                 instantiate_unsupported: bool = False, backend: str = "auto",
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, check: bool = False):
+        from ..optim import DPMacAdam, DPOptimizer
+        if isinstance(optimizer, DPMacAdam):
+            raise ValueError("ghost clipping cannot serve DP-MacAdam: it clips whitened "
+                             "per-sample gradients (g_i - m_hat) / b, whose norms ghost "
+                             "clipping cannot compute; use the per-sample path "
+                             "(dpkern.grad_sample.compute_grad_sample + optimizer.step())")
+        if not isinstance(optimizer, DPOptimizer):
+            raise ValueError(f"ghost clipping needs a dpkern optimizer, got "
+                             f"{type(optimizer).__name__}")
+        if backend not in NORM_BACKENDS:
+            raise ValueError(f"invalid backend={backend!r}: expected one of {NORM_BACKENDS}")
+        self.optimizer = optimizer
+        self.backend = backend
+        self.chunk_bytes = int(chunk_bytes)
+        self.check = check
+        self.capture = Capture(model, optimizer.trainable_params(),
+                               instantiate_unsupported=instantiate_unsupported)
+
+    # -- hooks -----------------------------------------------------------------------------
+    def attach(self) -> "GhostClipping":
+        """Install the forward hooks; returns self."""
+        self.capture.attach()
+        return self
+
+    def detach(self) -> None:
+        """Remove the hooks (and drop unconsumed records)."""
+        self.capture.detach()
+
+    def discard(self) -> None:
+        """Forget forwards recorded since the last backward (e.g. a forward with grad
+        enabled whose loss is not trained on)."""
+        self.capture.discard()
+
+    def __enter__(self) -> "GhostClipping":
+        return self.attach()
+
+    def __exit__(self, *exc) -> None:
+        self.detach()
+
+    # -- the step ----------------------------------------------------------------------------
+    def _outer_fn(self, device: torch.device):
+        want = self.backend
+        if want == "torch" or (want == "auto" and device.type != "cuda"):
+            return None
+        try:
+            from .triton_norms import gram_norm_sq
+        except ImportError as exc:
+            if want == "triton":
+                raise RuntimeError(f"backend='triton' needs triton: {exc}") from None
+            return None
+        if device.type != "cuda" and not backends.triton_interpret():
+            raise RuntimeError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1)")
+        return gram_norm_sq
+
+    def clipped_sums(self, losses: Tensor) -> tuple[list[Tensor | None], Tensor]:
+        """One backward of ``losses.sum()``; per-sample norms, clip factors and the clipped
+        sums, without touching the optimizer.
+
+        Args: losses: float ``[B]`` per-sample losses of the recorded forward(s).
+        Returns: ``(sums, norms)``: ``sums[k]`` float32 shaped like
+            ``optimizer.trainable_params()[k]`` (None: unused this step, zero), holding
+            ``sum_i c_i g_i`` with ``c_i = min(1, C / (n_i + 1e-6))``; ``norms`` float32
+            ``[B]`` (private: never log them).
+        Raises: ValueError (see :meth:`Capture.backward`), FloatingPointError (a
+            non-finite sample under ``nonfinite="error"``), RuntimeError (``check``)."""
+        params = self.capture.params
+        B, uses, summed = self.capture.backward(losses, check=self.check)
+        device = losses.device
+        outer_fn = self._outer_fn(device)
+        norm_sq = torch.zeros(B, dtype=torch.float32, device=device)
+        for p, u in zip(params, uses):
+            if u:
+                norm_sq += param_norm_sq(u, p.shape, B, outer_fn=outer_fn,
+                                         chunk_bytes=self.chunk_bytes)
+        norms = norm_sq.sqrt()
+        finite = torch.isfinite(norms)
+        bad = (~finite).nonzero().flatten().tolist()
+        if bad and self.optimizer.nonfinite == "error":
+            raise FloatingPointError(
+                f"non-finite per-sample gradient (NaN/Inf, or a squared norm overflowing "
+                f"float32) in sample rows {bad[:20]}{' ...' if len(bad) > 20 else ''}; "
+                "nothing was updated (pass nonfinite='zero' to drop such samples)")
+        c = clip_factors(torch.where(finite, norms, torch.zeros_like(norms)),
+                         self.optimizer.max_grad_norm)
+        drop = None
+        if bad:
+            drop = ~finite
+            c = torch.where(finite, c, torch.zeros_like(c))
+        sums = [clipped_sum(u, p.shape, c, drop) if u else None for p, u in zip(params, uses)]
+        if summed is not None:
+            self._check(params, uses, summed, B)
+        self._last = (B, int((finite & (c < 1.0)).sum()) if B else 0, len(bad))
+        return sums, norms
+
+    def _check(self, params, uses, summed, B) -> None:
+        ones = torch.ones(B, dtype=torch.float32, device=summed[0].device
+                          if summed and summed[0] is not None else None)
+        for p, u, g in zip(params, uses, summed):
+            mine = clipped_sum(u, p.shape, ones) if u else torch.zeros(p.shape)
+            ref = g.float() if g is not None else torch.zeros_like(mine)
+            if not torch.allclose(mine, ref.to(mine.device), rtol=1e-4, atol=1e-6):
+                raise RuntimeError(f"ghost clipping check: the recorded uses of "
+                                   f"{self.capture._pname(p)} do not rebuild its gradient "
+                                   "(it is used outside its module's recorded forward)")
+
+    def add_empty_batch(self) -> None:
+        """Record an empty micro-batch without a forward (Poisson sampling may draw one;
+        many models cannot run on B = 0): ``optimizer.step()`` then adds the noise alone."""
+        self.optimizer.accumulate_clipped([None] * len(self.capture.params), batch_size=0)
+
+    def backward(self, losses: Tensor) -> None:
+        """Replace ``losses.sum().backward()``: add this micro-batch's clipped sum into the
+        optimizer's fp32 buffers (``optimizer.accumulate_clipped``); call
+        ``optimizer.step()`` after the last micro-batch of the logical batch.
+
+        Args: losses: float ``[B]`` per-sample losses. Raises: see :meth:`clipped_sums`;
+        nothing is added to the optimizer when it raises."""
+        sums, _ = self.clipped_sums(losses)
+        B, clipped, nonfinite = self._last
+        self.optimizer.accumulate_clipped(sums, batch_size=B)
+        self.optimizer.stats["clipped_samples"] += clipped
+        self.optimizer.stats["nonfinite_samples"] += nonfinite
