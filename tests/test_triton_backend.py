@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Shapes whose element counts are multiples of 16 (the aligned, vectorised launch group)
 # mixed with odd ones, so one step exercises both groups and odd noise offsets.
 ALIGNED_SHAPES = [(16,), (5,), (4, 32), (3,), (256,), (2, 8, 8)]
-SMALL = dict(step_block=32, norm_block=16, norm_iters=3, reduce_block=16,
+SMALL = dict(step_block=32, norm_block=16, norm_iters=3, reduce_block=16, rows_unroll=3,
              max_tensors_per_launch=2)
 
 

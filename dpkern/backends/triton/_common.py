@@ -54,6 +54,7 @@ class Config:
     norm_block: int = 1024       # elements per row per iteration in pass 1
     norm_iters: int = 4          # blocks per program in pass 1 (chunk = block * iters)
     reduce_block: int = 1024     # partial sums per iteration in pass 1's second stage
+    rows_unroll: int = 4         # sample rows whose loads are issued together (pass 1, 2)
     num_warps: int = 4
     max_tensors_per_launch: int = 0   # 0: no limit (split only by dtype / alignment)
 
@@ -62,6 +63,8 @@ class Config:
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"invalid {name}={v!r}: a power of two >= 16")
+        if self.rows_unroll < 1:
+            raise ValueError(f"invalid rows_unroll={self.rows_unroll!r}: must be >= 1")
         if self.norm_iters < 1:
             raise ValueError(f"invalid norm_iters={self.norm_iters!r}: must be >= 1")
         if self.num_warps not in (1, 2, 4, 8, 16, 32):

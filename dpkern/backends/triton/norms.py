@@ -24,7 +24,8 @@ from . import _common as C
 @triton.jit(do_not_specialize=["B", "n_slots", "slot0", "bc1"])
 def _sq_partial_kernel(table, chunks, partial, B, n_slots, slot0, bc1,
                        G_DTYPE: tl.constexpr, WHITEN: tl.constexpr, HAS_PREV: tl.constexpr,
-                       ALIGNED: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+                       ALIGNED: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
+                       ROWS: tl.constexpr):
     pid = tl.program_id(0)
     row, blk = C.chunk_row(table, chunks, pid)
     numel = C.row_numel(row, ALIGNED)
@@ -44,11 +45,14 @@ def _sq_partial_kernel(table, chunks, partial, B, n_slots, slot0, bc1,
             else:
                 m_hat = tl.zeros([BLOCK], tl.float32)
         slot = slot0 + pid * ITERS + it
-        for b in range(0, B):
-            x = tl.load(g_ptr + b * numel + offs, mask=load_g, other=0.0).to(tl.float32)
-            if WHITEN:
-                x = tl.where(inb, (x - m_hat) / scale, 0.0)
-            tl.store(partial + b * row_stride + slot, tl.sum(x * x, axis=0))
+        for b0 in range(0, B, ROWS):  # ROWS rows unrolled: their loads in flight together
+            for j in tl.static_range(ROWS):
+                ld = (load_g & (b0 + j < B)) != 0
+                x = tl.load(g_ptr + (b0 + j) * numel + offs, mask=ld, other=0.0).to(tl.float32)
+                if WHITEN:
+                    x = tl.where(inb, (x - m_hat) / scale, 0.0)
+                tl.store(partial + (b0 + j) * row_stride + slot, tl.sum(x * x, axis=0),
+                         mask=b0 + j < B)
 
 
 @triton.jit(do_not_specialize=["n_slots"])
@@ -90,7 +94,7 @@ def norms(grad_samples, batch_size: int, device, exp_avgs=None, scales=None,
         _sq_partial_kernel[(l.n_chunks,)](
             l.table, l.chunks, partial, batch_size, n_slots, slot0, float(bias_correction1),
             G_DTYPE=C.tl_dtype(l.dtypes[0]), WHITEN=whiten, HAS_PREV=bias_correction1 > 0,
-            ALIGNED=l.aligned, BLOCK=cfg.norm_block, ITERS=cfg.norm_iters,
+            ALIGNED=l.aligned, BLOCK=cfg.norm_block, ITERS=cfg.norm_iters, ROWS=cfg.rows_unroll,
             num_warps=cfg.num_warps)
         slot0 += l.n_chunks * cfg.norm_iters
     _sum_rows_kernel[(batch_size,)](partial, out, max(n_slots, 1), BLOCK=cfg.reduce_block,

@@ -37,17 +37,20 @@ _VARIANCE_CODE = {"unbiased": 0, "paper": 1, "code": 2}
 
 @triton.jit
 def _clipped_sum(g_ptr, has_g, clip_ptr, B, numel, offs, inb, m_hat_prev, scale,
-                 WHITEN: tl.constexpr, BLOCK: tl.constexpr):
-    """sum_i c_i x_i over the block, rows in order; rows with c_i == 0 are not read."""
+                 WHITEN: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """sum_i c_i x_i over the block, rows added in order i = 0, 1, ... (ROWS rows unrolled
+    so that their loads are in flight together; rows past B have c = 0 and add +0.0);
+    rows with c_i == 0 are not read."""
     acc = tl.zeros([BLOCK], tl.float32)
-    for i in range(0, B):
-        c = tl.load(clip_ptr + i)
-        keep = c != 0
-        ld = (inb & (has_g & keep)) != 0  # "!= 0": the interpreter widens bool & scalar-bool
-        x = tl.load(g_ptr + i * numel + offs, mask=ld, other=0.0).to(tl.float32)
-        if WHITEN:
-            x = (x - m_hat_prev) / scale
-        acc += tl.where(keep, c * x, 0.0)
+    for i0 in range(0, B, ROWS):
+        for j in tl.static_range(ROWS):
+            c = tl.load(clip_ptr + (i0 + j), mask=i0 + j < B, other=0.0)
+            keep = c != 0
+            ld = (inb & (has_g & keep)) != 0  # "!= 0": the interpreter widens bool & scalar-bool
+            x = tl.load(g_ptr + (i0 + j) * numel + offs, mask=ld, other=0.0).to(tl.float32)
+            if WHITEN:
+                x = (x - m_hat_prev) / scale
+            acc += tl.where(keep, c * x, 0.0)
     return acc
 
 
@@ -61,7 +64,7 @@ def _step_kernel(table, chunks, clip_ptr, partial, B, slot0,
                  COUPLED_WD: tl.constexpr, DECOUPLED: tl.constexpr, BC: tl.constexpr,
                  MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, FIRST: tl.constexpr,
                  HAS_PREV: tl.constexpr, VARIANCE: tl.constexpr, RET_SUM: tl.constexpr,
-                 WHITEN: tl.constexpr, LOAD_M: tl.constexpr,
+                 WHITEN: tl.constexpr, LOAD_M: tl.constexpr, ROWS: tl.constexpr,
                  BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
     pid = tl.program_id(0)
     row, blk = C.chunk_row(table, chunks, pid)
@@ -98,7 +101,7 @@ def _step_kernel(table, chunks, clip_ptr, partial, B, slot0,
         g_ptr = C.typed_ptr(row, C.COL_G, G_DTYPE, ALIGNED)
         has_g = tl.load(row + C.COL_G) != 0
         S = S + _clipped_sum(g_ptr, has_g, clip_ptr, B, numel, offs, inb, m_hat_prev, scale,
-                             WHITEN, BLOCK)
+                             WHITEN, BLOCK, ROWS)
     if RULE == 3:  # ACCUMULATE: the buffer is the summed column
         tl.store(sum_ptr + offs, S, mask=inb)
     else:
@@ -265,7 +268,8 @@ def _launch(hyper, dp, params, grad_samples, clip_factors, summed, states, offse
             else l.table, B, slot0, *C.key_words(dp.key), *C.step_words(dp.step, dp.stream),
             **scalars, P_DTYPE=C.tl_dtype(l.dtypes[0]), G_DTYPE=C.tl_dtype(l.dtypes[1]),
             HAS_GS=has_gs, HAS_NOISE=dp.noise_std != 0, ALIGNED=l.aligned,
-            BLOCK=block, LIBDEVICE=C.LIBDEVICE, num_warps=cfg.num_warps, **flags)
+            ROWS=cfg.rows_unroll, BLOCK=block, LIBDEVICE=C.LIBDEVICE,
+            num_warps=cfg.num_warps, **flags)
         slot0 += l.n_chunks
     inplace.finish()
     if partial is None:
