@@ -4,7 +4,8 @@ at small cost", arXiv 2210.00038, book-keeping; SPEC section 2's ``S_p``).
 
 - OuterUse (Linear / Conv1D weight): ``sum_i c_i out_i^T inp_i = (c o out)^T inp`` over the
   flattened ``B*T`` rows -- one GEMM;
-- IndexUse (Embedding): ``index_add`` of the scaled token gradients ``c_i g_{i,t}`` into
+- IndexUse (Embedding): a scaled index-add (``index_put_(accumulate=True)``: faster than
+  ``index_add_`` on CPU and deterministic on CUDA) of the scaled token gradients ``c_i g_{i,t}`` into
   row ``ids[i, t]`` (padding tokens were zeroed when the use was recorded);
 - RowsUse (biases, LayerNorm/RMSNorm, opt-in instantiated layers): ``sum_i c_i rows_i``.
 
@@ -60,7 +61,8 @@ def clipped_sum(uses: list, shape, c: Tensor, drop: Tensor | None = None) -> Ten
         elif isinstance(u, IndexUse):
             B, T, P1 = u.g.shape
             s = torch.zeros(u.num_rows, P1, dtype=torch.float32, device=u.g.device)
-            s.index_add_(0, u.ids.reshape(-1).long(), _scale(u.g, c, drop).reshape(B * T, P1))
+            s.index_put_((u.ids.reshape(-1).long(),), _scale(u.g, c, drop).reshape(B * T, P1),
+                         accumulate=True)
         elif isinstance(u, RowsUse):
             s = _scale(u.rows, c, drop).sum(0)
         else:

@@ -24,7 +24,7 @@ The norms (all exact, float32 accumulation, never TF32):
   **Rule** (:func:`outer_method`): Gram when ``T (d + p) <= d p`` (fewer flops), else
   instantiate. T = 1 (2-D input) is ``||a||^2 ||g||^2``.
 - IndexUse: ``sum_v ||sum_{t: x_t = v} g_t||^2`` by a segment sum over the distinct
-  (sample, token) pairs (``torch.unique`` + ``index_add``): O(B T d) time and memory, no
+  (sample, token) pairs (``torch.unique`` + an accumulating ``index_put_``): O(B T d) time and memory, no
   one-hot, no ``B x V x d`` tensor.
 - Tied weights (an Embedding and an output Linear sharing ``[V, d]``): the norm of the
   SUM of the uses, ``||E_i||^2 + ||L_i||^2 + 2 <E_i, L_i>``, where
@@ -159,7 +159,7 @@ def index_norm_sq(ids: Tensor, g: Tensor, num_rows: int) -> Tensor:
         return res
     inv, sample = _segments(ids, num_rows)
     sums = torch.zeros(sample.shape[0], P1, dtype=torch.float32, device=g.device)
-    sums.index_add_(0, inv, g.reshape(B * T, P1).float())
+    sums.index_put_((inv,), g.reshape(B * T, P1).float(), accumulate=True)
     return res.index_add_(0, sample, sums.square().sum(1))
 
 
