@@ -31,7 +31,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 status=0
 # 2. parity tests on CUDA
 if "$PY" -c "import pytest" 2>/dev/null; then
-    timeout 330 "$PY" -m pytest -q -x -m triton -p no:cacheprovider \
+    timeout 270 "$PY" -m pytest -q -x -m triton -p no:cacheprovider \
         tests/test_backend_parity.py tests/test_triton_backend.py
     rc=$?
     echo "gpu_check: triton parity tests exit $rc"
@@ -41,5 +41,5 @@ else
 fi
 
 # 3. timings
-timeout 240 "$PY" bench/gpu_check.py "$@" || status=1
+timeout 150 "$PY" bench/gpu_check.py "$@" || status=1
 exit $status

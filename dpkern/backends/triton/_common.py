@@ -124,8 +124,11 @@ LIBDEVICE = not INTERPRETED
 def check_device(device) -> torch.device:
     """The device the kernels run on; a clear error for tensors they cannot reach."""
     device = torch.device(device)
-    if device.type == "cuda" or (device.type == "cpu" and INTERPRETED):
+    if device.type == ("cpu" if INTERPRETED else "cuda"):
         return device
+    if device.type == "cuda":  # the tables hold raw addresses the interpreter reads on the host
+        raise RuntimeError("dpkern backend='triton' under TRITON_INTERPRET=1 runs on CPU "
+                           "tensors only; unset TRITON_INTERPRET to use the GPU")
     if device.type == "cpu":
         hint = ("set TRITON_INTERPRET=1 before importing dpkern to run the kernels on CPU "
                 "(slow; for tests)")
