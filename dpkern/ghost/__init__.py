@@ -191,7 +191,7 @@ class GhostClipping:
         ones = torch.ones(B, dtype=torch.float32, device=summed[0].device
                           if summed and summed[0] is not None else None)
         for p, u, g in zip(params, uses, summed):
-            mine = clipped_sum(u, p.shape, ones) if u else torch.zeros(p.shape)
+            mine = clipped_sum(u, p.shape, ones) if u else torch.zeros(p.shape, device=p.device)
             ref = g.float() if g is not None else torch.zeros_like(mine)
             if not torch.allclose(mine, ref.to(mine.device), rtol=1e-4, atol=1e-6):
                 raise RuntimeError(f"ghost clipping check: the recorded uses of "
