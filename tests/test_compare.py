@@ -1,0 +1,150 @@
+"""`dpkern compare`: the --quick run end to end, learning-rate selection on the validation
+split only, privacy spent per cell, the digits task's data and model, CLI errors."""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import random
+
+import pytest
+import torch
+import torch.nn.functional as TF
+
+from dpkern.accounting import get_epsilon, get_noise_multiplier
+from dpkern.cli import compare
+from dpkern.cli.__main__ import main
+from dpkern.grad_sample import compute_grad_sample
+
+
+def _read_csv(path):
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def test_quick_end_to_end(tmp_path, capsys):
+    eps = round(random.uniform(1.0, 8.0), 2)
+    out = tmp_path / "res"
+    rc = main(["compare", "--task", "digits", "--quick", "--epsilons", str(eps), "9",
+               "--out-dir", str(out)])
+    assert rc == 0
+    runs = _read_csv(out / "runs.csv")
+    summary = _read_csv(out / "summary.csv")
+    # --quick: first epsilon only, one seed, two optimizers, one learning rate each
+    assert len(runs) == 2 and len(summary) == 2
+    assert {r["optimizer"] for r in summary} == set(compare.QUICK_OPTIMIZERS)
+    assert set(runs[0]) == set(compare.CSV_RUN_FIELDS)
+    assert set(summary[0]) == set(compare.CSV_SUMMARY_FIELDS)
+    for r in runs:
+        assert float(r["epsilon"]) == eps and r["seed"] == "0"
+        spent = float(r["epsilon_spent"])
+        # never over budget, and calibrated (not a trivially tiny epsilon from huge noise)
+        assert 0.9 * eps < spent <= eps
+        indep = get_epsilon(float(r["noise_multiplier"]), float(r["sample_rate"]),
+                            int(r["steps"]), float(r["delta"]))
+        assert spent == pytest.approx(indep, rel=1e-4)
+        assert 0.0 <= float(r["val_metric"]) <= 100.0
+        assert 0.0 <= float(r["test_metric"]) <= 100.0
+    for r in summary:
+        assert float(r["epsilon_spent_max"]) <= eps and r["seeds"] == "1"
+    table = (out / "table.md").read_text()
+    rows = [ln for ln in table.splitlines() if ln.startswith("| DP-")]
+    assert len(rows) == 4  # two optimizers, metric table + lr/epsilon table
+    assert table.count(f"ε = {eps:g}") == 2 and "ε = 9" not in table
+    assert all(ln.count("|") == 3 for ln in rows)  # name + one epsilon column
+    assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "DP-SGD" in capsys.readouterr().out
+
+
+def _row(opt, eps, seed, lr, val, test):
+    return dict(task="digits", optimizer=opt, epsilon=eps, seed=seed, lr=lr, val_metric=val,
+                test_metric=test, epsilon_spent=eps * 0.99, noise_multiplier=1.0, steps=10)
+
+
+@pytest.mark.parametrize("higher_is_better", [True, False])
+def test_select_uses_validation_only(higher_is_better):
+    rng = random.Random()
+    seeds = rng.randint(2, 5)
+    sign = 1 if higher_is_better else -1
+    rows = []
+    # lr 0.1: best on validation, worst on test; lr 0.2: the opposite
+    for seed in range(seeds):
+        rows.append(_row("adam", 3.0, seed, 0.1, 50 + sign * 10 + rng.random(), rng.uniform(0, 10)))
+        rows.append(_row("adam", 3.0, seed, 0.2, 50 - sign * 10 + rng.random(), rng.uniform(90, 99)))
+    rows.append(_row("sgd", 3.0, 0, 1.0, 1.0, 2.0))
+    summary = compare.select(rows, higher_is_better)
+    assert [(r["optimizer"], r["epsilon"]) for r in summary] == [("adam", 3.0), ("sgd", 3.0)]
+    best = summary[0]
+    assert best["lr"] == 0.1 and best["seeds"] == seeds
+    tests = torch.tensor([r["test_metric"] for r in rows if r["lr"] == 0.1], dtype=torch.float64)
+    assert best["test_mean"] == pytest.approx(tests.mean().item())
+    assert best["test_std"] == pytest.approx(tests.std(unbiased=True).item())
+    assert summary[1]["test_std"] == 0.0  # one seed
+
+
+def test_train_one_refuses_overspent_epsilon():
+    # sigma below the calibrated one spends more than the target: must raise, not report
+    q, steps, eps, delta = 0.05, 5, 2.0, 1e-5
+    sigma = get_noise_multiplier(eps, delta, q, steps)
+    cfg = compare.RunConfig("digits", "sgd", eps, 0, 0.1, 0.5 * sigma, q, steps, delta, 1.0,
+                            0.0, "auto", "rdp")
+    with pytest.raises(RuntimeError, match="spent epsilon"):
+        compare.train_one(cfg)
+    ok = compare.train_one(dataclasses.replace(cfg, noise_multiplier=sigma))
+    assert ok["epsilon_spent"] <= eps and ok["steps"] == steps
+
+
+def test_digits_splits_fixed_disjoint_stratified():
+    a, b = compare.digits_splits(), compare.digits_splits()
+    sizes = {k: v[0].shape[0] for k, v in a.items()}
+    assert sum(sizes.values()) == 1797 and sizes["train"] > 4 * sizes["test"]
+    for k in a:
+        assert torch.equal(a[k][0], b[k][0]) and torch.equal(a[k][1], b[k][1])
+        assert a[k][0].shape[1:] == (1, 8, 8) and a[k][0].dtype == torch.float32
+        assert 0.0 <= a[k][0].min() and a[k][0].max() <= 1.0
+        counts = torch.bincount(a[k][1], minlength=10).float() / sizes[k]
+        assert counts.min() > 0.07 and counts.max() < 0.13  # stratified: ~10% per class
+    # no image of the test split appears in train or val (rows compared exactly)
+    flat = {k: {tuple(x.flatten().tolist()) for x in v[0]} for k, v in a.items()}
+    dup_total = 1797 - len(flat["train"] | flat["val"] | flat["test"])
+    dup_within = sum(a[k][0].shape[0] - len(flat[k]) for k in a)
+    assert dup_total == dup_within  # every duplicate image lies inside one split
+
+
+def test_digits_cnn_is_per_sample():
+    # no cross-sample operation: a sample's gradient does not depend on the rest of the batch
+    model = compare.DigitsCNN()
+    assert not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    x, y = torch.rand(5, 1, 8, 8), torch.randint(0, 10, (5,))
+    compute_grad_sample(model, TF.cross_entropy, x, y)
+    batch = [p.grad_sample[2].clone() for p in model.parameters()]
+    compute_grad_sample(model, TF.cross_entropy, x[2:3], y[2:3])
+    for g, p in zip(batch, model.parameters()):
+        torch.testing.assert_close(g, p.grad_sample[0], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["--optimizers", "adagrad"], "--optimizers"),
+    (["--epsilons", "-1"], "--epsilons"),
+    (["--seeds", "0"], "--seeds"),
+    (["--delta", "1.5"], "--delta"),
+])
+def test_bad_options_exit_2(argv, option, capsys, tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        main(["compare", "--out-dir", str(tmp_path), *argv])
+    assert exc.value.code == 2
+    assert option in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_text_quick_one_step(tmp_path):
+    # the finetune job's model and data; perplexity: lower is better, bounded by the vocab
+    out = tmp_path / "text"
+    rc = main(["compare", "--task", "text", "--quick", "--epochs", "0.01", "--epsilons", "4",
+               "--optimizers", "adam", "--out-dir", str(out)])
+    assert rc == 0
+    runs = _read_csv(out / "runs.csv")
+    assert len(runs) == 1 and runs[0]["steps"] == "1" and runs[0]["optimizer"] == "adam"
+    assert float(runs[0]["epsilon_spent"]) <= 4.0
+    for key in ("val_metric", "test_metric"):
+        assert 1.0 < float(runs[0][key]) < 2 * 257  # near-uniform at init, never below 1
+    assert "perplexity" in (out / "table.md").read_text()
