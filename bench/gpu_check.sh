@@ -31,11 +31,24 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 status=0
 # 2. parity tests on CUDA
 if "$PY" -c "import pytest" 2>/dev/null; then
-    timeout 270 "$PY" -m pytest -q -x -m triton -p no:cacheprovider \
-        tests/test_backend_parity.py tests/test_triton_backend.py
-    rc=$?
-    echo "gpu_check: triton parity tests exit $rc"
-    [ "$rc" -ne 0 ] && status=1
+    # Four pytest processes in parallel: most of the time goes into compiling the kernel
+    # variants (one per update rule, dtype and flag set), which is single-threaded.
+    logs=$(mktemp -d)
+    parts=("test_step and dtype0" "test_step and dtype1" "test_step and dtype2"
+           "not test_step")
+    pids=()
+    for i in "${!parts[@]}"; do
+        timeout 270 "$PY" -m pytest -q -m triton -p no:cacheprovider -k "${parts[$i]}" \
+            tests/test_backend_parity.py tests/test_triton_backend.py >"$logs/$i.log" 2>&1 &
+        pids+=($!)
+    done
+    for i in "${!parts[@]}"; do
+        wait "${pids[$i]}"; rc=$?
+        echo "--- parity tests -k '${parts[$i]}': exit $rc"
+        tail -n 25 "$logs/$i.log"
+        [ "$rc" -ne 0 ] && status=1
+    done
+    echo "gpu_check: triton parity tests $([ $status -eq 0 ] && echo passed || echo FAILED)"
 else
     echo "gpu_check: pytest is not installed; skipping the parity tests"
 fi
