@@ -74,8 +74,7 @@ def key_fingerprint(key: int) -> int:
 def _describe(optimizer: DPOptimizer) -> dict:
     """Non-secret configuration that must be identical on every rank."""
     params = optimizer.trainable_params()
-    return {"class": type(optimizer).__name__, "secure": optimizer.secure,
-            "shapes": [tuple(p.shape) for p in params],
+    return {"class": type(optimizer).__name__, "shapes": [tuple(p.shape) for p in params],
             "max_grad_norm": optimizer.max_grad_norm,
             "noise_multiplier": optimizer.noise_multiplier,
             "expected_batch_size": optimizer.expected_batch_size,

@@ -130,6 +130,9 @@ def _run_mismatch(rank, world, data):
     # seeds differ (reproducible mode): caught at construction
     out["seed"] = _catch(lambda: DistributedDPOptimizer(
         _make_opt("adamw", net.parameters(), seed=11 + int(last))))
+    # one rank secure, the others seeded
+    out["mixed"] = _catch(lambda: DistributedDPOptimizer(
+        _make_opt("adamw", net.parameters(), seed=None if last else 11)))
     # configuration differs
     out["config"] = _catch(lambda: DistributedDPOptimizer(
         _make_opt("adamw", net.parameters(), seed=11, sigma=SIGMA + 0.1 * last)))
@@ -353,6 +356,8 @@ def test_mismatches_are_detected_on_every_rank(run):
         assert m["seed"][0] == "DistributedDPError" and "noise keys differ" in m["seed"][1]
         assert f"ranks {list(range(world - 1))} vs ranks [{world - 1}]" in m["seed"][1]
         assert "11" not in m["seed"][1] and "12" not in m["seed"][1]  # no key material
+        assert m["mixed"][0] == "DistributedDPError" and "secure mode" in m["mixed"][1]
+        assert "configuration" not in m["mixed"][1]
         assert m["config"][0] == "DistributedDPError"
         assert "configuration differ" in m["config"][1] and "noise_multiplier" in m["config"][1]
         assert m["key"][0] == "DistributedDPError" and "noise keys differ" in m["key"][1]
