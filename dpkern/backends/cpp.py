@@ -1,0 +1,351 @@
+"""The C++ CPU backend: :mod:`dpkern.backends.reference`'s functions, run by ``dpkern._C``.
+
+Same names and signatures as the reference (``philox_words``, ``gaussian_noise``,
+``per_sample_norms``, ``whitened_norms``, ``accumulate``, ``step``,
+``macadam_update_scale``); same results within the tolerances of SPEC section 6.
+
+The extension sees raw data pointers, so this module checks every buffer before calling in:
+CPU, dense, the right dtype and size, and contiguous. Anything wrong is a ``ValueError``
+naming the tensor, raised before any write (parameters and states stay untouched).
+
+- Written buffers (parameters, optimizer states, accumulation buffers) must be contiguous:
+  the kernels update them in place, and a silent copy would drop the update.
+- Read-only inputs are taken as they come: a non-contiguous ``grad_sample`` (or
+  ``summed``, ``clip_factors``) is copied to a contiguous tensor first. That copy is the
+  only allocation proportional to B x d, and only for such inputs.
+
+Importing this module raises ``ImportError`` when ``dpkern._C`` was not built; the backend
+registry (:mod:`dpkern.backends`) relies on that. ``set_num_threads`` sets the number of
+OpenMP threads the kernels use (the noise and every result are the same for any number).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import _C  # ImportError when the extension was not built
+from ..hyper import RULES, VARIANCE_ESTIMATES, DPStep, Hyper
+from .reference import STATE_NAMES
+
+__all__ = ["philox_words", "gaussian_noise", "per_sample_norms", "whitened_norms",
+           "accumulate", "step", "macadam_update_scale", "set_num_threads",
+           "get_num_threads", "STATE_NAMES"]
+
+# Storage dtypes the kernels read and write (csrc/common.h, enum DType).
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
+_increment_version = getattr(torch.autograd.graph, "increment_version", None)
+
+
+def set_num_threads(n: int) -> None:
+    """Threads used by the C++ kernels; ``n <= 0`` restores OpenMP's default."""
+    _C.set_num_threads(int(n))
+
+
+def get_num_threads() -> int:
+    return _C.get_num_threads()
+
+
+# --------------------------------------------------------------------------------------
+# Buffer checks: every failure is a ValueError raised before the kernel runs.
+# --------------------------------------------------------------------------------------
+def _common(t, what: str) -> None:
+    if not isinstance(t, Tensor):
+        raise ValueError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{what}: backend='cpp' needs CPU tensors, got device {t.device}")
+    if t.layout != torch.strided:
+        raise ValueError(f"{what}: expected a dense (strided) tensor, got layout {t.layout}")
+    if t.is_conj() or t.is_neg():
+        raise ValueError(f"{what}: conjugate / negative views are not supported")
+
+
+def _shape_ok(t: Tensor, shape, what: str) -> None:
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{what}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def _output(t, what: str, shape, dtypes) -> Tensor:
+    """A tensor the kernel writes in place: checked, never copied."""
+    _common(t, what)
+    if t.dtype not in dtypes:
+        raise ValueError(f"{what}: expected dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
+    _shape_ok(t, shape, what)
+    if not t.is_contiguous():
+        raise ValueError(f"{what}: must be contiguous (it is updated in place); got strides "
+                         f"{t.stride()} for shape {tuple(t.shape)}")
+    return t
+
+
+def _input(t, what: str, shape, dtypes) -> Tensor:
+    """A tensor the kernel only reads: checked, made contiguous if needed (a copy)."""
+    _common(t, what)
+    if t.dtype not in dtypes:
+        raise ValueError(f"{what}: expected dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
+    _shape_ok(t, shape, what)
+    return t.contiguous()
+
+
+def _ptr(t: Tensor | None) -> int:
+    return 0 if t is None or t.numel() == 0 else t.data_ptr()
+
+
+_F32 = (torch.float32,)
+_FLOATS = tuple(_DTYPE_CODES)
+
+
+def _clip(clip_factors, batch_size: int) -> Tensor:
+    return _input(clip_factors, "clip_factors", (batch_size,), _F32)
+
+
+def _grad_samples(grad_samples, shapes, batch_size: int | None, what="grad_samples"):
+    """Checked per-sample gradients ([B, *shape], contiguous) and their common B."""
+    out = []
+    for k, (gs, shape) in enumerate(zip(grad_samples, shapes)):
+        if gs is None:
+            out.append(None)
+            continue
+        _common(gs, f"{what}[{k}]")
+        if gs.dim() < 1:
+            raise ValueError(f"{what}[{k}]: expected shape [B, *{tuple(shape)}], got a 0-d tensor")
+        if batch_size is None:
+            batch_size = gs.shape[0]
+        out.append(_input(gs, f"{what}[{k}]", (batch_size, *shape), _FLOATS))
+    return out, batch_size
+
+
+def _hyper_dict(hyper: Hyper) -> dict:
+    d = {"rule": RULES.index(hyper.rule)}
+    for name in ("lr", "momentum", "dampening", "weight_decay", "beta1", "beta2", "eps",
+                 "gamma", "h1", "h2"):
+        if hasattr(hyper, name):
+            d[name] = float(getattr(hyper, name))
+    if hasattr(hyper, "nesterov"):
+        d["nesterov"] = bool(hyper.nesterov)
+    if hasattr(hyper, "variance_estimate"):
+        d["variance"] = VARIANCE_ESTIMATES.index(hyper.variance_estimate)
+    return d
+
+
+def _dp_tuple(dp: DPStep) -> tuple:
+    return (dp.key, dp.step, dp.stream, float(dp.noise_std), float(dp.expected_batch_size),
+            float(dp.noise_var_avg))
+
+
+def _states(hyper: Hyper, states: dict, params) -> list[list[Tensor | None]]:
+    """Checked states of each parameter, in STATE_NAMES order (fp32, contiguous)."""
+    names = STATE_NAMES[hyper.rule]
+    unused = {"momentum_buffer"} if hyper.rule == "sgd" and hyper.momentum == 0 else set()
+    out = [[] for _ in params]
+    for name in names:
+        if name in unused:
+            for row in out:
+                row.append(None)
+            continue
+        if name not in states or len(states[name]) != len(params):
+            raise ValueError(f"states[{name!r}]: expected one tensor per parameter "
+                             f"({len(params)})")
+        for k, (s, p) in enumerate(zip(states[name], params)):
+            out[k].append(_output(s, f"states[{name!r}][{k}]", p.shape, _F32))
+    return out
+
+
+def _bump(tensors) -> None:
+    """Tell autograd that these tensors were modified in place (as copy_() would)."""
+    if _increment_version is not None:
+        for t in tensors:
+            if t is not None:
+                _increment_version(t)
+
+
+# --------------------------------------------------------------------------------------
+# Noise stream v1 (SPEC section 3)
+# --------------------------------------------------------------------------------------
+def philox_words(index: Tensor, *, key: int, step: int, stream: int = 0) -> Tensor:
+    """int64 ``[n, 4]``: the Philox words (r0, r1, r2, r3) of global element indices ``index``."""
+    index = _input(index, "index", None, (torch.int64,))
+    if index.dim() != 1:
+        raise ValueError(f"index: expected a 1-d tensor, got shape {tuple(index.shape)}")
+    if index.numel() and int(index.min()) < 0:
+        raise ValueError("index: global element indices must be >= 0")
+    out = torch.empty((index.numel(), 4), dtype=torch.int64)
+    _C.philox_words(_ptr(index), index.numel(), key, step, stream, _ptr(out))
+    return out
+
+
+def gaussian_noise(numel: int, *, key: int, step: int, offset: int = 0, stream: int = 0,
+                   device=None) -> Tensor:
+    """z for global elements ``offset ... offset + numel - 1``: float32 ``[numel]``."""
+    if device is not None and torch.device(device).type != "cpu":
+        raise ValueError(f"device: backend='cpp' needs CPU tensors, got device {device}")
+    if numel < 0 or offset < 0 or offset + numel > 2**64:
+        raise ValueError(f"invalid numel={numel} / offset={offset}")
+    out = torch.empty(numel, dtype=torch.float32)
+    _C.gaussian_noise(_ptr(out), numel, key, step, offset, stream)
+    return out
+
+
+def normal_from_words(words: Tensor) -> Tensor:
+    """The word -> normal transform alone: int64 ``[n, 4]`` words -> float32 ``[n, 2]``
+    (z of lane 0, lane 1). For tests of SPEC section 3's ``transform_cases``."""
+    w = _input(words, "words", None, (torch.int64,))
+    if w.dim() != 2 or w.shape[1] != 4:
+        raise ValueError(f"words: expected shape [n, 4], got {tuple(w.shape)}")
+    w = (w & 0xFFFFFFFF).to(torch.int32)  # the same 32-bit patterns, as the kernel reads them
+    out = torch.empty((w.shape[0], 2), dtype=torch.float32)
+    _C.normal_from_words(_ptr(w), w.shape[0], _ptr(out))
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Pass 1: per-sample norms (SPEC sections 2 and 7)
+# --------------------------------------------------------------------------------------
+def _flat(gs: Tensor | None, numel: int) -> tuple:
+    return (_ptr(gs), _DTYPE_CODES[gs.dtype] if gs is not None else 0, numel)
+
+
+def _check_batch(batch_size: int) -> int:
+    if not isinstance(batch_size, int) or batch_size < 0:
+        raise ValueError(f"invalid batch_size={batch_size!r}: expected an int >= 0")
+    return batch_size
+
+
+def _check_device(device) -> None:
+    if device is not None and torch.device(device).type != "cpu":
+        raise ValueError(f"device: backend='cpp' needs CPU tensors, got device {device}")
+
+
+def per_sample_norms(grad_samples: list[Tensor | None], batch_size: int, device) -> Tensor:
+    """n_i = sqrt(sum_p ||grad_sample_p[i]||^2), fp32 accumulation: float32 ``[B]``."""
+    _check_batch(batch_size)
+    _check_device(device)
+    shapes = [gs.shape[1:] if isinstance(gs, Tensor) and gs.dim() >= 1 else ()
+              for gs in grad_samples]
+    gss, _ = _grad_samples(grad_samples, shapes, batch_size)
+    out = torch.empty(batch_size, dtype=torch.float32)
+    flats = [_flat(gs, gs.shape[1:].numel()) for gs in gss if gs is not None]
+    _C.per_sample_norms(flats, batch_size, _ptr(out))
+    return out
+
+
+def whitened_norms(grad_samples: list[Tensor | None], exp_avgs: list[Tensor],
+                   scales: list[Tensor], bias_correction1: float, batch_size: int,
+                   device) -> Tensor:
+    """||w_i|| over all coordinates (DP-MacAdam pass 1): float32 ``[B]``."""
+    _check_batch(batch_size)
+    _check_device(device)
+    if not (len(grad_samples) == len(exp_avgs) == len(scales)):
+        raise ValueError("grad_samples, exp_avgs and scales must have the same length")
+    ms = [_input(m, f"exp_avgs[{k}]", None, _F32) for k, m in enumerate(exp_avgs)]
+    bs = [_input(b, f"scales[{k}]", m.shape, _F32) for k, (b, m) in enumerate(zip(scales, ms))]
+    gss, _ = _grad_samples(grad_samples, [m.shape for m in ms], batch_size)
+    out = torch.empty(batch_size, dtype=torch.float32)
+    _C.whitened_norms([_flat(gs, m.numel()) for gs, m in zip(gss, ms)],
+                      [_ptr(m) for m in ms], [_ptr(b) for b in bs],
+                      float(bias_correction1), batch_size, _ptr(out))
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Pass 2 (SPEC sections 2, 4, 5, 7)
+# --------------------------------------------------------------------------------------
+def _param_tuple(data, numel, offset, gs, summed, states) -> tuple:
+    return (_ptr(data), _DTYPE_CODES[data.dtype], numel, offset, _ptr(gs),
+            _DTYPE_CODES[gs.dtype] if gs is not None else 0, _ptr(summed),
+            [_ptr(s) for s in states])
+
+
+def _batch_of(grad_samples, clip_factors) -> int:
+    if clip_factors is not None:
+        _common(clip_factors, "clip_factors")
+        if clip_factors.dim() != 1:
+            raise ValueError(f"clip_factors: expected shape [B], got {tuple(clip_factors.shape)}")
+        return clip_factors.shape[0]
+    for gs in grad_samples:
+        if gs is not None:
+            raise ValueError("clip_factors is None but a grad_sample was given")
+    return 0
+
+
+def accumulate(hyper: Hyper, dp: DPStep, grad_samples: list[Tensor | None],
+               clip_factors: Tensor, buffers: list[Tensor], states: dict[str, list[Tensor]]) -> None:
+    """buffers[k] += sum_i c_i x_i (x = per-sample gradient, or whitened for MacAdam)."""
+    if len(grad_samples) != len(buffers):
+        raise ValueError("grad_samples and buffers must have the same length")
+    if clip_factors is None:
+        raise ValueError("clip_factors: required by accumulate")
+    batch = _batch_of(grad_samples, clip_factors)
+    bufs = [_output(b, f"buffers[{k}]", None, _F32) for k, b in enumerate(buffers)]
+    clip = _clip(clip_factors, batch)
+    gss, _ = _grad_samples(grad_samples, [b.shape for b in bufs], batch)
+    rows = [[] for _ in bufs]
+    if hyper.rule == "macadam":  # reads exp_avg and scale (whitening), writes no state
+        for name in ("exp_avg", "scale"):
+            if name not in states or len(states[name]) != len(bufs):
+                raise ValueError(f"states[{name!r}]: expected one tensor per buffer ({len(bufs)})")
+        rows = [[_input(m, f"states['exp_avg'][{k}]", b.shape, _F32), None, None,
+                 _input(s, f"states['scale'][{k}]", b.shape, _F32)]
+                for k, (m, s, b) in enumerate(zip(states["exp_avg"], states["scale"], bufs))]
+    params = [_param_tuple(b, b.numel(), 0, gs, None, row) for b, gs, row in zip(bufs, gss, rows)]
+    _C.accumulate(_hyper_dict(hyper), _dp_tuple(dp), params, _ptr(clip), batch)
+    _bump(bufs)
+
+
+def step(hyper: Hyper, dp: DPStep, params: list[Tensor], grad_samples: list[Tensor | None],
+         clip_factors: Tensor | None, summed: list[Tensor | None],
+         states: dict[str, list[Tensor]], offsets: list[int]) -> float:
+    """One DP step of one parameter group, in place on ``params`` and ``states``.
+
+    Returns the group's partial sum of sqrt(S_hat_j) for DP-MacAdam (0.0 otherwise)."""
+    n = len(params)
+    if not (len(grad_samples) == len(summed) == len(offsets) == n):
+        raise ValueError(f"params ({n}), grad_samples ({len(grad_samples)}), summed "
+                         f"({len(summed)}) and offsets ({len(offsets)}) must match")
+    ps = [_output(p, f"params[{k}]", None, _FLOATS) for k, p in enumerate(params)]
+    batch = _batch_of(grad_samples, clip_factors)
+    clip = _clip(clip_factors, batch) if clip_factors is not None else None
+    gss, _ = _grad_samples(grad_samples, [p.shape for p in ps], batch)
+    sums = [None if s is None else _input(s, f"summed[{k}]", p.shape, _F32)
+            for k, (s, p) in enumerate(zip(summed, ps))]
+    st = _states(hyper, states, ps)
+    end = 0
+    for k, (off, p) in enumerate(zip(offsets, ps)):
+        if isinstance(off, bool) or not isinstance(off, int) or off < 0:
+            raise ValueError(f"offsets[{k}]: expected an int >= 0, got {off!r}")
+        end = max(end, off + p.numel())
+    if end > 2**64:
+        raise ValueError("offsets: the noise index space ends at 2**64")
+    _check_distinct(ps, st)
+    tuples = [_param_tuple(p, p.numel(), off, gs, s, row)
+              for p, off, gs, s, row in zip(ps, offsets, gss, sums, st)]
+    out = _C.step(_hyper_dict(hyper), _dp_tuple(dp), tuples, _ptr(clip), batch)
+    _bump(ps)
+    _bump(s for row in st for s in row)
+    return out
+
+
+def _check_distinct(params, states) -> None:
+    """Written buffers must not share memory (an aliased state would be updated twice)."""
+    seen = {}
+    for k, (p, row) in enumerate(zip(params, states)):
+        for what, t in [(f"params[{k}]", p)] + [(f"state {j} of params[{k}]", s)
+                                                 for j, s in enumerate(row)]:
+            if t is None or t.numel() == 0:
+                continue
+            ptr = t.data_ptr()
+            if ptr in seen:
+                raise ValueError(f"{what} shares memory with {seen[ptr]}")
+            seen[ptr] = what
+
+
+def macadam_update_scale(hyper: Hyper, dp: DPStep, exp_vars: list[Tensor], scales: list[Tensor],
+                         sqrt_sum: float) -> None:
+    """b <- S_hat^(1/4) * (sum_j S_hat_j^(1/2))^(1/2) for every parameter (t >= 2)."""
+    if len(exp_vars) != len(scales):
+        raise ValueError("exp_vars and scales must have the same length")
+    ss = [_input(s, f"exp_vars[{k}]", None, _F32) for k, s in enumerate(exp_vars)]
+    bs = [_output(b, f"scales[{k}]", s.shape, _F32) for k, (b, s) in enumerate(zip(scales, ss))]
+    if dp.step < 2:
+        return
+    _C.macadam_update_scale(_hyper_dict(hyper), _dp_tuple(dp), [_ptr(s) for s in ss],
+                            [_ptr(b) for b in bs], [b.numel() for b in bs], float(sqrt_sum))
+    _bump(bs)
