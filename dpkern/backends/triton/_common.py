@@ -18,8 +18,8 @@ So every kernel here is a *multi-tensor* launch:
   one program, not one launch, and programs never straddle two tensors.
 
 The chunk table depends only on the element counts (and phases), so it is cached per
-parameter list; the address table is rebuilt each call (grad_samples are fresh tensors
-every step) and is a few KiB. Tensors are grouped into launches by dtype (a kernel is
+parameter list; the address table (a few KiB) is cached by content, so a step whose
+tensors kept their addresses copies nothing from the host. Tensors are grouped into launches by dtype (a kernel is
 specialised on its pointer types) and by alignment: a group whose every address is
 16-byte aligned, every element count a multiple of 16 and every noise offset even gets
 ``ALIGNED=True``, which lets the kernels promise the compiler 16-byte-aligned rows
@@ -223,30 +223,54 @@ def _is_aligned(e: Entry) -> bool:
     return all(b is None or b.data_ptr() % ALIGN_BYTES == 0 for b in e.bufs)
 
 
-_CHUNK_CACHE: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+class _LRU:
+    """A small least-recently-used cache of device tables (keys hold the values the table
+    is made from, so a hit is always right)."""
+
+    def __init__(self, size: int = 64):
+        self.size, self.items = size, OrderedDict()
+
+    def get(self, key, make):
+        hit = self.items.get(key)
+        if hit is not None:
+            self.items.move_to_end(key)
+            return hit
+        value = self.items[key] = make()
+        if len(self.items) > self.size:
+            self.items.popitem(last=False)
+        return value
+
+
+_CHUNKS = _LRU()
+_TABLES = _LRU()
 
 
 def _chunk_table(numels: tuple, phases: tuple, chunk: int, device) -> torch.Tensor:
     """int32 [n_chunks, 2]: (row in the table, block index). A tensor of n elements with
-    noise phase f (its first element has an odd global index) spans cdiv(n + f, chunk) blocks."""
-    key = (numels, phases, chunk, str(device))
-    hit = _CHUNK_CACHE.get(key)
-    if hit is not None:
-        _CHUNK_CACHE.move_to_end(key)
-        return hit
-    counts = torch.tensor([(n + f + chunk - 1) // chunk if n else 0
-                           for n, f in zip(numels, phases)], dtype=torch.int64)
-    total = int(counts.sum())
-    if total >= 2**31:
-        raise ValueError("dpkern backend='triton': too many blocks for one launch")
-    rows = torch.repeat_interleave(torch.arange(len(numels)), counts)
-    starts = torch.cumsum(counts, 0) - counts
-    blocks = torch.arange(total) - torch.repeat_interleave(starts, counts)
-    table = torch.stack([rows, blocks], dim=1).to(torch.int32).to(device)
-    _CHUNK_CACHE[key] = table
-    if len(_CHUNK_CACHE) > 64:
-        _CHUNK_CACHE.popitem(last=False)
-    return table
+    noise phase f (its first element has an odd global index) spans cdiv(n + f, chunk) blocks.
+    Depends on the element counts only: cached per parameter list."""
+
+    def make():
+        counts = torch.tensor([(n + f + chunk - 1) // chunk if n else 0
+                               for n, f in zip(numels, phases)], dtype=torch.int64)
+        total = int(counts.sum())
+        if total >= 2**31:
+            raise ValueError("dpkern backend='triton': too many blocks for one launch")
+        rows = torch.repeat_interleave(torch.arange(len(numels)), counts)
+        starts = torch.cumsum(counts, 0) - counts
+        blocks = torch.arange(total) - torch.repeat_interleave(starts, counts)
+        return torch.stack([rows, blocks], dim=1).to(torch.int32).to(device)
+
+    return _CHUNKS.get((numels, phases, chunk, str(device)), make)
+
+
+def _device_table(rows: list[list[int]], device) -> torch.Tensor:
+    """The address table on the device, cached by content: parameters, states and
+    accumulation buffers keep their addresses from step to step (and PyTorch's caching
+    allocator often hands grad_samples the same ones), so steady-state steps copy nothing
+    from the host."""
+    return _TABLES.get((tuple(map(tuple, rows)), str(device)),
+                       lambda: torch.tensor(rows, dtype=torch.int64).to(device))
 
 
 def plan(entries: list[Entry], typed: tuple[int, ...], chunk: int, device) -> list[Launch]:
@@ -276,7 +300,7 @@ def plan(entries: list[Entry], typed: tuple[int, ...], chunk: int, device) -> li
                 row += [b.data_ptr() if b is not None else 0 for b in e.bufs]
                 row += [0] * (NCOL.value - len(row))
                 rows.append(row)
-            table = torch.tensor(rows, dtype=torch.int64).to(device)
+            table = _device_table(rows, device)
             chunks = _chunk_table(tuple(e.numel for e in part),
                                   tuple(e.noise_offset & 1 for e in part), chunk, device)
             launches.append(Launch(part, dts, aligned, table, chunks, chunks.shape[0]))
