@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import functional as F
-from .optim import DPOptimizer, secure_key
+from .optim import DPOptimizer, key_fingerprint, secure_key
 from .sampling import PoissonBatchSampler
 
 __all__ = ["DistributedDPError", "DistributedDPOptimizer", "DistributedPoissonSampler",
@@ -59,16 +59,6 @@ class DistributedDPError(RuntimeError):
 def _fingerprint(data: bytes, key: bytes = b"") -> int:
     digest = hashlib.blake2b(data, key=key, digest_size=8, person=b"dpkern-ddp-v1").digest()
     return int.from_bytes(digest, "little", signed=True)
-
-
-def key_fingerprint(key: int) -> int:
-    """A 64-bit fingerprint of a noise key: BLAKE2b keyed BY the key over a fixed message.
-
-    Ranks compare fingerprints instead of keys. Recovering the key from it means inverting
-    a keyed hash (2**64 trials); still, treat it as internal and do not log it.
-
-    Args: key: int in [0, 2**64). Returns: a signed 64-bit int (fits an int64 tensor)."""
-    return _fingerprint(b"dpkern noise key fingerprint", key=int(key).to_bytes(8, "little"))
 
 
 def _describe(optimizer: DPOptimizer) -> dict:
@@ -97,7 +87,7 @@ _WHAT = {_SECURE: "secure mode (seed=None) vs seed=", _CONFIG: "optimizer config
 def _gather_checks(optimizer: DPOptimizer, group, ok: bool = True) -> Tensor:
     row = torch.tensor([int(ok), int(optimizer.secure),
                         _fingerprint(repr(_describe(optimizer)).encode()),
-                        optimizer.dp_step, key_fingerprint(optimizer._key)],
+                        optimizer.dp_step, optimizer.key_fingerprint()],
                        dtype=torch.int64, device=_device(optimizer))
     rows = [torch.empty_like(row) for _ in range(dist.get_world_size(group))]
     dist.all_gather(rows, row, group=group)
@@ -149,9 +139,8 @@ def verify_lockstep(optimizer: DPOptimizer, group=None) -> None:
 def sync_key(optimizer: DPOptimizer, group=None) -> None:
     """Give every rank the same noise key and check that the ranks agree (a collective).
 
-    Secure mode (``seed=None`` on every rank): rank 0 of ``group`` broadcasts its key (drawn
-    from ``os.urandom`` at the optimizer's construction or ``load_state_dict``); the others'
-    own keys are discarded. Reproducible mode (``seed=`` on every rank): nothing is sent;
+    Secure mode (``seed=None`` on every rank): rank 0 of ``group`` draws a fresh key from
+    ``os.urandom`` and broadcasts it; every rank adopts it (their own keys are discarded). Reproducible mode (``seed=`` on every rank): nothing is sent;
     the seeds must already agree. Then :func:`verify_lockstep`. Call it after constructing
     the optimizer and after every ``load_state_dict`` (which draws a fresh secure key).
 
@@ -162,7 +151,7 @@ def sync_key(optimizer: DPOptimizer, group=None) -> None:
     table = _gather_checks(optimizer, group)
     _raise_on_mismatch(optimizer, table, group, (_SECURE, _CONFIG, _STEP))
     if optimizer.secure:
-        optimizer._key = broadcast_key(optimizer._key, group, _device(optimizer))
+        optimizer._adopt_key(broadcast_key(None, group, _device(optimizer)))
     verify_lockstep(optimizer, group)
 
 

@@ -26,6 +26,7 @@ The accumulation buffers (un-noised sums of private gradients) are never put in 
 """
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Any
 
@@ -44,6 +45,17 @@ __all__ = ["DPOptimizer", "DPSGD", "DPAdam", "DPAdamBC", "DPAdamW", "DPAdamWBC",
 def secure_key() -> int:
     """A fresh 64-bit noise key from the OS's CSPRNG (os.urandom)."""
     return int.from_bytes(os.urandom(8), "little")
+
+
+def key_fingerprint(key: int) -> int:
+    """A 64-bit fingerprint of a noise key (BLAKE2b keyed BY the key over a fixed message),
+    so data-parallel ranks can check they share a key without sending it. Recovering the
+    key means inverting a keyed hash; still, treat it as internal and do not log it.
+
+    Returns a signed 64-bit int (fits an int64 tensor)."""
+    digest = hashlib.blake2b(b"dpkern noise key fingerprint", key=int(key).to_bytes(8, "little"),
+                             digest_size=8, person=b"dpkern-ddp-v1").digest()
+    return int.from_bytes(digest, "little", signed=True)
 
 
 def _check_seed(seed) -> int | None:
@@ -114,6 +126,19 @@ class DPOptimizer(torch.optim.Optimizer):
 
     _PICKLED = ("_seed", "_key", "_dp_step", "_max_grad_norm", "_noise_multiplier",
                 "_expected_batch_size", "backend", "nonfinite", "stats", "b_init")
+
+    def key_fingerprint(self) -> int:
+        """:func:`key_fingerprint` of this optimizer's noise key (never the key itself)."""
+        return key_fingerprint(self._key)
+
+    def _adopt_key(self, key: int) -> None:
+        """Take a secure key drawn elsewhere (rank 0 of a data-parallel group). Secure mode
+        only: a seeded optimizer's key is its seed."""
+        if not self.secure:
+            raise ValueError("_adopt_key: this optimizer is in reproducible mode (seed=)")
+        if not (isinstance(key, int) and 0 <= key < 2**64):
+            raise ValueError("_adopt_key: expected an int in [0, 2**64)")
+        self._key = key
 
     def __getstate__(self):
         # Pickling would carry the key: refused in secure mode (use state_dict()).
