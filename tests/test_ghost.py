@@ -411,3 +411,21 @@ def test_empty_batches():
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q)
     assert opt.dp_step == 2 and opt.stats["samples"] == 0
+
+
+def test_non_reentrant_gradient_checkpointing():
+    """Forwards re-run during the backward are not recorded: norms stay exact."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(4, 6), nn.Linear(6, 6), nn.Linear(6, 2)
+
+        def block(self, x):
+            return self.b(torch.tanh(self.a(x)))
+
+        def forward(self, x):
+            return self.c(torch.tanh(checkpoint(self.block, x, use_reentrant=False)))
+
+    assert_norms_match(Net(), lambda m, x: m(x).square().sum((1, 2)), torch.randn(3, 5, 4))

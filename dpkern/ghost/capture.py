@@ -29,8 +29,11 @@ output gradient is per sample (the values computed are unchanged). The batch siz
 from the first tensor argument of the wrapped model's forward (or ``input_ids`` /
 ``inputs_embeds``). Batch-first tensors are assumed throughout.
 
-Not supported: gradient checkpointing (re-running forwards during backward), modules
-whose output is modified in place after their forward (detected: error).
+Gradient checkpointing: the non-reentrant kind (``use_reentrant=False``) works (forwards
+re-run during the backward are not recorded: the first forward's graph is what the output
+gradients flow through); the reentrant kind runs its first forward without grad, so its
+parameters are reported as used outside their recorded forward (an error). Modules whose
+output is modified in place after their forward are an error.
 """
 from __future__ import annotations
 
@@ -149,6 +152,7 @@ class Capture:
         self._records: list[_Record] = []
         self._batch: int | None = None
         self._active = False
+        self._in_backward = False
 
     # -- hooks -----------------------------------------------------------------------------
     def attach(self) -> None:
@@ -188,8 +192,8 @@ class Capture:
         return None
 
     def _record(self, module, args, kwargs, output):
-        if not (self._active and torch.is_grad_enabled()):
-            return
+        if not (self._active and torch.is_grad_enabled()) or self._in_backward:
+            return  # in backward: a non-reentrant checkpoint's recomputation (not a use)
         if not isinstance(output, Tensor):
             raise TypeError(f"ghost clipping: {self.layers[module].name} returned "
                             f"{type(output).__name__}; covered layers must return one tensor")
@@ -230,8 +234,12 @@ class Capture:
                                    "gradient is then not recoverable")
         used = {id(p) for r in records for p in self.layers[r.module].params.values()}
         extra = [p for p in self.params if id(p) not in used] if not check else list(self.params)
-        grads = torch.autograd.grad(losses.sum(), [r.output for r in records] + extra,
-                                    allow_unused=True)
+        self._in_backward = True
+        try:
+            grads = torch.autograd.grad(losses.sum(), [r.output for r in records] + extra,
+                                        allow_unused=True)
+        finally:
+            self._in_backward = False
         gouts, gparams = grads[:len(records)], grads[len(records):]
         summed = None
         if check:
