@@ -328,8 +328,9 @@ def cdiv(a: int, b: int) -> int:
 @triton.jit
 def chunk_row(table, chunks, pid):
     """(table row pointer, block index in the tensor) of program ``pid``, both int64."""
-    tid = tl.load(chunks + pid * 2).to(tl.int64)
-    blk = tl.load(chunks + pid * 2 + 1).to(tl.int64)
+    entry = chunks + pid.to(tl.int64) * 2
+    tid = tl.load(entry).to(tl.int64)
+    blk = tl.load(entry + 1).to(tl.int64)
     return table + tid * NCOL, blk
 
 
