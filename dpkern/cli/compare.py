@@ -235,7 +235,15 @@ def train_one(cfg: RunConfig) -> dict:
     Returns a row of :data:`CSV_RUN_FIELDS` (val_metric, test_metric, epsilon_spent from a
     :class:`~dpkern.accounting.PrivacyAccountant` stepped once per optimizer step).
     Raises: RuntimeError when the accountant reports more than the target epsilon."""
-    torch.set_num_threads(1)  # one run per process: oversubscribing 2 cores is 10x slower
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small models: several threads per run cost more than they give
+    try:
+        return _train_one(cfg)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_one(cfg: RunConfig) -> dict:
     task = _task(cfg.task)
     t0, c0 = time.perf_counter(), time.process_time()
     model = task.make_model(cfg.seed)
@@ -292,6 +300,10 @@ def select(rows: list[dict], higher_is_better: bool) -> list[dict]:
                         epsilon_spent_max=max(r["epsilon_spent"] for r in runs),
                         noise_multiplier=runs[0]["noise_multiplier"], steps=runs[0]["steps"]))
     return out
+
+
+def _fmt_time(seconds: float) -> str:
+    return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
 
 
 def _fmt_eps(eps: float) -> str:
@@ -502,8 +514,17 @@ def run(args: argparse.Namespace) -> int:
     write_csv(out / "summary.csv", summary, CSV_SUMMARY_FIELDS)
     cfg0 = configs[0]
     cpu = sum(r["cpu_seconds"] for r in rows)
-    header = (f"dpkern compare --task {args.task}: {len(rows)} runs in {wall / 60:.1f} min "
-              f"wall ({cpu / 60:.1f} min CPU, {jobs} job(s)), "
+    command = (f"dpkern compare --task {args.task} --epsilons "
+               f"{' '.join(f'{e:g}' for e in args.epsilons)} --seeds {args.seeds} "
+               f"--optimizers {' '.join(args.optimizers)} "
+               + ("" if args.quick and not args.epochs else
+                  f"--epochs {args.epochs or task.epochs:g} ")
+               + f"--batch-size {args.batch_size} --delta {args.delta:g} --max-grad-norm "
+               f"{args.max_grad_norm:g} --weight-decay {args.weight_decay:g}"
+               + (f" --lrs {' '.join(f'{lr:g}' for lr in args.lrs)}" if args.lrs else "")
+               + (" --quick" if args.quick else ""))
+    header = (f"`{command}`\n\n{len(rows)} runs in {_fmt_time(wall)} wall "
+              f"({_fmt_time(cpu)} CPU, {jobs} job(s)), "
               f"{len(set(c.seed for c in configs))} seed(s), {cfg0.steps} steps at sample "
               f"rate {cfg0.sample_rate:.4g} (expected batch {cfg0.sample_rate * task.num_train:.0f}"
               f" of {task.num_train}), δ = {args.delta:g}, {args.accountant.upper()} "
