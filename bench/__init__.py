@@ -41,7 +41,7 @@ def format_size(n: int) -> str:
     for unit, mult in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
         if n >= mult and n % mult == 0:
             return f"{n // mult}{unit}"
-    if n >= MI:
+    if n >= MI // 2:
         return f"{n / MI:.1f}M"
     return str(n)
 

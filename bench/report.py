@@ -23,9 +23,10 @@ Measured in one process, per case (path x layout x d x B), alternating the candi
   temporaries are returned to the OS; CUDA: ``torch.cuda.max_memory_allocated`` delta.
 
 Ratios are baseline time / dpkern time (> 1: dpkern is faster). Results go to
-``bench/results/latest`` (or ``--out``): ``results.json`` (machine, versions, date, every
-median), ``timings.csv``, ``summary.csv``, ``targets.csv`` and ``results.png``; the
-markdown table printed at the end is the one README.md shows.
+``bench/results/<UTC date-time>/`` (git-ignored scratch) or ``--out``: ``results.json`` (machine, versions, date, every
+median), ``timings.csv``, ``summary.csv``, ``targets.csv``, ``results.png`` and
+``results.md``, the markdown block printed at the end, which README.md shows. The run
+committed to the repository is written with ``--out bench/results``.
 """
 from __future__ import annotations
 
@@ -257,13 +258,25 @@ def _proc_kib(path: str, key: str) -> int | None:
 
 def pin_malloc_threshold(nbytes: int = 64 << 10) -> bool:
     """Make glibc return every freed block >= ``nbytes`` to the OS (mmap threshold and trim
-    threshold pinned), so a peak-RSS delta sees every temporary. Slows later allocations
-    (fresh pages each time): call it only after all timings. False if not glibc."""
+    threshold pinned; cached free memory released), so a peak-RSS delta sees every
+    temporary. Slows later allocations (fresh pages each time): call it only after all
+    timings. False if not glibc."""
     try:
         libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(-3, nbytes)) and bool(libc.mallopt(-1, nbytes))  # M_MMAP_/M_TRIM_
+        ok = bool(libc.mallopt(-3, nbytes)) and bool(libc.mallopt(-1, nbytes))  # M_MMAP_/M_TRIM_
     except (OSError, AttributeError):
         return False
+    release_free_memory()
+    return ok
+
+
+def release_free_memory() -> None:
+    """Hand glibc's cached free heap memory back to the OS (``malloc_trim(0)``), so that
+    reusing it page-faults again and shows in the peak RSS."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def peak_extra_bytes(cand: Candidate, device) -> int | None:
@@ -280,6 +293,7 @@ def peak_extra_bytes(cand: Candidate, device) -> int | None:
             synchronize(device)
             return torch.cuda.max_memory_allocated(device) - before
         gc.collect()
+        release_free_memory()
         before = _proc_kib("/proc/self/status", "VmRSS")
         try:
             with open("/proc/self/clear_refs", "w") as f:
@@ -470,6 +484,20 @@ def markdown_targets(targets: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def render_markdown(results: dict) -> str:
+    """The README block of a run (``results.json`` contents): how it was measured, the
+    table and the issue 4 targets."""
+    info, bw, cfg = results["machine"], results["bandwidth"], results["config"]
+    return (f"Command: `{results['command']}` — {info['cpu']}, {info['cores']} cores, "
+            f"{info['torch_threads']} thread(s), torch {info['torch']}, dpkern "
+            f"{info['dpkern']} ({info['git_commit']}), {info['date']}; load average "
+            f"{info['loadavg'][0]:.1f} -> {info.get('loadavg_end', float('nan')):.1f}; "
+            f"copy bandwidth {bw['bytes_per_s'] / 1e9:.1f} GB/s; medians of "
+            f"{cfg['repeats']} alternating repeats; speed-up = baseline / dpkern.\n\n"
+            + markdown_table(results["summary"]) + "\n\n"
+            + markdown_targets(results["targets"]))
+
+
 def machine_info(device) -> dict:
     """CPU model, cores, threads, LLC, RAM, GPU, library versions, git commit, UTC date."""
     cpu = platform.processor() or platform.machine()
@@ -516,8 +544,9 @@ def write_csv(path: Path, rows: list[dict]) -> None:
 
 
 def plot(timings: list[dict], bandwidth: float, path: Path) -> None:
-    """Time vs d per path (log-log): one panel per path (per-sample at the largest B),
-    a line per candidate and layout, and the bandwidth floor."""
+    """Time vs d per path (log-log): one panel per path (per-sample at the largest B), a
+    colour per candidate, solid for one tensor and dashed for the GPT-2-like layout, and
+    the bandwidth floor."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -530,11 +559,12 @@ def plot(timings: list[dict], bandwidth: float, path: Path) -> None:
         rows = [t for t in timings if t["path"] == p]
         bmax = max(t["batch"] for t in rows)
         rows = [t for t in rows if t["batch"] == bmax]
+        cands = sorted({t["candidate"] for t in rows})
         for (cand, lay) in sorted({(t["candidate"], t["layout"]) for t in rows}):
             pts = sorted((t["d"], t["median_s"] * 1e3) for t in rows
                          if t["candidate"] == cand and t["layout"] == lay)
-            ax.plot(*zip(*pts), "o-" if lay == "tensor" else "s--",
-                    label=f"{cand} ({lay})", markersize=4)
+            ax.plot(*zip(*pts), "o-" if lay == "tensor" else "s--", markersize=4,
+                    color=f"C{cands.index(cand)}", label=f"{cand} ({lay})")
         ds = sorted({t["d"] for t in rows})
         ax.plot(ds, [bytes_floor(p, d, bmax) / bandwidth * 1e3 for d in ds], "k:",
                 label="bandwidth floor")
@@ -569,6 +599,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=1, help="untimed rounds per case")
     ap.add_argument("--torch-max-d", default="1M", help="largest d for the (slow) "
                     "pure-PyTorch reference backend (default 1M; 0 = skip it)")
+    ap.add_argument("--torch-max-bd", default="1M", help="largest B x d for the reference "
+                    "(B = 1 off the per-sample path; default 1M: per-sample only B = 1, d = 1M)")
     ap.add_argument("--backends", nargs="+", help="dpkern backends (default: all available)")
     ap.add_argument("--threads", type=int, help="CPU threads for torch and the cpp backend "
                     "(default: torch's default, usually one per core)")
@@ -580,8 +612,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "Opacus) whose estimated memory exceeds this share of MemAvailable")
     ap.add_argument("--no-memory", action="store_true", help="skip peak-memory measurement")
     ap.add_argument("--no-plot", action="store_true")
-    ap.add_argument("--out", type=Path, default=RESULTS_DIR / "latest",
-                    help="output folder (default bench/results/latest)")
+    ap.add_argument("--out", type=Path, help="output folder (default "
+                    "bench/results/<UTC date-time>/; the committed run: --out bench/results)")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0:
@@ -595,9 +627,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.summed_d = [parse_size(s) for s in (args.summed_d or grid["summed"])]
         args.per_sample_d = [parse_size(s) for s in (args.per_sample_d or grid["per_sample"])]
         args.torch_max_d = 0 if str(args.torch_max_d) == "0" else parse_size(args.torch_max_d)
+        args.torch_max_bd = (0 if str(args.torch_max_bd) == "0"
+                             else parse_size(args.torch_max_bd))
     except ValueError as exc:
         ap.error(str(exc))
     args.batch = args.batch or grid["batch"]
+    if args.out is None:
+        args.out = RESULTS_DIR / _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     if any(b < 1 for b in args.batch):
         ap.error("--batch values must be >= 1")
     return args
@@ -644,7 +680,8 @@ def main(argv=None) -> dict:
     avail = (_meminfo_kib("MemAvailable") or 1 << 40) * 1024 * args.memory_fraction
     plan = []
     for case in cases:
-        bes = [b for b in names if b != "torch" or case.d <= args.torch_max_d]
+        bes = [b for b in names if b != "torch" or (
+            case.d <= args.torch_max_d and case.d * max(case.batch, 1) <= args.torch_max_bd)]
         need, opacus_extra = _estimate_bytes(case, len(bes), len(adamw))
         if need > avail:
             say(f"skip {case}: needs ~{need / 2**30:.1f} GiB")
@@ -715,15 +752,8 @@ def main(argv=None) -> dict:
     if not args.no_plot:
         plot(timings, bw["bytes_per_s"], args.out / "results.png")
 
-    say("")
-    say(f"Command: `{results['command']}` — {info['cpu']}, {info['cores']} cores, torch "
-        f"{info['torch']}, dpkern {info['dpkern']} ({info['git_commit']}), {info['date']}; "
-        f"copy bandwidth {bw['bytes_per_s'] / 1e9:.1f} GB/s; medians of {args.repeats} "
-        f"alternating repeats; speed-up = baseline / dpkern.")
-    say("")
-    say(markdown_table(summary))
-    say("")
-    say(markdown_targets(targets))
+    (args.out / "results.md").write_text(render_markdown(results) + "\n")
+    say("\n" + render_markdown(results))
     say(f"\n(total {results['elapsed_s']:.0f}s; load average at start "
         f"{info['loadavg'][0]:.1f}, at end {load:.1f}; results in {args.out.name}/)")
     return results
