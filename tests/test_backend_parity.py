@@ -17,7 +17,7 @@ from dpkern.hyper import (AdamBCHyper, AdamHyper, AdamWBCHyper, AdamWHyper, DPSt
 
 from conftest import backend_device, load_vectors
 
-SHAPES = [(), (1,), (7,), (3, 5), (33, 17), (1031,)]
+SHAPES = [(), (1,), (7,), (3, 5), (33, 17), (1031,), (4, 16)]  # (4, 16): aligned vector path
 HYPERS = {
     "sgd": SGDHyper(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01),
     "sgd_nesterov": SGDHyper(lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=True),
