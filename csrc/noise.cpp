@@ -218,7 +218,7 @@ void gaussian_noise(float* out, int64_t n, uint64_t key, uint64_t step, uint64_t
                     uint32_t stream) {
   const std::vector<Block> blocks = make_blocks({n}, {offset});
   const int64_t nb = int64_t(blocks.size());
-#pragma omp parallel for schedule(static) num_threads(num_threads()) if (nb > 1)
+#pragma omp parallel for schedule(dynamic, 4) num_threads(num_threads()) if (nb > 1)
   for (int64_t b = 0; b < nb; ++b) {
     const Block& blk = blocks[size_t(b)];
     noise_block(key, step, stream, offset + uint64_t(blk.begin), blk.len, out + blk.begin);

@@ -17,7 +17,8 @@ namespace dpk {
 
 namespace {
 
-// The float32 constants of one step, derived from the doubles of Hyper and DP.
+// The float32 constants of one step, derived from the doubles of Hyper and DP. The block
+// kernels take it by value: a local copy whose fields the vectoriser sees as invariants.
 struct Consts {
   int rule, variance;
   float noise_std, batch;                                   // sigma * C, B_e
@@ -84,7 +85,7 @@ DPK_INLINE void clipped_sum(const void* gs, int64_t numel, int64_t begin, int64_
 // DP-MacAdam: the same sum of the whitened rows w_i = (g_i - m_hat_prev) / b; a parameter
 // without a grad_sample (gs == nullptr) has g_i = 0.
 template <int GT>
-DPK_INLINE void whitened_clipped_sum(const Consts& c, const void* gs, int64_t numel, int64_t begin,
+DPK_INLINE void whitened_clipped_sum(const Consts c, const void* gs, int64_t numel, int64_t begin,
                                      int64_t len, const float* clip, int64_t batch,
                                      const float* __restrict m, const float* __restrict b,
                                      float* __restrict acc) {
@@ -122,7 +123,7 @@ DPK_INLINE void contribution(const Consts& c, const Param& p, int64_t begin, int
 // The update rules on one block. S = clipped sum (+ summed), z = noise; the privatised
 // gradient is g_hat = (S + noise_std z) / B_e (SPEC section 4).
 template <int PT>
-DPK_INLINE void update_sgd(const Consts& c, const float* __restrict S, float* __restrict z,
+DPK_INLINE void update_sgd(const Consts c, const float* __restrict S, float* __restrict z,
                            const Param& prm, int64_t begin, int64_t len, double&) {
   auto* __restrict p = static_cast<typename Storage<PT>::type*>(prm.data) + begin;
   float* __restrict buf = c.has_momentum ? prm.state[0] + begin : nullptr;
@@ -143,7 +144,7 @@ DPK_INLINE void update_sgd(const Consts& c, const float* __restrict S, float* __
 template <bool DECOUPLED, bool BC>
 struct AdamFamily {
   template <int PT>
-  static DPK_INLINE void update(const Consts& c, const float* __restrict S, float* __restrict z,
+  static DPK_INLINE void update(const Consts c, const float* __restrict S, float* __restrict z,
                                 const Param& prm, int64_t begin, int64_t len, double&) {
     auto* __restrict p = static_cast<typename Storage<PT>::type*>(prm.data) + begin;
     float* __restrict m = prm.state[0] + begin;
@@ -198,16 +199,20 @@ DPK_INLINE double ordered_sum(const float* __restrict x, int64_t n) {
 
 // DP-MacAdam (SPEC section 7): z's slot j is reused for sqrt(S_hat_j) once z_j is used.
 template <int PT>
-DPK_INLINE void update_macadam(const Consts& c, const float* __restrict S, float* __restrict z,
+DPK_INLINE void update_macadam(const Consts c, const float* __restrict S, float* __restrict z,
                                const Param& prm, int64_t begin, int64_t len, double& sqrt_sum) {
   auto* __restrict p = static_cast<typename Storage<PT>::type*>(prm.data) + begin;
   float* __restrict m = prm.state[0] + begin;
   float* __restrict v = prm.state[1] + begin;
   float* __restrict var = prm.state[2] + begin;
   const float* __restrict b = prm.state[3] + begin;
+  // m_hat_prev = m / (1 - beta1^(t-1)), or 0 at t = 1: divide always, select on a float
+  // (a select on a bool, or a division under a condition, keeps GCC from vectorising).
+  const float bc1_prev = c.has_m_hat_prev ? c.bias_correction1_prev : 1.0f;
+  const float keep = c.has_m_hat_prev ? 1.0f : 0.0f;
   for (int64_t j = 0; j < len; ++j) {
     const float w_tilde = (S[j] + c.noise_std * z[j]) / c.batch;
-    const float m_hat_prev = c.has_m_hat_prev ? m[j] / c.bias_correction1_prev : 0.0f;
+    const float m_hat_prev = keep != 0.0f ? m[j] / bc1_prev : 0.0f;
     const float g = b[j] * w_tilde + m_hat_prev;
     const float mj = m[j] * c.beta1 + c.one_minus_beta1 * g;
     const float vj = v[j] * c.beta2 + (c.one_minus_beta2 * g) * g;
@@ -264,7 +269,7 @@ DPK_CLONES void accumulate_block(const Consts& c, const Param& p, int64_t begin,
 }
 
 // b <- S_hat^(1/4) * sqrt(sum_j S_hat_j^(1/2)) (reference.macadam_update_scale).
-DPK_CLONES void scale_block(const Consts& c, const float* __restrict var, float* __restrict b,
+DPK_CLONES void scale_block(const Consts c, const float* __restrict var, float* __restrict b,
                             int64_t len, float root) {
   for (int64_t j = 0; j < len; ++j)
     b[j] = __builtin_sqrtf(__builtin_sqrtf(macadam_variance(c, var[j], b[j]))) * root;
