@@ -1,0 +1,647 @@
+"""Private fine-tuning of a causal language model (the main job).
+
+Trains a causal LM on text with a DP optimizer of dpkern: Poisson-sampled batches of
+fixed-length blocks, per-sample gradients (torch.func, or Opacus' GradSampleModule),
+clipping + Gaussian noise + update in one fused step, and an accountant (dp-accounting)
+that reports the epsilon spent. The noise multiplier sigma is calibrated so that the
+target epsilon is reached exactly at the end of training.
+
+Defaults: a small byte-level GPT-2 (2 layers, width 128, block 64, ~0.44 M parameters)
+built in code, trained on CPython's pydoc_data help pages (~465 kB of English prose,
+offline), 150 steps of DP-AdamW at an expected batch of 64 blocks, epsilon = 8,
+delta = 1/N^1.1 (N = training blocks), C = 1. A few minutes on 2 CPU cores.
+
+Privacy unit: one block of --block-size tokens (adding or removing one block of the
+training text). Losses shown on the progress bar and saved in metrics.json are computed
+on the private data without noise: they are for the operator, not for publication.
+
+examples:
+  dpkern finetune                                    # the default run described above
+  dpkern finetune --data notes.jsonl --epsilon 3 --out run1
+  dpkern finetune --model ./my-gpt2 --data notes.txt --steps 500 --out run2
+  dpkern finetune --resume run2 --steps 800 --epsilon 4   # continue (sigma recalibrated)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+OPTIMIZERS = ("dp-sgd", "dp-adam", "dp-adambc", "dp-adamw", "dp-adamw-bc", "dp-macadam")
+GRAD_SAMPLE_MODES = ("functorch", "opacus")
+
+#: Defaults of the run plan (kept in one place; the help text is built from it).
+DEFAULTS = {
+    "block_size": 64,
+    "val_fraction": 0.1,
+    "optimizer": "dp-adamw",
+    "lr": 3e-3,
+    "weight_decay": None,        # None = the optimizer's own default
+    "epsilon": 8.0,
+    "delta": None,               # None = 1 / N**1.1
+    "accountant": "rdp",
+    "max_grad_norm": 1.0,
+    "batch_size": 64,
+    "steps": 150,
+}
+#: Options that define the run plan: taken from the checkpoint on --resume.
+PLAN_OPTIONS = ("model", "block_size", "val_fraction", "optimizer", "lr", "weight_decay",
+                "delta", "accountant", "max_grad_norm", "batch_size", "seed")
+FILES = {"run": "run_config.json", "metrics": "metrics.json", "trainer": "trainer_state.pt"}
+
+
+class UsageError(Exception):
+    """Bad input: printed as one line naming the option, exit code 2."""
+
+    def __init__(self, option: str, message: str):
+        super().__init__(f"{option}: {message}")
+        self.option = option
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register the options of ``dpkern finetune`` on ``parser``."""
+    d = DEFAULTS
+    g = parser.add_argument_group("model and data")
+    g.add_argument("--model", metavar="DIR", help="local Hugging Face causal LM directory "
+                   "(loaded offline; its tokenizer if present, else byte-level ids). Default: "
+                   "a byte-level GPT-2 built in code (2 layers, width 128, 4 heads)")
+    g.add_argument("--data", metavar="PATH", help="a UTF-8 .txt file, or .jsonl with a "
+                   '"text" field per line. Default: CPython\'s pydoc_data help pages')
+    g.add_argument("--block-size", type=int, metavar="T",
+                   help=f"tokens per training example (the privacy unit) (default {d['block_size']})")
+    g.add_argument("--val-fraction", type=float, metavar="F",
+                   help=f"blocks held out for validation (default {d['val_fraction']})")
+    g = parser.add_argument_group("privacy")
+    g.add_argument("--epsilon", type=float, help=f"target epsilon at the end of training "
+                   f"(default {d['epsilon']:g})")
+    g.add_argument("--delta", type=float, help="target delta (default 1/N^1.1, N = number "
+                   "of training blocks)")
+    g.add_argument("--accountant", choices=("rdp", "pld"),
+                   help=f"privacy accountant of dp-accounting (default {d['accountant']})")
+    g.add_argument("--max-grad-norm", type=float, metavar="C",
+                   help=f"per-sample clipping bound (default {d['max_grad_norm']:g}; "
+                   "unused by dp-macadam)")
+    g.add_argument("--batch-size", type=int, metavar="B", help="expected logical batch "
+                   f"under Poisson sampling (default {d['batch_size']})")
+    g.add_argument("--micro-batch-size", type=int, metavar="M", help="physical batch; a "
+                   "logical batch is accumulated over micro-batches (default: the batch size)")
+    x = g.add_mutually_exclusive_group()
+    x.add_argument("--steps", type=int, help=f"optimizer steps (default {d['steps']})")
+    x.add_argument("--epochs", type=float, help="passes over the training blocks "
+                   "(steps = ceil(epochs * N / batch size))")
+    g = parser.add_argument_group("optimizer")
+    g.add_argument("--optimizer", choices=OPTIMIZERS, help=f"(default {d['optimizer']})")
+    g.add_argument("--lr", type=float, help=f"learning rate (default {d['lr']:g})")
+    g.add_argument("--weight-decay", type=float, metavar="WD",
+                   help="weight decay (default: the optimizer's own, 0.01 for the AdamW "
+                   "family, else 0)")
+    g.add_argument("--backend", choices=("auto", "torch", "triton", "cpp"), default="auto",
+                   help="dpkern kernel backend (default auto)")
+    g.add_argument("--grad-sample", choices=GRAD_SAMPLE_MODES, default="functorch",
+                   help="per-sample gradients: dpkern.grad_sample (torch.func) or Opacus' "
+                   "GradSampleModule (default functorch)")
+    g.add_argument("--seed", type=int, help="reproducible mode: seeds the noise key, the "
+                   "sampler and the model init. Without it the noise key is secret")
+    g.add_argument("--device", help="torch device (default cuda if available, else cpu)")
+    g = parser.add_argument_group("output")
+    g.add_argument("--out", metavar="DIR", help="write the model (save_pretrained), "
+                   f"{FILES['run']}, {FILES['metrics']} and {FILES['trainer']} here")
+    g.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    g.add_argument("--resume", metavar="DIR", help="continue the run saved in DIR "
+                   "(written back to DIR unless --out is given)")
+    g.add_argument("--save-every", type=int, metavar="K", help="also checkpoint to --out "
+                   "every K steps")
+    g.add_argument("--eval-batch-size", type=int, default=64, metavar="N",
+                   help="blocks per validation forward pass (default 64)")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+# -- validation -------------------------------------------------------------------------
+
+def _require(cond: bool, option: str, message: str) -> None:
+    if not cond:
+        raise UsageError(option, message)
+
+
+def _check_numbers(args) -> None:
+    def finite(v):
+        return v is None or math.isfinite(v)
+    for opt in ("epsilon", "delta", "lr", "weight_decay", "max_grad_norm", "val_fraction",
+                "epochs"):
+        _require(finite(getattr(args, opt)), "--" + opt.replace("_", "-"),
+                 f"{getattr(args, opt)} is not a finite number")
+    _require(args.epsilon is None or args.epsilon > 0, "--epsilon",
+             f"must be > 0, got {args.epsilon}")
+    _require(args.delta is None or 0 < args.delta < 1, "--delta",
+             f"must be in (0, 1), got {args.delta}")
+    _require(args.lr is None or args.lr >= 0, "--lr", f"must be >= 0, got {args.lr}")
+    _require(args.weight_decay is None or args.weight_decay >= 0, "--weight-decay",
+             f"must be >= 0, got {args.weight_decay}")
+    _require(args.max_grad_norm is None or args.max_grad_norm > 0, "--max-grad-norm",
+             f"must be > 0, got {args.max_grad_norm}")
+    _require(args.val_fraction is None or 0 < args.val_fraction < 1, "--val-fraction",
+             f"must be in (0, 1), got {args.val_fraction}")
+    for opt, low in (("batch_size", 1), ("micro_batch_size", 1), ("steps", 1),
+                     ("block_size", 2), ("save_every", 1), ("eval_batch_size", 1)):
+        v = getattr(args, opt)
+        _require(v is None or v >= low, "--" + opt.replace("_", "-"), f"must be >= {low}, got {v}")
+    _require(args.epochs is None or args.epochs > 0, "--epochs", f"must be > 0, got {args.epochs}")
+    _require(args.seed is None or 0 <= args.seed < 2**63, "--seed",
+             f"must be in [0, 2**63), got {args.seed}")
+
+
+def _check_out(args) -> Path | None:
+    """The output directory (resume without --out writes back to the resumed run)."""
+    if args.out is None:
+        return Path(args.resume) if args.resume else None
+    out = Path(args.out)
+    same_as_resume = args.resume is not None and out.resolve() == Path(args.resume).resolve()
+    if out.exists() and not out.is_dir():
+        raise UsageError("--out", f"{out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not args.overwrite and not same_as_resume:
+        raise UsageError("--out", f"{out} exists and is not empty; pass --overwrite to replace it")
+    return out
+
+
+# -- the run plan -------------------------------------------------------------------------
+
+@dataclass
+class Plan:
+    """Everything that defines a run (saved as run_config.json)."""
+    model: str | None
+    data: str | None
+    block_size: int
+    val_fraction: float
+    optimizer: str
+    lr: float
+    weight_decay: float | None
+    epsilon: float
+    delta: float | None
+    accountant: str
+    max_grad_norm: float
+    batch_size: int
+    steps: int | None
+    epochs: float | None
+    seed: int | None
+    tokenizer: str = "bytes"
+    n_train: int = 0
+    n_val: int = 0
+    sample_rate: float = 0.0
+    noise_multiplier: float = 0.0
+
+
+def _plan_from_args(args, saved: dict | None) -> Plan:
+    values = {}
+    for name in ("model", "data", "block_size", "val_fraction", "optimizer", "lr",
+                 "weight_decay", "epsilon", "delta", "accountant", "max_grad_norm",
+                 "batch_size", "steps", "epochs", "seed"):
+        given = getattr(args, name)
+        if saved is not None and name in PLAN_OPTIONS:
+            if given is not None and given != saved.get(name) and name != "model":
+                raise UsageError("--" + name.replace("_", "-"), "cannot be changed on "
+                                 f"--resume (the checkpoint has {saved.get(name)!r})")
+            values[name] = saved.get(name)
+        elif given is not None:
+            values[name] = given
+        elif saved is not None and name in ("data", "epsilon", "steps"):
+            values[name] = saved.get(name)
+        else:
+            values[name] = DEFAULTS.get(name)
+    if args.model is not None and saved is not None:
+        raise UsageError("--model", "cannot be given with --resume (the model is the checkpoint's)")
+    if values["epochs"] is not None:
+        values["steps"] = None
+    if saved is not None:
+        values["tokenizer"] = saved.get("tokenizer", "bytes")
+        if args.epochs is None and args.steps is None:  # continue the saved plan
+            values["steps"], values["epochs"] = saved.get("steps"), None
+    return Plan(**values)
+
+
+# -- model, data, per-sample gradients ----------------------------------------------------
+
+def _load_model(plan: Plan, args):
+    from .. import models
+    if args.resume:
+        source, option = args.resume, "--resume"
+    elif plan.model is not None:
+        source, option = plan.model, "--model"
+    else:
+        return models.default_model(plan.block_size, seed=plan.seed), None
+    try:
+        model, tokenizer = models.load_model(
+            source, "eager" if args.grad_sample == "functorch" else None)
+    except ValueError as exc:
+        raise UsageError(option, str(exc)) from None
+    ctx = models.context_length(model)
+    if ctx is not None and plan.block_size > ctx:
+        raise UsageError("--block-size", f"{plan.block_size} exceeds the model's context "
+                         f"length {ctx}")
+    return model, tokenizer
+
+
+def _load_blocks(plan: Plan, tokenizer):
+
+    from .. import data
+    try:
+        text = data.read_text(plan.data) if plan.data is not None else data.default_text()
+    except (OSError, ValueError) as exc:
+        msg = exc.strerror + f": {plan.data}" if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise UsageError("--data", msg) from None
+    if tokenizer is None:
+        ids = data.byte_encode(text)
+    else:
+        ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    blocks = data.make_blocks(ids, plan.block_size)
+    try:
+        train, val = data.split_blocks(blocks, plan.val_fraction)
+    except ValueError as exc:
+        raise UsageError("--data", f"{exc} at --block-size {plan.block_size} "
+                         f"({ids.numel()} tokens)") from None
+    return train, val, len(text.encode("utf-8"))
+
+
+class _Logits(torch.nn.Module):
+    """``input_ids [B, T] -> logits [B, T, V]`` of a Hugging Face causal LM.
+
+    ``explicit_positions=True`` passes ``position_ids`` of shape [B, T]: models otherwise
+    build them as [1, T], and Opacus' hooks would take that 1 for the batch dimension of
+    the position embedding (wrong per-sample gradients)."""
+
+    def __init__(self, model, explicit_positions: bool = False):
+        super().__init__()
+        self.model = model
+        self.explicit_positions = explicit_positions
+
+    def forward(self, input_ids):
+        kw = {}
+        if self.explicit_positions:
+            B, T = input_ids.shape
+            kw["position_ids"] = torch.arange(T, device=input_ids.device).repeat(B, 1)
+        return self.model(input_ids=input_ids, use_cache=False, **kw).logits
+
+
+def _token_loss(logits, ids):
+    """Mean next-token cross-entropy of each sample: float32 ``[B]``."""
+    import torch.nn.functional as F
+    lg = logits[:, :-1].float()
+    ce = F.cross_entropy(lg.reshape(-1, lg.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
+    return ce.view(ids.shape[0], -1).mean(1)
+
+
+def _sample_loss(logits, ids):
+    return _token_loss(logits, ids).sum()
+
+
+class _PerSample:
+    """Sets ``p.grad_sample`` for a micro-batch and returns its per-sample losses."""
+
+    def __init__(self, net, mode: str):
+        self.mode = mode
+        self.net = net
+        if mode == "opacus":
+            from opacus import GradSampleModule
+            self.gsm = GradSampleModule(net, batch_first=True, loss_reduction="sum")
+
+    def __call__(self, ids):
+        from ..grad_sample import compute_grad_sample
+        if self.mode == "functorch" or ids.shape[0] == 0:
+            return compute_grad_sample(self.net, _sample_loss, ids, ids)
+        losses = _token_loss(self.gsm(ids), ids)
+        losses.sum().backward()
+        for p in self.net.parameters():
+            p.grad = None
+        return losses.detach()
+
+
+def _evaluate(net, blocks, batch: int, device) -> float:
+    """Mean next-token loss (nats/token) of ``blocks`` [N, T]."""
+    was_training = net.training
+    net.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, blocks.shape[0], batch):
+            ids = blocks[i:i + batch].to(device)
+            total += float(_token_loss(net(ids), ids).sum())
+            count += ids.shape[0]
+    net.train(was_training)
+    return total / count
+
+
+def _make_optimizer(plan: Plan, params, backend: str, sigma: float):
+    from .. import optim
+    cls = {"dp-sgd": optim.DPSGD, "dp-adam": optim.DPAdam, "dp-adambc": optim.DPAdamBC,
+           "dp-adamw": optim.DPAdamW, "dp-adamw-bc": optim.DPAdamWBC,
+           "dp-macadam": optim.DPMacAdam}[plan.optimizer]
+    kw = dict(lr=plan.lr, noise_multiplier=sigma, expected_batch_size=plan.batch_size,
+              seed=plan.seed, backend=backend)
+    if plan.weight_decay is not None:
+        if plan.optimizer == "dp-macadam":
+            raise UsageError("--weight-decay", "dp-macadam has no weight decay")
+        kw["weight_decay"] = plan.weight_decay
+    if plan.optimizer != "dp-macadam":
+        kw["max_grad_norm"] = plan.max_grad_norm
+    try:
+        return cls(params, **kw)
+    except ValueError as exc:
+        raise UsageError("--optimizer", f"{plan.optimizer}: {exc}") from None
+
+
+def _calibrate_extension(history, sample_rate: float, steps: int, epsilon: float,
+                         delta: float, accountant: str) -> float:
+    """The noise multiplier for ``steps`` more steps such that the whole history plus them
+    spends at most ``epsilon`` (geometric bisection on the PrivacyAccountant, to 1e-4)."""
+    from ..accounting import MAX_NOISE_MULTIPLIER, PrivacyAccountant
+
+    def spent(sigma):
+        acc = PrivacyAccountant(accountant)
+        acc.load_state_dict({"accountant": accountant, "history": history})
+        acc.step(sigma, sample_rate, steps)
+        return acc.get_epsilon(delta)
+    if spent(MAX_NOISE_MULTIPLIER) > epsilon:
+        raise UsageError("--epsilon", f"the checkpoint already spent the budget: no noise "
+                         f"multiplier <= {MAX_NOISE_MULTIPLIER:g} keeps {steps} more steps "
+                         f"within epsilon={epsilon:g}")
+    lo, hi = 1e-3, MAX_NOISE_MULTIPLIER
+    if spent(lo) <= epsilon:
+        return lo
+    while hi / lo > 1 + 1e-4:
+        mid = math.sqrt(lo * hi)
+        lo, hi = (lo, mid) if spent(mid) <= epsilon else (mid, hi)
+    return hi
+
+
+# -- checkpoints --------------------------------------------------------------------------
+
+def _write_checkpoint(out: Path, model, tokenizer, plan: Plan, metrics: dict, trainer: dict) -> None:
+    """Write into a fresh sibling directory, then swap it in: a crash never leaves a
+    half-written --out, and an existing one is only replaced once the new one is whole."""
+    import dataclasses
+
+    out = out.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        (tmp / FILES["run"]).write_text(json.dumps(dataclasses.asdict(plan), indent=2) + "\n")
+        (tmp / FILES["metrics"]).write_text(json.dumps(metrics, indent=2) + "\n")
+        torch.save(trainer, tmp / FILES["trainer"])
+        old = None
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.rename(out, old / "d")
+        os.rename(tmp, out)
+        if old is not None:
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _load_checkpoint(path: Path) -> tuple[dict, dict, dict]:
+    if not path.is_dir():
+        raise UsageError("--resume", f"{path} is not a directory")
+    missing = [f for f in (FILES["run"], FILES["trainer"], "config.json") if not (path / f).is_file()]
+    if missing:
+        raise UsageError("--resume", f"{path} is not a dpkern finetune checkpoint (missing "
+                         f"{', '.join(missing)})")
+    try:
+        saved = json.loads((path / FILES["run"]).read_text())
+        trainer = torch.load(path / FILES["trainer"], map_location="cpu", weights_only=True)
+        metrics = json.loads((path / FILES["metrics"]).read_text()) \
+            if (path / FILES["metrics"]).is_file() else {}
+    except Exception as exc:  # corrupt files: one line, no traceback
+        raise UsageError("--resume", f"{path}: unreadable checkpoint ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+    return saved, trainer, metrics
+
+
+# -- the job ------------------------------------------------------------------------------
+
+def _fmt_time(seconds: float) -> str:
+    return f"{seconds:.1f} s" if seconds < 120 else f"{int(seconds // 60)} min {seconds % 60:.0f} s"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``dpkern finetune``; returns the exit code (0, or 2 for bad input with a
+    one-line error on stderr and nothing written)."""
+    try:
+        return _run(args)
+    except UsageError as exc:
+        print(f"dpkern finetune: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
+
+    _check_numbers(args)
+    out = _check_out(args)
+    saved = trainer_state = old_metrics = None
+    if args.resume:
+        saved, trainer_state, old_metrics = _load_checkpoint(Path(args.resume))
+    plan = _plan_from_args(args, saved)
+    if args.grad_sample == "opacus":
+        try:
+            import opacus  # noqa: F401
+        except ImportError:
+            raise UsageError("--grad-sample", "opacus is not installed (pip install "
+                             "'dpkern[opacus]')") from None
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    from .. import backends
+    if args.backend != "auto":
+        try:
+            backends.resolve(args.backend, device)
+        except (RuntimeError, ValueError) as exc:
+            raise UsageError("--backend", str(exc)) from None
+
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    logging.getLogger("absl").setLevel(logging.ERROR)  # dp-accounting's RDP series notes
+    model, tokenizer = _load_model(plan, args)
+    train, val, n_bytes = _load_blocks(plan, tokenizer)
+    n = train.shape[0]
+    if saved is not None and (n, val.shape[0]) != (saved.get("n_train"), saved.get("n_val")):
+        raise UsageError("--data", f"gives {n} training blocks, the checkpoint was trained on "
+                         f"{saved.get('n_train')}: not the same data")
+    _require(plan.batch_size <= n, "--batch-size", f"{plan.batch_size} is larger than the "
+             f"data set ({n} training blocks of {plan.block_size} tokens)")
+    q = plan.batch_size / n
+    delta = plan.delta if plan.delta is not None else 1.0 / n ** 1.1
+    steps = plan.steps if plan.steps is not None else max(1, math.ceil(plan.epochs * n / plan.batch_size))
+    done = int(trainer_state["step"]) if trainer_state else 0
+
+    from ..accounting import PrivacyAccountant, get_noise_multiplier
+    accountant = PrivacyAccountant(plan.accountant)
+    if trainer_state:
+        accountant.load_state_dict(trainer_state["accountant"])
+    if saved is None:
+        try:
+            sigma = get_noise_multiplier(plan.epsilon, delta, q, steps, plan.accountant)
+        except ValueError as exc:
+            raise UsageError("--epsilon", f"budget too small: {exc}") from None
+    else:
+        _require(steps >= done, "--steps", f"{steps} is below the checkpoint's step {done}")
+        _require(steps > done, "--steps", f"the checkpoint already finished its {done} "
+                 "steps; pass a larger --steps to continue")
+        if steps == saved.get("steps") and plan.epsilon == saved.get("epsilon"):
+            sigma = float(saved["noise_multiplier"])  # an interrupted run: same plan
+        else:
+            sigma = _calibrate_extension(accountant.history, q, steps - done, plan.epsilon,
+                                         delta, plan.accountant)
+    plan.steps, plan.epochs = steps, None
+    plan.n_train, plan.n_val, plan.sample_rate, plan.noise_multiplier = n, val.shape[0], q, sigma
+    plan.tokenizer = "bytes" if tokenizer is None else "hf"
+
+    model.to(device)
+    net = _Logits(model, explicit_positions=args.grad_sample == "opacus")
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = _make_optimizer(plan, params, args.backend, sigma)
+    if trainer_state:
+        try:
+            optimizer.load_state_dict(trainer_state["optimizer"])
+        except (ValueError, KeyError) as exc:
+            raise UsageError("--resume", f"optimizer state does not fit: {exc}") from None
+        optimizer.noise_multiplier = sigma
+    micro = args.micro_batch_size or plan.batch_size
+    per_sample = _PerSample(net, args.grad_sample)
+    numel = sum(p.numel() for p in params)
+
+    # -- everything validated: train ---------------------------------------------------
+    def show_warning(message, category, filename, lineno, file=None, line=None):
+        print(f"dpkern finetune: warning: {message}", file=sys.stderr)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show_warning
+        warnings.filterwarnings("ignore", module="opacus")
+        return _train(args, plan, out, model, tokenizer, net, optimizer, accountant,
+                      per_sample, train, val, n_bytes, done, steps, micro, delta, numel,
+                      device, old_metrics or {})
+
+
+def _train(args, plan, out, model, tokenizer, net, optimizer, accountant, per_sample, train,
+           val, n_bytes, done, steps, micro, delta, numel, device, old_metrics) -> int:
+    from tqdm import tqdm
+
+    from ..sampling import PoissonBatchSampler
+
+    q, sigma = plan.sample_rate, plan.noise_multiplier
+    t_start = time.perf_counter()
+    val_before = _evaluate(net, val, args.eval_batch_size, device)
+    sampler_seed = None if plan.seed is None else (plan.seed * 1_000_003 + done) % 2**63
+    sampler = PoissonBatchSampler(train.shape[0], q, steps - done, seed=sampler_seed)
+    train_tokens = samples = 0
+    train_time = 0.0
+    loss_ema = None
+    eps_shown, eps_time = accountant.get_epsilon(delta), 0.0
+    interrupted = False
+
+    def checkpoint(val_after=None, final=False):
+        eps, delta_total = accountant.get_privacy_spent(delta, numel)
+        metrics = {
+            "step": optimizer.dp_step, "steps": steps, "epsilon": eps,
+            "target_epsilon": plan.epsilon, "delta": delta_total, "target_delta": delta,
+            "noise_multiplier": sigma, "sample_rate": q, "max_grad_norm": plan.max_grad_norm,
+            "expected_batch_size": plan.batch_size, "accountant": plan.accountant,
+            "optimizer": plan.optimizer, "backend": args.backend,
+            "val_loss_before": val_before, "val_perplexity_before": math.exp(val_before),
+            "val_loss_after": val_after,
+            "val_perplexity_after": None if val_after is None else math.exp(val_after),
+            "val_loss_initial": old_metrics.get("val_loss_initial", val_before),
+            "train_loss_ema": loss_ema, "samples": samples, "tokens": train_tokens,
+            "train_seconds": train_time, "tokens_per_second": train_tokens / max(train_time, 1e-9),
+            "total_seconds": time.perf_counter() - t_start, "num_parameters": numel,
+            "n_train_blocks": plan.n_train, "n_val_blocks": plan.n_val,
+            "block_size": plan.block_size, "finished": final,
+            "optimizer_stats": dict(optimizer.stats),
+        }
+        if out is not None:
+            trainer = {"step": optimizer.dp_step, "optimizer": optimizer.state_dict(),
+                       "accountant": accountant.state_dict()}
+            _write_checkpoint(out, model, tokenizer, plan, metrics, trainer)
+        return metrics
+
+    net.train()
+    bar = tqdm(total=steps, initial=done, desc="dp fine-tuning", unit="step",
+               disable=args.quiet, dynamic_ncols=True, file=sys.stderr)
+    try:
+        for indices in sampler:
+            t0 = time.perf_counter()
+            batch = train[indices]
+            losses = []
+            chunks = [batch[i:i + micro] for i in range(0, batch.shape[0], micro)] or [batch]
+            for chunk in chunks:
+                losses.append(per_sample(chunk.to(device)))
+                optimizer.accumulate()
+            optimizer.step()
+            accountant.step(sigma, q)
+            train_time += time.perf_counter() - t0
+            samples += batch.shape[0]
+            train_tokens += batch.numel()
+            if batch.shape[0]:
+                mean = float(torch.cat(losses).mean())
+                loss_ema = mean if loss_ema is None else 0.9 * loss_ema + 0.1 * mean
+            now = time.perf_counter()
+            if now - eps_time > 5.0 or optimizer.dp_step == steps:
+                eps_shown, eps_time = accountant.get_epsilon(delta), now
+            bar.set_postfix(loss=f"{loss_ema:.3f}" if loss_ema is not None else "-",
+                            eps=f"{eps_shown:.2f}",
+                            tok_s=f"{train_tokens / max(train_time, 1e-9):.0f}", refresh=False)
+            bar.update(1)
+            if args.save_every and optimizer.dp_step % args.save_every == 0 \
+                    and optimizer.dp_step < steps and out is not None:
+                checkpoint()
+    except KeyboardInterrupt:
+        interrupted = True
+    bar.close()
+    if interrupted:
+        optimizer.zero_grad()  # an unfinished logical batch is dropped (never saved)
+        metrics = checkpoint()
+        where = f"; resume with --resume {out}" if out is not None else ""
+        print(f"dpkern finetune: interrupted at step {optimizer.dp_step}/{steps}, "
+              f"epsilon spent {metrics['epsilon']:.3g}{where}", file=sys.stderr)
+        return 130
+    val_after = _evaluate(net, val, args.eval_batch_size, device)
+    metrics = checkpoint(val_after, final=True)
+    _print_summary(plan, args, metrics, n_bytes, done, out)
+    return 0
+
+
+def _print_summary(plan, args, m, n_bytes, done, out) -> None:
+    model = plan.model or ("(resumed) " + str(args.resume) if args.resume else
+                           "built-in byte-level GPT-2")
+    data = plan.data or "pydoc_data.topics (CPython help pages)"
+    delta_src = "" if plan.delta is not None else " (1/N^1.1)"
+    lines = [
+        f"dpkern finetune: done in {_fmt_time(m['total_seconds'])}",
+        f"  model       {model}: {m['num_parameters'] / 1e6:.2f} M parameters, block {plan.block_size}",
+        f"  data        {data}: {n_bytes:,} bytes, {plan.n_train:,} train / {plan.n_val:,} "
+        "validation blocks",
+        f"  optimizer   {plan.optimizer}, lr {plan.lr:g}, backend {args.backend}, "
+        f"per-sample gradients {args.grad_sample}",
+        f"  privacy     epsilon {m['epsilon']:.3f} spent (target {plan.epsilon:g}), "
+        f"delta {m['delta']:.3g}{delta_src}, sigma {m['noise_multiplier']:.4g}, "
+        f"C {plan.max_grad_norm:g}, q {m['sample_rate']:.4g} (Poisson, expected batch "
+        f"{plan.batch_size}), {plan.accountant.upper()} accountant",
+        f"  training    steps {done} -> {m['step']}, {m['samples']:,} samples, "
+        f"{m['tokens']:,} tokens in {_fmt_time(m['train_seconds'])} "
+        f"({m['tokens_per_second']:,.0f} tokens/s)",
+        f"  validation  loss {m['val_loss_before']:.4f} -> {m['val_loss_after']:.4f}, "
+        f"perplexity {m['val_perplexity_before']:.2f} -> {m['val_perplexity_after']:.2f}",
+    ]
+    if out is not None:
+        lines.append(f"  saved       {out}")
+    print("\n".join(lines))

@@ -1,0 +1,99 @@
+"""Causal language models for ``dpkern finetune``: a small default built in code, or a
+local Hugging Face directory (never a download).
+
+The default is a GPT-2-architecture model (Radford et al. 2019, transformers'
+``GPT2LMHeadModel``) with a byte-level vocabulary: ids 0..255 are the UTF-8 bytes and
+256 is an end-of-text token, so no tokenizer file is needed.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+#: Byte-level vocabulary: 256 byte values + one end-of-text id.
+BYTE_VOCAB = 257
+EOT_ID = 256
+
+#: The default model's shape (about 0.44 M parameters at block 64): small enough that the
+#: default private run takes a few minutes on 2 CPU cores.
+DEFAULT_SHAPE = {"n_embd": 128, "n_layer": 2, "n_head": 4}
+
+
+def default_model(block_size: int, *, n_embd: int | None = None, n_layer: int | None = None,
+                  n_head: int | None = None, seed: int | None = None) -> nn.Module:
+    """A freshly initialised byte-level ``GPT2LMHeadModel`` (transformers) with context
+    ``block_size`` and no dropout (DP noise already regularises; dropout would also make
+    the per-sample gradients of torch.func random).
+
+    Args: block_size >= 2 (n_positions); n_embd (divisible by n_head), n_layer, n_head:
+    None = :data:`DEFAULT_SHAPE` (read at call time); seed: initialise reproducibly with
+    torch.manual_seed(seed) when given.
+    Raises: ValueError for an invalid shape."""
+    n_embd = DEFAULT_SHAPE["n_embd"] if n_embd is None else n_embd
+    n_layer = DEFAULT_SHAPE["n_layer"] if n_layer is None else n_layer
+    n_head = DEFAULT_SHAPE["n_head"] if n_head is None else n_head
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    if block_size < 2 or n_layer < 1 or n_head < 1 or n_embd < 1 or n_embd % n_head:
+        raise ValueError(f"invalid model shape: block_size={block_size}, n_embd={n_embd}, "
+                         f"n_layer={n_layer}, n_head={n_head} (n_embd must divide by n_head)")
+    config = GPT2Config(vocab_size=BYTE_VOCAB, n_positions=block_size, n_embd=n_embd,
+                        n_layer=n_layer, n_head=n_head, resid_pdrop=0.0, embd_pdrop=0.0,
+                        attn_pdrop=0.0, bos_token_id=EOT_ID, eos_token_id=EOT_ID,
+                        attn_implementation="eager")  # see load_model
+    if seed is not None:
+        torch.manual_seed(seed)
+    return GPT2LMHeadModel(config)
+
+
+def load_model(path: str | Path, attn_implementation: str | None = "eager"):
+    """Load a local Hugging Face causal LM directory, offline.
+
+    ``attn_implementation="eager"`` (default) suits per-sample gradients with torch.func:
+    vmap has no batching rule for the fused CPU attention kernel (it falls back to a slow
+    per-sample loop with a warning). None keeps the model's own choice.
+
+    Returns: (model, tokenizer or None): the model from
+    ``AutoModelForCausalLM.from_pretrained(path, local_files_only=True)``; the tokenizer
+    from ``AutoTokenizer`` when the directory has one (else None: byte-level ids are used,
+    which needs ``vocab_size >= 256``).
+    Raises: ValueError with a one-line reason when ``path`` is not a directory or holds
+    no loadable causal LM."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"{path} is not a directory")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path} has no config.json: not a Hugging Face model directory")
+    try:
+        kw = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kw)
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"{path} is not a loadable causal language model: {first}") from None
+    tokenizer = None
+    if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
+                                           "vocab.json", "tokenizer.model")):
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{path}: tokenizer files present but unloadable: "
+                             f"{str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}") from None
+    if tokenizer is None and model.config.vocab_size < 256:
+        raise ValueError(f"{path} has no tokenizer and vocab_size={model.config.vocab_size} < 256, "
+                         "so byte-level ids do not fit")
+    return model, tokenizer
+
+
+def context_length(model: nn.Module) -> int | None:
+    """The model's maximum sequence length from its config (n_positions /
+    max_position_embeddings), or None when the config does not say."""
+    cfg = model.config
+    for name in ("n_positions", "max_position_embeddings", "n_ctx"):
+        value = getattr(cfg, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None

@@ -1,0 +1,231 @@
+"""End-to-end tests of ``dpkern finetune`` (in-process, tiny model, tiny fresh text)."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from dpkern import data, models
+from dpkern.cli.__main__ import main
+
+WORDS = ("the privacy of each record is protected by noise added to the clipped sum of "
+         "gradients while the model learns which words follow which").split()
+
+
+@pytest.fixture(autouse=True)
+def tiny_default_model(monkeypatch):
+    """Shrink the built-in model so that a run takes a second or two."""
+    monkeypatch.setattr(models, "DEFAULT_SHAPE", {"n_embd": 32, "n_layer": 1, "n_head": 2})
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    """A fresh random text with learnable structure (a small vocabulary of words)."""
+    rng = random.Random()
+    sentences = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))) + "."
+                 for _ in range(400)]
+    path = tmp_path / "corpus.txt"
+    path.write_text(" ".join(sentences))
+    return path
+
+
+TINY = ["--block-size", "16", "--batch-size", "16", "--micro-batch-size", "8", "--lr", "1e-2",
+        "--quiet"]
+
+
+def finetune(*argv):
+    return main(["finetune", *map(str, argv)])
+
+
+def read_metrics(out):
+    return json.loads((out / "metrics.json").read_text())
+
+
+def test_end_to_end_loss_drops_and_budget_is_met(text_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert finetune("--data", text_file, "--steps", 25, "--epsilon", 8, "--out", out, *TINY) == 0
+    m = read_metrics(out)
+    for key in ("epsilon", "delta", "noise_multiplier", "sample_rate", "step",
+                "val_loss_before", "val_loss_after", "val_perplexity_before",
+                "val_perplexity_after", "tokens_per_second", "train_seconds"):
+        assert key in m, key
+    assert m["step"] == 25 and m["finished"]
+    assert m["val_loss_after"] < m["val_loss_before"] - 0.3
+    assert 0.95 * 8 <= m["epsilon"] <= 8
+    n = m["n_train_blocks"]
+    assert m["target_delta"] == pytest.approx(1 / n ** 1.1)
+    assert m["sample_rate"] == pytest.approx(16 / n)
+    assert m["noise_multiplier"] > 0
+    for f in ("config.json", "model.safetensors", "run_config.json", "trainer_state.pt"):
+        assert (out / f).is_file(), f
+    reloaded, tok = models.load_model(out)
+    assert tok is None and reloaded.config.vocab_size == models.BYTE_VOCAB
+    summary = capsys.readouterr().out
+    assert "perplexity" in summary and "epsilon" in summary and "sigma" in summary
+
+
+def test_resume_continues_from_saved_step(text_file, tmp_path, capsys):
+    first, second = tmp_path / "a", tmp_path / "b"
+    common = ["--data", text_file, *TINY]
+    assert finetune(*common, "--steps", 4, "--seed", 7, "--out", first) == 0
+    m1 = read_metrics(first)
+    # the plan is finished: resuming without more steps is an error, nothing written
+    assert finetune("--resume", first, "--quiet", "--out", second) == 2
+    assert "--steps" in capsys.readouterr().err and not second.exists()
+    # changing the plan on resume is refused
+    assert finetune("--resume", first, "--steps", 8, "--lr", 0.5, "--out", second) == 2
+    assert "--lr" in capsys.readouterr().err
+    assert finetune("--resume", first, "--steps", 8, "--epsilon", 10, "--out", second,
+                    "--quiet") == 0
+    assert "steps 4 -> 8" in capsys.readouterr().out
+    m2 = read_metrics(second)
+    assert m2["step"] == 8 and m2["optimizer_stats"]["steps"] == 8
+    assert m2["val_loss_initial"] == m1["val_loss_before"]
+    assert 0.95 * 10 <= m2["epsilon"] <= 10
+    state = torch.load(second / "trainer_state.pt", weights_only=True)
+    history = state["accountant"]["history"]
+    assert history[0] == [pytest.approx(m1["noise_multiplier"]), pytest.approx(m1["sample_rate"]), 4]
+    assert sum(r[2] for r in history) == 8
+    assert state["optimizer"]["dp"]["seed"] == 7  # reproducible mode keeps its seed
+    assert state["optimizer"]["state"]  # Adam moments were saved and restored
+    # a secure run never writes its key
+    assert finetune(*common, "--steps", 2, "--out", tmp_path / "c", "--overwrite") == 0
+    assert "seed" not in torch.load(tmp_path / "c" / "trainer_state.pt",
+                                    weights_only=True)["optimizer"]["dp"]
+
+
+def test_empty_poisson_batches_are_handled(text_file, tmp_path):
+    out = tmp_path / "run"
+    # expected batch 1 of a few hundred blocks: most batches are empty
+    assert finetune("--data", text_file, "--block-size", 16, "--batch-size", 1, "--steps", 6,
+                    "--quiet", "--optimizer", "dp-sgd", "--out", out) == 0
+    m = read_metrics(out)
+    assert m["step"] == 6 and m["samples"] < 6 * 4
+
+
+@pytest.mark.parametrize("optimizer", ["dp-adambc", "dp-macadam"])
+def test_other_optimizers_run(text_file, tmp_path, optimizer):
+    out = tmp_path / "run"
+    assert finetune("--data", text_file, "--steps", 3, "--optimizer", optimizer, "--out", out,
+                    *TINY) == 0
+    assert read_metrics(out)["optimizer"] == optimizer
+
+
+def _tiny_gpt2_dir(path, vocab_size=300, n_positions=32):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    cfg = GPT2Config(vocab_size=vocab_size, n_positions=n_positions, n_embd=32, n_layer=1,
+                     n_head=2, bos_token_id=0, eos_token_id=0)
+    GPT2LMHeadModel(cfg).save_pretrained(path)
+    return path
+
+
+def test_local_hf_model_dir_loads_via_model(text_file, tmp_path, capsys):
+    src = _tiny_gpt2_dir(tmp_path / "tiny-gpt2")
+    out = tmp_path / "run"
+    assert finetune("--model", src, "--data", text_file, "--steps", 3, "--out", out, *TINY) == 0
+    assert str(src) in capsys.readouterr().out
+    loaded, _ = models.load_model(out)
+    assert loaded.config.vocab_size == 300 and loaded.config.n_positions == 32
+
+
+def test_opacus_grad_sample_matches_functorch():
+    pytest.importorskip("opacus")
+    from dpkern.cli.finetune import _Logits, _PerSample
+    model = models.default_model(8)
+    net = _Logits(model, explicit_positions=True)
+    ids = torch.randint(0, 256, (5, 8))
+    loss_f = _PerSample(net, "functorch")(ids)
+    ref = {n: p.grad_sample.clone() for n, p in model.named_parameters()}
+    loss_o = _PerSample(net, "opacus")(ids)
+    torch.testing.assert_close(loss_o, loss_f, rtol=1e-5, atol=1e-6)
+    for n, p in model.named_parameters():  # includes the tied embedding / lm_head
+        torch.testing.assert_close(p.grad_sample, ref[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_opacus_mode_runs_end_to_end(text_file, tmp_path):
+    pytest.importorskip("opacus")
+    assert finetune("--data", text_file, "--steps", 2, "--grad-sample", "opacus",
+                    "--out", tmp_path / "run", *TINY) == 0
+
+
+def _bad_cases(tmp_path, text_file):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(b"\xff\xfe\x00\x81" * 10)
+    bad_jsonl = tmp_path / "bad.jsonl"
+    bad_jsonl.write_text('{"text": "fine"}\n{"txt": "no text field"}\n')
+    not_model = tmp_path / "not-a-model"
+    not_model.mkdir()
+    (not_model / "weights.bin").write_bytes(b"0")
+    wrong_model = tmp_path / "wrong-model"
+    wrong_model.mkdir()
+    (wrong_model / "config.json").write_text(json.dumps({"model_type": "vit"}))
+    return {
+        "missing data": (["--data", tmp_path / "nope.txt"], "--data"),
+        "empty data": (["--data", empty], "--data"),
+        "not utf-8": (["--data", binary], "--data"),
+        "bad jsonl": (["--data", bad_jsonl], "--data"),
+        "data is a directory": (["--data", tmp_path], "--data"),
+        "not a model dir": (["--data", text_file, "--model", not_model], "--model"),
+        "not a causal LM": (["--data", text_file, "--model", wrong_model], "--model"),
+        "missing model": (["--data", text_file, "--model", tmp_path / "nope"], "--model"),
+        "epsilon zero": (["--data", text_file, "--epsilon", 0], "--epsilon"),
+        "epsilon negative": (["--data", text_file, "--epsilon", -1], "--epsilon"),
+        "delta zero": (["--data", text_file, "--delta", 0], "--delta"),
+        "delta one": (["--data", text_file, "--delta", 1], "--delta"),
+        # no sigma <= 1e6 reaches it (RDP's order grid bottoms out near 0.36 at this delta)
+        "budget too small": (["--data", text_file, "--epsilon", 0.01, "--delta", 1e-12],
+                             "--epsilon"),
+        "batch larger than data": (["--data", text_file, "--block-size", 16,
+                                    "--batch-size", 10**6], "--batch-size"),
+        "block larger than context": (["--data", text_file, "--model",
+                                       _tiny_gpt2_dir(tmp_path / "m", n_positions=8),
+                                       "--block-size", 16], "--block-size"),
+        "max grad norm": (["--data", text_file, "--max-grad-norm", 0], "--max-grad-norm"),
+        "text too short": (["--data", empty.with_name("short.txt"), "--block-size", 16],
+                           "--data"),
+        "resume not a checkpoint": (["--resume", not_model], "--resume"),
+    }
+
+
+def test_bad_input_one_line_error_exit_2_nothing_written(tmp_path, text_file, capsys):
+    (tmp_path / "short.txt").write_text("too short")
+    for name, (argv, option) in _bad_cases(tmp_path, text_file).items():
+        out = tmp_path / f"out-{name.replace(' ', '-')}"
+        steps = [] if "--steps" in argv else ["--steps", 3]
+        assert finetune(*argv, *steps, "--out", out, "--quiet") == 2, name
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and "Traceback" not in err, (name, err)
+        assert err.startswith(f"dpkern finetune: error: {option}:"), (name, err)
+        assert not out.exists(), name
+
+
+def test_existing_out_is_never_clobbered_without_overwrite(tmp_path, text_file, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    assert finetune("--data", text_file, "--steps", 2, "--out", out, *TINY) == 2
+    assert "--out" in capsys.readouterr().err
+    assert (out / "precious.txt").read_text() == "keep me"
+    assert finetune("--data", text_file, "--steps", 2, "--out", out, "--overwrite", *TINY) == 0
+    assert not (out / "precious.txt").exists() and (out / "metrics.json").is_file()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_data_reading_and_blocks(tmp_path):
+    jsonl = tmp_path / "d.jsonl"
+    jsonl.write_text('{"text": "héllo"}\n\n{"text": "world"}\n')
+    text = data.read_text(jsonl)
+    assert text == "héllo" + data.DOC_SEPARATOR + "world"
+    ids = data.byte_encode(text)
+    assert ids.dtype == torch.int64 and ids.numel() == len(text.encode()) and int(ids.max()) < 256
+    blocks = data.make_blocks(ids, 4)
+    assert blocks.shape == (ids.numel() // 4, 4)
+    train, val = data.split_blocks(blocks, 0.25)
+    assert train.shape[0] + val.shape[0] == blocks.shape[0] and val.shape[0] >= 1
+    train2, val2 = data.split_blocks(blocks, 0.25)
+    assert torch.equal(val, val2)  # the same split every run
+    assert len(data.default_text()) > 100_000
