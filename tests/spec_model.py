@@ -1,0 +1,277 @@
+"""An independent float64 model of SPEC.md sections 2, 4, 5 and 7, for tests only.
+
+Written from the SPEC text, not from ``dpkern/backends/reference.py``: it shares no update
+code with dpkern. Only the noise stream z is taken from ``dpkern.functional.gaussian_noise``
+(it is pinned separately by the known-answer vectors of ``tests/test_noise.py``).
+
+Layout: every trainable coordinate of the optimizer lives in ONE flat float64 vector of
+length d, in noise-index order (``param_groups`` order, frozen parameters skipped, each
+parameter flattened row-major, SPEC section 3). So the global offsets, the global clipping
+norm and DP-MacAdam's global sum are plain slices and reductions of that vector.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dpkern.functional import gaussian_noise
+
+F64 = torch.float64
+# Monte Carlo arithmetic (Parker 1997; the idea behind Verificarlo): shadow copies of the
+# model perturb every intermediate result by a random relative 2^-23 (about twice float32's
+# rounding). Where the float64 result is sensitive to float32 rounding (v_hat - phi_hat ~ 0
+# in DP-AdamBC; S/kappa - b^2 sigma^2/B_e^2 ~ 0, u = (g~ - m_hat)(...) with g~ = m_hat in
+# DP-MacAdam; |g| ~ eps), the shadows' spread shows by how much, element by element, and a
+# float32 implementation is allowed SLACK_FACTOR times the largest shadow deviation on top
+# of the plain rtol/atol.
+SHADOWS = 3
+ROUNDOFF = 2.0**-23
+SLACK_FACTOR = 8.0
+CLIP_EPS = 1e-6  # c_i = min(1, C / (n_i + 1e-6)), SPEC section 2
+
+# SPEC defaults (section 5: torch.optim's where there is a twin; section 7 for MacAdam).
+SPEC_DEFAULTS = {
+    "sgd": dict(momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False),
+    "adam": dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0),
+    "adamw": dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2),
+    "adam_bc": dict(betas=(0.9, 0.999), gamma=1e-8, weight_decay=0.0),
+    "adamw_bc": dict(betas=(0.9, 0.999), gamma=1e-8, weight_decay=1e-2),
+    "macadam": dict(betas=(0.9, 0.999), gamma=1e-8, h1=1e-9, h2=1e-6,
+                    variance_estimate="unbiased"),
+}
+RULES = tuple(SPEC_DEFAULTS)
+
+
+def kappa(beta1: float, t: int) -> float:
+    """kappa_t = 2 (beta1 - beta1^t) / (1 + beta1) (SPEC section 7)."""
+    return 2.0 * (beta1 - beta1**t) / (1.0 + beta1)
+
+
+class SpecOptimizer:
+    """SPEC's optimizers over a list of parameter groups, all arithmetic in float64.
+
+    Args:
+        rule: one of :data:`RULES`.
+        groups: list of dicts ``{"params": [tensor, ...], **hyper}`` where the tensors are
+            the initial parameters (their ``requires_grad``, dtype and shape are used; they
+            are copied, never modified) and ``hyper`` holds ``lr`` and any override of
+            :data:`SPEC_DEFAULTS`.
+        max_grad_norm, noise_multiplier, expected_batch_size: C, sigma, B_e (change them
+            between steps with :meth:`set_privacy`).
+        key: the noise key (the ``seed=`` given to dpkern).
+        b_init: DP-MacAdam's initial scale (default 1/d).
+        perturb: None for the model itself; an int seeds a Monte Carlo arithmetic shadow.
+
+    After each :meth:`step`, :meth:`params` holds the parameters rounded to their dtype
+    (SPEC: updated in float32, rounded once on store), :meth:`state` the states and
+    :meth:`slacks` / :meth:`state_slack` the float32 error budgets.
+    """
+
+    def __init__(self, rule, groups, *, max_grad_norm=1.0, noise_multiplier=0.0,
+                 expected_batch_size=1.0, key=0, b_init=None, perturb=None):
+        assert rule in RULES
+        self.rule = rule
+        self.C, self.sigma, self.B_e, self.key = max_grad_norm, noise_multiplier, \
+            expected_batch_size, key
+        self.t = 0
+        self.groups = []   # list of (hyper, slice) per group
+        self.entries = []  # per trainable param: (group index, slice, shape, dtype)
+        values = []
+        offset = 0
+        for gi, g in enumerate(groups):
+            hyper = {**SPEC_DEFAULTS[rule], **{k: v for k, v in g.items() if k != "params"}}
+            start = offset
+            for p in g["params"]:
+                if not p.requires_grad:  # frozen: no norm, noise, state, nor noise index
+                    continue
+                n = p.numel()
+                self.entries.append((gi, slice(offset, offset + n), tuple(p.shape), p.dtype))
+                values.append(p.detach().to(F64).reshape(-1))
+                offset += n
+            self.groups.append((hyper, slice(start, offset)))
+        self.d = offset
+        self.p = torch.cat(values) if values else torch.zeros(0, dtype=F64)
+        z = lambda: torch.zeros(self.d, dtype=F64)
+        self.m, self.v, self.buf, self.S = z(), z(), z(), z()
+        self.b = torch.full((self.d,), b_init if b_init is not None else 1.0 / self.d,
+                            dtype=F64)
+        self.phi = [0.0 for _ in self.groups]  # DP-AdamBC's noise-variance EMA per group
+        self.acc = z()
+        self._gen = None if perturb is None else torch.Generator().manual_seed(perturb)
+        self.shadows = [] if perturb is not None else [
+            SpecOptimizer(rule, groups, max_grad_norm=max_grad_norm,
+                          noise_multiplier=noise_multiplier,
+                          expected_batch_size=expected_batch_size, key=key, b_init=b_init,
+                          perturb=1000 + k) for k in range(SHADOWS)]
+
+    def _r(self, x):
+        """An intermediate result: exact in the model, perturbed by 2^-23 in a shadow."""
+        if self._gen is None:
+            return x
+        if isinstance(x, float):
+            return x * (1.0 + ROUNDOFF * (2.0 * float(torch.rand((), generator=self._gen)) - 1))
+        noise = torch.rand(x.shape, generator=self._gen, dtype=F64)
+        return x * (1.0 + ROUNDOFF * (2.0 * noise - 1.0))
+
+    # -- views -------------------------------------------------------------------------
+    def params(self) -> list[torch.Tensor]:
+        """Current trainable parameters (float64, shaped, already rounded to their dtype)."""
+        return [self.p[sl].reshape(shape) for _, sl, shape, _ in self.entries]
+
+    def state(self, k: int) -> dict[str, torch.Tensor]:
+        """States of trainable parameter k (float64, shaped like it), torch.optim names."""
+        _, sl, shape, _ = self.entries[k]
+        return {"momentum_buffer": self.buf[sl].reshape(shape),
+                "exp_avg": self.m[sl].reshape(shape), "exp_avg_sq": self.v[sl].reshape(shape),
+                "exp_var": self.S[sl].reshape(shape), "scale": self.b[sl].reshape(shape)}
+
+    def slacks(self) -> list[torch.Tensor]:
+        """Per-parameter float32 error budgets (float64, shaped like the params)."""
+        out = [torch.zeros(shape, dtype=F64) for _, _, shape, _ in self.entries]
+        for sh in self.shadows:
+            out = [torch.maximum(o, SLACK_FACTOR * (q - q2).abs())
+                   for o, q, q2 in zip(out, self.params(), sh.params())]
+        return out
+
+    def state_slack(self, k: int) -> dict[str, torch.Tensor]:
+        """Float32 error budgets of the states of trainable parameter k."""
+        ours = self.state(k)
+        out = {n: torch.zeros_like(v) for n, v in ours.items()}
+        for sh in self.shadows:
+            theirs = sh.state(k)
+            out = {n: torch.maximum(out[n], SLACK_FACTOR * (ours[n] - theirs[n]).abs())
+                   for n in ours}
+        return out
+
+    def set_privacy(self, *, max_grad_norm, noise_multiplier, expected_batch_size) -> None:
+        """Change C, sigma, B_e before the next step (a noise schedule)."""
+        for m in (self, *self.shadows):
+            m.C, m.sigma, m.B_e = max_grad_norm, noise_multiplier, expected_batch_size
+
+    # -- section 2 (and the whitening of section 7) --------------------------------------
+    def _rows(self, grads, t: int) -> torch.Tensor:
+        """[B, d] rows x_i: per-sample gradients (whitened for MacAdam)."""
+        B = next(g.shape[0] for g in grads if g is not None)
+        parts = []
+        for (_, sl, shape, _), g in zip(self.entries, grads):
+            n = sl.stop - sl.start
+            parts.append(torch.zeros(B, n, dtype=F64) if g is None
+                         else g.detach().to(F64).reshape(B, n))
+        X = torch.cat(parts, dim=1) if parts else torch.zeros(B, 0, dtype=F64)
+        if self.rule == "macadam":  # w_i = (g_i - m_hat_{t-1}) / b
+            X = self._r(self._r(X - self._m_hat(t - 1)) / self.b)
+        return X
+
+    def _m_hat(self, t: int) -> torch.Tensor:
+        """m_hat_t = m_t / (1 - beta1^t) with the current m, beta1 per group (m_hat_0 = 0)."""
+        out = torch.zeros(self.d, dtype=F64)
+        if t > 0:
+            for hyper, sl in self.groups:
+                out[sl] = self._r(self.m[sl] / (1.0 - hyper["betas"][0] ** t))
+        return out
+
+    def clipped_sum(self, grads, t: int) -> torch.Tensor:
+        """Sum_i c_i x_i over one micro-batch (flat [d]); c_i per SPEC 2 or SPEC 7."""
+        r = self._r
+        X = self._rows(grads, t)
+        n = r(X.norm(dim=1))
+        if self.rule == "macadam":
+            c = r(1.0 / torch.clamp(n, min=1.0))  # w_bar_i = w_i / max(1, ||w_i||)
+        else:
+            c = r(torch.clamp(self.C / (n + CLIP_EPS), max=1.0))
+        return r((r(c[:, None] * X)).sum(dim=0))
+
+    def accumulate(self, grads) -> None:
+        """Fold one micro-batch into the logical batch (no noise)."""
+        self.acc = self._r(self.acc + self.clipped_sum(grads, self.t + 1))
+        for sh in self.shadows:
+            sh.accumulate(grads)
+
+    # -- sections 4, 5, 7 ------------------------------------------------------------------
+    def step(self, grads=None) -> None:
+        """One step: grads is a list (one entry per trainable param: None or [B, *shape])
+        or None when everything was accumulated."""
+        for sh in self.shadows:
+            sh.step(grads)
+        r = self._r
+        self.t += 1
+        t = self.t
+        S = self.acc.clone()
+        if grads is not None:
+            S = r(S + self.clipped_sum(grads, t))
+        self.acc.zero_()
+        z = gaussian_noise(self.d, key=self.key, step=t, backend="torch").to(F64)
+        noise_std = self.sigma * (1.0 if self.rule == "macadam" else self.C)
+        g_hat = r(r(S + r(noise_std * z)) / self.B_e)  # SPEC 4 (whitened w~ for MacAdam)
+        update = {"sgd": self._sgd, "macadam": self._macadam}.get(self.rule, self._adam)
+        for gi, (hyper, sl) in enumerate(self.groups):
+            if sl.stop > sl.start:
+                update(gi, hyper, sl, g_hat[sl])
+        if self.rule == "macadam":
+            self._macadam_scale()
+        for _, sl, _, dtype in self.entries:  # rounded once on store
+            self.p[sl] = self.p[sl].to(dtype).to(F64)
+
+    def _moments(self, h, sl, g):
+        """m, v EMAs (in place) and their bias-corrected m_hat, v_hat (SPEC 5.2)."""
+        r, t, (beta1, beta2) = self._r, self.t, h["betas"]
+        self.m[sl] = r(r(beta1 * self.m[sl]) + r((1 - beta1) * g))
+        self.v[sl] = r(r(beta2 * self.v[sl]) + r(r((1 - beta2) * g) * g))
+        return r(self.m[sl] / (1 - beta1**t)), r(self.v[sl] / (1 - beta2**t))
+
+    def _sgd(self, gi, h, sl, g_hat):  # SPEC 5.1, torch.optim.SGD semantics
+        r, p, mu = self._r, self.p[sl], h["momentum"]
+        g = r(g_hat + r(h["weight_decay"] * p))
+        if mu != 0:
+            if self.t == 1:
+                buf = g.clone()
+            else:
+                buf = r(r(mu * self.buf[sl]) + r((1.0 - h["dampening"]) * g))
+            self.buf[sl] = buf
+            g = r(g + r(mu * buf)) if h["nesterov"] else buf
+        self.p[sl] = r(p - r(h["lr"] * g))
+
+    def _adam(self, gi, h, sl, g_hat):  # SPEC 5.2 - 5.5
+        r, t, beta2, lr, wd = self._r, self.t, h["betas"][1], h["lr"], h["weight_decay"]
+        p = self.p[sl]
+        if self.rule in ("adamw", "adamw_bc"):
+            p = r(p * (1.0 - lr * wd))  # decoupled, first
+            g = g_hat
+        else:
+            g = r(g_hat + r(wd * p))  # coupled L2
+        m_hat, v_hat = self._moments(h, sl, g)
+        if self.rule in ("adam_bc", "adamw_bc"):
+            Phi = (self.sigma * self.C / self.B_e) ** 2
+            self.phi[gi] = r(beta2 * self.phi[gi] + (1 - beta2) * Phi)
+            phi_hat = r(self.phi[gi] / (1 - beta2**t))
+            denom = r(torch.sqrt(torch.clamp(r(v_hat - phi_hat), min=h["gamma"])))
+        else:
+            denom = r(r(v_hat.sqrt()) + h["eps"])
+        self.p[sl] = r(p - r(lr * r(m_hat / denom)))
+
+    def _macadam(self, gi, h, sl, w_tilde):  # SPEC 7, per group
+        r, t, beta1 = self._r, self.t, h["betas"][0]
+        b = self.b[sl]
+        m_hat_prev = r(self.m[sl] / (1 - beta1 ** (t - 1))) if t > 1 else torch.zeros_like(b)
+        g = r(r(b * w_tilde) + m_hat_prev)  # back to gradient scale
+        m_hat, v_hat = self._moments(h, sl, g)
+        self.p[sl] = r(self.p[sl] - r(h["lr"] * r(m_hat / r(r(v_hat.sqrt()) + h["gamma"]))))
+        u = {"unbiased": r(r(g - m_hat_prev) * r(g - m_hat)),
+             "paper": r(r(g - m_hat) ** 2),
+             "code": r(r(g - m_hat_prev) ** 2)}[h["variance_estimate"]]
+        self.S[sl] = r(r(beta1 * self.S[sl]) + r((1 - beta1) * u))
+
+    def _macadam_scale(self):
+        """t >= 2: S_hat = clamp(S/kappa_t - b^2 sigma^2/B_e^2, h1, h2);
+        b <- S_hat^(1/4) (sum_j S_hat_j^(1/2))^(1/2), the sum over ALL coordinates."""
+        if self.t < 2:
+            return
+        r = self._r
+        S_hat = torch.zeros(self.d, dtype=F64)
+        for hyper, sl in self.groups:
+            k = kappa(hyper["betas"][0], self.t)
+            raw = r(r(self.S[sl] / k) - r(r(self.b[sl] ** 2) * (self.sigma / self.B_e) ** 2))
+            S_hat[sl] = torch.clamp(raw, min=hyper["h1"], max=hyper["h2"])
+        total = r(float(r(S_hat.sqrt()).sum()))
+        self.b = r(r(S_hat.sqrt().sqrt()) * math.sqrt(total))
