@@ -183,15 +183,22 @@ def check_params(groups: list[Group]) -> torch.device:
 
 def _pass1(groups: list[Group], backend, batch_size: int, device, dp_step: int) -> Tensor:
     """Per-sample norms over every parameter of every group (whitened for MacAdam)."""
-    grad_samples = [g for grp in groups for g in grp.grad_samples]
     if groups[0].hyper.rule != "macadam":
-        return backend.per_sample_norms(grad_samples, batch_size, device)
-    beta1 = groups[0].hyper.beta1
-    bc1 = 1.0 - beta1 ** (dp_step - 1)
-    return backend.whitened_norms(grad_samples,
-                                  [m for grp in groups for m in grp.states["exp_avg"]],
-                                  [b for grp in groups for b in grp.states["scale"]],
-                                  bc1, batch_size, device)
+        return backend.per_sample_norms([g for grp in groups for g in grp.grad_samples],
+                                        batch_size, device)
+    # MacAdam whitens with each group's own m_hat = m / (1 - beta1^(t-1)): one call per
+    # group, then the norm over all coordinates (the clipped vector is the summed one).
+    if len(groups) == 1:
+        grp = groups[0]
+        return backend.whitened_norms(grp.grad_samples, grp.states["exp_avg"],
+                                      grp.states["scale"], 1.0 - grp.hyper.beta1 ** (dp_step - 1),
+                                      batch_size, device)
+    sq = torch.zeros(batch_size, dtype=torch.float32, device=device)
+    for grp in groups:
+        bc1 = 1.0 - grp.hyper.beta1 ** (dp_step - 1)
+        sq += backend.whitened_norms(grp.grad_samples, grp.states["exp_avg"],
+                                     grp.states["scale"], bc1, batch_size, device).square()
+    return sq.sqrt()
 
 
 def clip_and_check(groups: list[Group], *, backend, device, step: int, max_grad_norm: float,

@@ -46,12 +46,6 @@ CONFIGS = {
                                      betas=(0.8, 0.99), gamma=1e-6), {}),
     "macadam_b_init": ("macadam", dict(h1=1e-10, h2=1e2), dict(b_init=0.05)),
 }
-MACADAM_BETA1_BUG = (
-    "dpkern/functional.py _pass1 (line ~189) computes every group's whitened norm with "
-    "bias_correction1 = 1 - groups[0].hyper.beta1**(t-1), while backends/reference.py "
-    "step/_contribution whitens each group with its own beta1: the clip factor bounds a "
-    "different w_i than the one summed (SPEC 7: m_hat_{t-1} = m_{t-1}/(1-beta1^{t-1}) per "
-    "group), so ||c_i w_i|| can exceed 1")
 LRS = (0.05, 0.02, 0.1)  # one per parameter group
 SGD_LRS = (0.2, 0.1, 0.3)
 
@@ -369,7 +363,6 @@ def test_macadam_kappa_normalises_the_unbiased_variance():
             assert float(S.mean()) / V == pytest.approx(kappa(beta1, t), rel=1e-2), t
 
 
-@pytest.mark.xfail(strict=True, reason=MACADAM_BETA1_BUG)
 def test_macadam_groups_with_different_betas():
     """beta1 is a group hyper-parameter: w_i uses each group's own m_hat_{t-1} both for the
     norm and for the sum (else the clip factor bounds a different vector than the one that
@@ -395,7 +388,6 @@ def test_macadam_groups_with_different_betas():
         compare(opt, model, trainable, torch.float32, f"macadam betas seed={seed} t={t}")
 
 
-@pytest.mark.xfail(strict=True, reason=MACADAM_BETA1_BUG)
 def test_macadam_clipped_row_norm_at_most_one_with_per_group_betas():
     """SPEC 7's sensitivity: every summed whitened row c_i w_i has norm <= 1, also when
     the groups have different beta1. Constructed so that group 1's row, whitened with its
