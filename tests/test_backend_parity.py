@@ -6,6 +6,7 @@ sums, fp32 and bf16/fp16 parameters, t = 1 and t > 1, and noise offsets beyond 2
 from __future__ import annotations
 
 import copy
+import zlib
 
 import pytest
 import torch
@@ -18,16 +19,19 @@ from dpkern.hyper import (AdamBCHyper, AdamHyper, AdamWBCHyper, AdamWHyper, DPSt
 from conftest import backend_device, load_vectors
 
 SHAPES = [(), (1,), (7,), (3, 5), (33, 17), (1031,), (4, 16)]  # (4, 16): aligned vector path
+# Well-conditioned hyper-parameters: with gamma or h1 near 1e-6 the clamps in
+# sqrt(max(v_hat - phi_hat, gamma)) and S/kappa - b^2 sigma^2/B_e^2 turn a 1-ulp
+# difference in z (cos/log rounding differs by device) into errors far above 1e-5.
 HYPERS = {
     "sgd": SGDHyper(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01),
     "sgd_nesterov": SGDHyper(lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=True),
     "adam": AdamHyper(lr=1e-2, weight_decay=0.01),
-    "adam_bc": AdamBCHyper(lr=1e-2, weight_decay=0.01, gamma=1e-6),
+    "adam_bc": AdamBCHyper(lr=1e-2, weight_decay=0.01, gamma=1e-2),
     "adamw": AdamWHyper(lr=1e-2, weight_decay=0.1),
-    "adamw_bc": AdamWBCHyper(lr=1e-2, weight_decay=0.1, gamma=1e-6),
-    "macadam": MacAdamHyper(lr=1e-2, h1=1e-6, h2=10.0),
-    "macadam_paper": MacAdamHyper(lr=1e-2, h1=1e-6, h2=10.0, variance_estimate="paper"),
-    "macadam_code": MacAdamHyper(lr=1e-2, h1=1e-6, h2=10.0, variance_estimate="code"),
+    "adamw_bc": AdamWBCHyper(lr=1e-2, weight_decay=0.1, gamma=1e-2),
+    "macadam": MacAdamHyper(lr=1e-2, h1=1e-2, h2=10.0),
+    "macadam_paper": MacAdamHyper(lr=1e-2, h1=1e-2, h2=10.0, variance_estimate="paper"),
+    "macadam_code": MacAdamHyper(lr=1e-2, h1=1e-2, h2=10.0, variance_estimate="code"),
 }
 KEY = 0xDEADBEEF12345678
 
@@ -162,7 +166,7 @@ def test_step(fused_backend, name, B, dtype, t):
     hyper = HYPERS[name]
     dev = backend_device(fused_backend)
     be = resolve(fused_backend, dev)
-    case = make_case(hyper.rule, B, dtype, dev, seed=hash((name, B, t)) % 1000, t=t)
+    case = make_case(hyper.rule, B, dtype, dev, seed=zlib.crc32(f"{name}-{B}-{t}".encode()) % 1000, t=t)
     want_p, want_s, want_out = _run(ref, hyper, case)
     got_p, got_s, got_out = _run(be, hyper, case)
     for k, (a, b) in enumerate(zip(got_p, want_p)):

@@ -24,9 +24,9 @@ from conftest import load_vectors  # noqa: E402
 KEY = 0x0123456789ABCDEF
 HYPERS = {
     "sgd": SGDHyper(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
-    "adam_bc": AdamBCHyper(lr=1e-2, weight_decay=0.01, gamma=1e-6),
+    "adam_bc": AdamBCHyper(lr=1e-2, weight_decay=0.01, gamma=1e-2),
     "adamw": AdamWHyper(lr=1e-2, weight_decay=0.1),
-    "macadam": MacAdamHyper(lr=1e-2, h1=1e-6, h2=10.0),
+    "macadam": MacAdamHyper(lr=1e-2, h1=1e-2, h2=10.0),
 }
 # For comparisons with the reference at 1e-5: the same rules away from their ill-conditioned
 # clamps (v_hat - phi_hat ~ gamma, S / kappa - b^2 sigma^2 / B_e^2 ~ h1), where one ulp of

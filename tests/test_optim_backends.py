@@ -10,13 +10,16 @@ import dpkern
 
 from conftest import backend_device
 
+# Well-conditioned hyper-parameters: with gamma or h1 near 1e-6 the clamps in
+# sqrt(max(v_hat - phi_hat, gamma)) and S/kappa - b^2 sigma^2/B_e^2 turn a 1-ulp
+# difference in z (cos/log rounding differs by device) into errors far above 1e-5.
 CLASSES = {
     "sgd": (dpkern.DPSGD, dict(momentum=0.9, nesterov=True, weight_decay=0.01)),
     "adam": (dpkern.DPAdam, dict(weight_decay=0.01)),
-    "adam_bc": (dpkern.DPAdamBC, dict(gamma=1e-6)),
+    "adam_bc": (dpkern.DPAdamBC, dict(gamma=1e-2)),
     "adamw": (dpkern.DPAdamW, dict(weight_decay=0.1)),
-    "adamw_bc": (dpkern.DPAdamWBC, dict(weight_decay=0.1, gamma=1e-6)),
-    "macadam": (dpkern.DPMacAdam, dict(h1=1e-6, h2=1.0)),
+    "adamw_bc": (dpkern.DPAdamWBC, dict(weight_decay=0.1, gamma=1e-2)),
+    "macadam": (dpkern.DPMacAdam, dict(h1=1e-2, h2=10.0)),
 }
 SHAPES = [(9, 7), (7,), (1,), (), (130,), (3, 4, 5)]
 

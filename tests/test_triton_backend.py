@@ -219,7 +219,7 @@ def test_non_contiguous(tr, dev):
 
 
 @pytest.mark.parametrize("hyper", [SGDHyper(lr=0.1), AdamWHyper(lr=0.1),
-                                   MacAdamHyper(lr=0.1, h1=1e-6, h2=10.0)])
+                                   MacAdamHyper(lr=0.1, h1=1e-2, h2=10.0)])
 def test_empty_and_zero_sized(tr, dev, hyper):
     """B = 0 with a zero-sized parameter and no parameters at all."""
     params = [torch.randn(0, 3, device=dev), torch.randn(5, device=dev)]
