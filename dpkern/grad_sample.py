@@ -60,18 +60,14 @@ def compute_grad_sample(module: nn.Module, loss_fn: Callable, inputs, targets=No
     def sample_loss(params, sample_inputs, sample_target):
         batch = tuple(x.unsqueeze(0) for x in sample_inputs)
         out = functional_call(module, {**params, **frozen, **buffers}, batch)
-        if sample_target is None:
-            return loss_fn(out)
-        return loss_fn(out, sample_target.unsqueeze(0))
+        loss = loss_fn(out) if sample_target is None else loss_fn(out, sample_target.unsqueeze(0))
+        return loss, loss.detach()  # (what grad differentiates, the loss as aux output)
 
-    per_sample = vmap(grad(sample_loss, has_aux=False), in_dims=(None, 0, 0 if targets is not None else None),
+    per_sample = vmap(grad(sample_loss, has_aux=True),
+                      in_dims=(None, 0, 0 if targets is not None else None),
                       randomness="different", chunk_size=chunk_size)
-    loss_only = vmap(sample_loss, in_dims=(None, 0, 0 if targets is not None else None),
-                     randomness="different", chunk_size=chunk_size)
     with torch.enable_grad():
-        grads = per_sample(trainable, inputs, targets)
-    with torch.no_grad():
-        losses = loss_only(trainable, inputs, targets)
+        grads, losses = per_sample(trainable, inputs, targets)
     for n in names:
         param_of[n].grad_sample = grads[n].detach()
     return losses.detach().float()
