@@ -8,8 +8,9 @@ target epsilon is reached exactly at the end of training.
 
 Defaults: a small byte-level GPT-2 (2 layers, width 128, block 64, ~0.44 M parameters)
 built in code, trained on CPython's pydoc_data help pages (~465 kB of English prose,
-offline), 150 steps of DP-AdamW at an expected batch of 64 blocks, epsilon = 8,
-delta = 1/N^1.1 (N = training blocks), C = 1. A few minutes on 2 CPU cores.
+offline), 150 steps of DP-AdamW (lr 5e-3) at an expected batch of 128 blocks
+(micro-batches of 64), epsilon = 8, delta = 1/N^1.1 (N = training blocks), C = 1.
+About 45 s on 2 idle CPU cores; validation perplexity goes from ~250 to ~14.
 
 Privacy unit: one block of --block-size tokens (adding or removing one block of the
 training text). Losses shown on the progress bar and saved in metrics.json are computed
@@ -46,15 +47,16 @@ DEFAULTS = {
     "block_size": 64,
     "val_fraction": 0.1,
     "optimizer": "dp-adamw",
-    "lr": 3e-3,
+    "lr": 5e-3,
     "weight_decay": None,        # None = the optimizer's own default
     "epsilon": 8.0,
     "delta": None,               # None = 1 / N**1.1
     "accountant": "rdp",
     "max_grad_norm": 1.0,
-    "batch_size": 64,
+    "batch_size": 128,
     "steps": 150,
 }
+DEFAULT_MICRO_BATCH = 64
 #: Options that define the run plan: taken from the checkpoint on --resume.
 PLAN_OPTIONS = ("model", "block_size", "val_fraction", "optimizer", "lr", "weight_decay",
                 "delta", "accountant", "max_grad_norm", "batch_size", "seed")
@@ -95,7 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-size", type=int, metavar="B", help="expected logical batch "
                    f"under Poisson sampling (default {d['batch_size']})")
     g.add_argument("--micro-batch-size", type=int, metavar="M", help="physical batch; a "
-                   "logical batch is accumulated over micro-batches (default: the batch size)")
+                   "logical batch is accumulated over micro-batches (default 64)")
     x = g.add_mutually_exclusive_group()
     x.add_argument("--steps", type=int, help=f"optimizer steps (default {d['steps']})")
     x.add_argument("--epochs", type=float, help="passes over the training blocks "
@@ -222,6 +224,9 @@ def _plan_from_args(args, saved: dict | None) -> Plan:
         raise UsageError("--model", "cannot be given with --resume (the model is the checkpoint's)")
     if values["epochs"] is not None:
         values["steps"] = None
+    for name in ("model", "data"):  # absolute, so that --resume works from anywhere
+        if getattr(args, name) is not None:
+            values[name] = str(Path(getattr(args, name)).absolute())
     if saved is not None:
         values["tokenizer"] = saved.get("tokenizer", "bytes")
         if args.epochs is None and args.steps is None:  # continue the saved plan
@@ -318,8 +323,10 @@ class _PerSample:
         from ..grad_sample import compute_grad_sample
         if self.mode == "functorch" or ids.shape[0] == 0:
             return compute_grad_sample(self.net, _sample_loss, ids, ids)
-        losses = _token_loss(self.gsm(ids), ids)
-        losses.sum().backward()
+        with warnings.catch_warnings():  # integer inputs: torch notes the hook sees no input grads
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            losses = _token_loss(self.gsm(ids), ids)
+            losses.sum().backward()
         for p in self.net.parameters():
             p.grad = None
         return losses.detach()
@@ -516,7 +523,7 @@ def _run(args) -> int:
         except (ValueError, KeyError) as exc:
             raise UsageError("--resume", f"optimizer state does not fit: {exc}") from None
         optimizer.noise_multiplier = sigma
-    micro = args.micro_batch_size or plan.batch_size
+    micro = args.micro_batch_size or DEFAULT_MICRO_BATCH
     per_sample = _PerSample(net, args.grad_sample)
     numel = sum(p.numel() for p in params)
 
