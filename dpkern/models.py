@@ -97,3 +97,51 @@ def context_length(model: nn.Module) -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return None
+
+
+# -- the language-modelling objective, shared by finetune and compare ----------------------
+class CausalLMLogits(torch.nn.Module):
+    """``input_ids [B, T] -> logits [B, T, V]`` of a Hugging Face causal LM.
+
+    ``explicit_positions=True`` passes ``position_ids`` of shape [B, T]: models otherwise
+    build them as [1, T], and Opacus' hooks would take that 1 for the batch dimension of
+    the position embedding (wrong per-sample gradients)."""
+
+    def __init__(self, model, explicit_positions: bool = False):
+        super().__init__()
+        self.model = model
+        self.explicit_positions = explicit_positions
+
+    def forward(self, input_ids):
+        kw = {}
+        if self.explicit_positions:
+            B, T = input_ids.shape
+            kw["position_ids"] = torch.arange(T, device=input_ids.device).repeat(B, 1)
+        return self.model(input_ids=input_ids, use_cache=False, **kw).logits
+
+
+def token_loss(logits, ids):
+    """Mean next-token cross-entropy of each sample: float32 ``[B]``."""
+    import torch.nn.functional as F
+    lg = logits[:, :-1].float()
+    ce = F.cross_entropy(lg.reshape(-1, lg.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
+    return ce.view(ids.shape[0], -1).mean(1)
+
+
+def sample_loss(logits, ids):
+    """Sum of the per-sample mean next-token losses (the loss torch.func differentiates per sample)."""
+    return token_loss(logits, ids).sum()
+
+
+def evaluate(net, blocks, batch: int, device) -> float:
+    """Mean next-token loss (nats/token) of ``blocks`` [N, T]."""
+    was_training = net.training
+    net.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, blocks.shape[0], batch):
+            ids = blocks[i:i + batch].to(device)
+            total += float(token_loss(net(ids), ids).sum())
+            count += ids.shape[0]
+    net.train(was_training)
+    return total / count

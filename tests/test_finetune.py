@@ -132,9 +132,10 @@ def test_local_hf_model_dir_loads_via_model(text_file, tmp_path, capsys):
 
 def test_opacus_grad_sample_matches_functorch():
     pytest.importorskip("opacus")
-    from dpkern.cli.finetune import _Logits, _PerSample
+    from dpkern.cli.finetune import _PerSample
+    from dpkern.models import CausalLMLogits
     model = models.default_model(8)
-    net = _Logits(model, explicit_positions=True)
+    net = CausalLMLogits(model, explicit_positions=True)
     ids = torch.randint(0, 256, (5, 8))
     loss_f = _PerSample(net, "functorch")(ids)
     ref = {n: p.grad_sample.clone() for n, p in model.named_parameters()}

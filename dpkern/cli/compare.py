@@ -157,29 +157,22 @@ def text_task() -> Task:
     """The text task: the finetune job's default byte-level GPT-2 (dpkern.models) on its
     default corpus (dpkern.data: CPython's help pages), blocks of 64 bytes as the privacy
     unit, its per-block next-token loss; the held-out 10% of blocks is halved into
-    validation and test. Metric: perplexity per byte, exp(mean loss), lower is better.
-
-    Raises: RuntimeError when the finetune job's modules are not available."""
-    try:
-        from .. import data, models
-        from .finetune import _evaluate, _Logits, _sample_loss
-    except ImportError as exc:
-        raise RuntimeError(f"--task text needs the finetune job's model and data "
-                           f"(dpkern.models, dpkern.data, dpkern.cli.finetune): {exc}") from None
+    validation and test. Metric: perplexity per byte, exp(mean loss), lower is better."""
+    from .. import data, models
     blocks = data.make_blocks(data.byte_encode(data.default_text()), TEXT_BLOCK_SIZE)
     train, held = data.split_blocks(blocks, TEXT_VAL_FRACTION)
     half = held.shape[0] // 2
     splits = {"val": held[:half], "test": held[half:]}
 
     def make_model(seed: int) -> nn.Module:
-        return _Logits(models.default_model(TEXT_BLOCK_SIZE, seed=seed))
+        return models.CausalLMLogits(models.default_model(TEXT_BLOCK_SIZE, seed=seed))
 
     def evaluate(model: nn.Module, split: str) -> float:
-        return math.exp(_evaluate(model, splits[split], 64, torch.device("cpu")))
+        return math.exp(models.evaluate(model, splits[split], 64, torch.device("cpu")))
 
     # sample_loss(logits, ids) gets the block as input and as target: train = (ids, ids)
     return Task("text", "held-out perplexity (per byte)", False, (train, train), make_model,
-                _sample_loss, evaluate, epochs=1.0, quick_epochs=0.05)
+                models.sample_loss, evaluate, epochs=1.0, quick_epochs=0.05)
 
 
 TASKS = {"digits": digits_task, "text": text_task}

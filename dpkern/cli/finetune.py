@@ -39,6 +39,8 @@ from pathlib import Path
 
 import torch
 
+from .. import models
+
 OPTIMIZERS = ("dp-sgd", "dp-adam", "dp-adambc", "dp-adamw", "dp-adamw-bc", "dp-macadam")
 GRAD_SAMPLE_MODES = ("functorch", "opacus")
 
@@ -237,7 +239,6 @@ def _plan_from_args(args, saved: dict | None) -> Plan:
 # -- model, data, per-sample gradients ----------------------------------------------------
 
 def _load_model(plan: Plan, args):
-    from .. import models
     if args.resume:
         source, option = args.resume, "--resume"
     elif plan.model is not None:
@@ -277,38 +278,6 @@ def _load_blocks(plan: Plan, tokenizer):
     return train, val, len(text.encode("utf-8"))
 
 
-class _Logits(torch.nn.Module):
-    """``input_ids [B, T] -> logits [B, T, V]`` of a Hugging Face causal LM.
-
-    ``explicit_positions=True`` passes ``position_ids`` of shape [B, T]: models otherwise
-    build them as [1, T], and Opacus' hooks would take that 1 for the batch dimension of
-    the position embedding (wrong per-sample gradients)."""
-
-    def __init__(self, model, explicit_positions: bool = False):
-        super().__init__()
-        self.model = model
-        self.explicit_positions = explicit_positions
-
-    def forward(self, input_ids):
-        kw = {}
-        if self.explicit_positions:
-            B, T = input_ids.shape
-            kw["position_ids"] = torch.arange(T, device=input_ids.device).repeat(B, 1)
-        return self.model(input_ids=input_ids, use_cache=False, **kw).logits
-
-
-def _token_loss(logits, ids):
-    """Mean next-token cross-entropy of each sample: float32 ``[B]``."""
-    import torch.nn.functional as F
-    lg = logits[:, :-1].float()
-    ce = F.cross_entropy(lg.reshape(-1, lg.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
-    return ce.view(ids.shape[0], -1).mean(1)
-
-
-def _sample_loss(logits, ids):
-    return _token_loss(logits, ids).sum()
-
-
 class _PerSample:
     """Sets ``p.grad_sample`` for a micro-batch and returns its per-sample losses."""
 
@@ -322,28 +291,14 @@ class _PerSample:
     def __call__(self, ids):
         from ..grad_sample import compute_grad_sample
         if self.mode == "functorch" or ids.shape[0] == 0:
-            return compute_grad_sample(self.net, _sample_loss, ids, ids)
+            return compute_grad_sample(self.net, models.sample_loss, ids, ids)
         with warnings.catch_warnings():  # integer inputs: torch notes the hook sees no input grads
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
-            losses = _token_loss(self.gsm(ids), ids)
+            losses = models.token_loss(self.gsm(ids), ids)
             losses.sum().backward()
         for p in self.net.parameters():
             p.grad = None
         return losses.detach()
-
-
-def _evaluate(net, blocks, batch: int, device) -> float:
-    """Mean next-token loss (nats/token) of ``blocks`` [N, T]."""
-    was_training = net.training
-    net.eval()
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for i in range(0, blocks.shape[0], batch):
-            ids = blocks[i:i + batch].to(device)
-            total += float(_token_loss(net(ids), ids).sum())
-            count += ids.shape[0]
-    net.train(was_training)
-    return total / count
 
 
 def _make_optimizer(plan: Plan, params, backend: str, sigma: float):
@@ -514,7 +469,7 @@ def _run(args) -> int:
     plan.tokenizer = "bytes" if tokenizer is None else "hf"
 
     model.to(device)
-    net = _Logits(model, explicit_positions=args.grad_sample == "opacus")
+    net = models.CausalLMLogits(model, explicit_positions=args.grad_sample == "opacus")
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = _make_optimizer(plan, params, args.backend, sigma)
     if trainer_state:
@@ -547,7 +502,7 @@ def _train(args, plan, out, model, tokenizer, net, optimizer, accountant, per_sa
 
     q, sigma = plan.sample_rate, plan.noise_multiplier
     t_start = time.perf_counter()
-    val_before = _evaluate(net, val, args.eval_batch_size, device)
+    val_before = models.evaluate(net, val, args.eval_batch_size, device)
     sampler_seed = None if plan.seed is None else (plan.seed * 1_000_003 + done) % 2**63
     sampler = PoissonBatchSampler(train.shape[0], q, steps - done, seed=sampler_seed)
     train_tokens = samples = 0
@@ -621,7 +576,7 @@ def _train(args, plan, out, model, tokenizer, net, optimizer, accountant, per_sa
         print(f"dpkern finetune: interrupted at step {optimizer.dp_step}/{steps}, "
               f"epsilon spent {metrics['epsilon']:.3g}{where}", file=sys.stderr)
         return 130
-    val_after = _evaluate(net, val, args.eval_batch_size, device)
+    val_after = models.evaluate(net, val, args.eval_batch_size, device)
     metrics = checkpoint(val_after, final=True)
     _print_summary(plan, args, metrics, n_bytes, done, out)
     return 0
