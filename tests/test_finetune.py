@@ -230,3 +230,28 @@ def test_data_reading_and_blocks(tmp_path):
     train2, val2 = data.split_blocks(blocks, 0.25)
     assert torch.equal(val, val2)  # the same split every run
     assert len(data.default_text()) > 100_000
+
+
+def test_ghost_clipping_is_the_default_and_equals_the_per_sample_path(text_file, tmp_path,
+                                                                      capsys):
+    """Same seed, same data: ghost clipping (the default) and materialised per-sample
+    gradients give the same run (same noise, same clipped sums up to fp32 rounding)."""
+    runs = {}
+    for mode in ("ghost", "per-sample"):
+        out = tmp_path / mode
+        args = ["--data", text_file, "--steps", 4, "--seed", 3, "--out", out, *TINY]
+        if mode == "per-sample":
+            args += ["--clipping", mode]
+        assert finetune(*args) == 0
+        runs[mode] = read_metrics(out)
+        assert f"clipping {mode}" in capsys.readouterr().out
+    assert runs["ghost"]["val_loss_after"] == pytest.approx(runs["per-sample"]["val_loss_after"],
+                                                            rel=1e-4)
+
+
+def test_ghost_clipping_refuses_dp_macadam(text_file, tmp_path, capsys):
+    code = finetune("--data", text_file, "--steps", 2, "--optimizer", "dp-macadam",
+                    "--clipping", "ghost", "--out", tmp_path / "x", *TINY)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "--clipping" in err[0]
+    assert not (tmp_path / "x").exists()

@@ -43,6 +43,7 @@ from .. import models
 
 OPTIMIZERS = ("dp-sgd", "dp-adam", "dp-adambc", "dp-adamw", "dp-adamw-bc", "dp-macadam")
 GRAD_SAMPLE_MODES = ("functorch", "opacus")
+CLIPPING_MODES = ("ghost", "per-sample")
 
 #: Defaults of the run plan (kept in one place; the help text is built from it).
 DEFAULTS = {
@@ -115,6 +116,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--grad-sample", choices=GRAD_SAMPLE_MODES, default="functorch",
                    help="per-sample gradients: dpkern.grad_sample (torch.func) or Opacus' "
                    "GradSampleModule (default functorch)")
+    g.add_argument("--clipping", choices=CLIPPING_MODES, help="how per-sample gradients are "
+                   "clipped: ghost (dpkern.ghost: norms from activations and output "
+                   "gradients, no per-sample gradients in memory) or per-sample "
+                   "(materialised, see --grad-sample). Default: ghost when it covers every "
+                   "trainable layer, else per-sample; dp-macadam always uses per-sample")
     g.add_argument("--seed", type=int, help="reproducible mode: seeds the noise key, the "
                    "sampler and the model init. Without it the noise key is secret")
     g.add_argument("--device", help="torch device (default cuda if available, else cpu)")
@@ -301,6 +307,46 @@ class _PerSample:
         return losses.detach()
 
 
+def _choose_clipping(args, plan: Plan, net, params) -> str:
+    """--clipping: ghost by default where dpkern.ghost covers every trainable layer;
+    dp-macadam (whitened clipping) and --grad-sample opacus need per-sample gradients."""
+    from ..ghost import supports
+    if plan.optimizer == "dp-macadam":
+        _require(args.clipping != "ghost", "--clipping", "ghost clipping cannot serve "
+                 "dp-macadam (it clips whitened per-sample gradients); use per-sample")
+        if args.clipping is None:
+            print("dpkern finetune: note: dp-macadam clips whitened per-sample gradients: "
+                  "using --clipping per-sample", file=sys.stderr)
+        return "per-sample"
+    ok, uncovered = supports(net, params)
+    if args.clipping == "ghost":
+        _require(ok, "--clipping", "ghost clipping does not cover " + ", ".join(uncovered))
+        return "ghost"
+    if args.clipping is None and ok and args.grad_sample != "opacus":
+        return "ghost"
+    return "per-sample"
+
+
+class _Ghost:
+    """Ghost clipping + book-keeping (dpkern.ghost): one backward per micro-batch adds its
+    clipped sum into the optimizer's buffers; returns the per-sample losses."""
+
+    accumulates = True  # the micro-batch is already in the optimizer's buffers
+
+    def __init__(self, net, optimizer):
+        from ..ghost import GhostClipping
+        self.gc = GhostClipping(net, optimizer).attach()
+        self.net = net
+
+    def __call__(self, ids):
+        if ids.shape[0] == 0:
+            self.gc.add_empty_batch()
+            return torch.zeros(0, device=ids.device)
+        losses = models.token_loss(self.net(ids), ids)
+        self.gc.backward(losses)
+        return losses.detach()
+
+
 def _make_optimizer(plan: Plan, params, backend: str, sigma: float):
     from .. import optim
     cls = {"dp-sgd": optim.DPSGD, "dp-adam": optim.DPAdam, "dp-adambc": optim.DPAdamBC,
@@ -479,7 +525,9 @@ def _run(args) -> int:
             raise UsageError("--resume", f"optimizer state does not fit: {exc}") from None
         optimizer.noise_multiplier = sigma
     micro = args.micro_batch_size or DEFAULT_MICRO_BATCH
-    per_sample = _PerSample(net, args.grad_sample)
+    args.clipping = _choose_clipping(args, plan, net, params)
+    per_sample = (_Ghost(net, optimizer) if args.clipping == "ghost"
+                  else _PerSample(net, args.grad_sample))
     numel = sum(p.numel() for p in params)
 
     # -- everything validated: train ---------------------------------------------------
@@ -547,7 +595,8 @@ def _train(args, plan, out, model, tokenizer, net, optimizer, accountant, per_sa
             chunks = [batch[i:i + micro] for i in range(0, batch.shape[0], micro)] or [batch]
             for chunk in chunks:
                 losses.append(per_sample(chunk.to(device)))
-                optimizer.accumulate()
+                if not getattr(per_sample, "accumulates", False):
+                    optimizer.accumulate()
             optimizer.step()
             accountant.step(sigma, q)
             train_time += time.perf_counter() - t0
@@ -593,7 +642,8 @@ def _print_summary(plan, args, m, n_bytes, done, out) -> None:
         f"  data        {data}: {n_bytes:,} bytes, {plan.n_train:,} train / {plan.n_val:,} "
         "validation blocks",
         f"  optimizer   {plan.optimizer}, lr {plan.lr:g}, backend {args.backend}, "
-        f"per-sample gradients {args.grad_sample}",
+        f"clipping {args.clipping}" + (f" (per-sample gradients {args.grad_sample})"
+                                        if args.clipping == "per-sample" else ""),
         f"  privacy     epsilon {m['epsilon']:.3f} spent (target {plan.epsilon:g}), "
         f"delta {m['delta']:.3g}{delta_src}, sigma {m['noise_multiplier']:.4g}, "
         f"C {plan.max_grad_norm:g}, q {m['sample_rate']:.4g} (Poisson, expected batch "
