@@ -29,6 +29,26 @@ parameters at construction) and call :func:`disable_gradient_allreduce` on it: D
 all-reduce of the raw, unclipped ``.grad`` is useless for DP training (the optimizer reads
 ``grad_sample``), so it is replaced by a no-op communication hook. Works with gloo (CPU)
 and NCCL (GPU) alike: collectives run on the parameters' device.
+
+A training script for ``torchrun --standalone --nproc_per_node=N train.py``::
+
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    ddp = DistributedDataParallel(model.to(device))
+    disable_gradient_allreduce(ddp)
+    sampler = DistributedPoissonSampler(len(dataset), sample_rate, steps)
+    loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=...)
+    opt = DistributedDPOptimizer(dpkern.DPAdamW(ddp.parameters(), lr=1e-3, max_grad_norm=1.0,
+                                 noise_multiplier=sigma,
+                                 expected_batch_size=sampler.expected_batch_size))
+    for batch in loader:                       # may be empty on this rank
+        if len(batch):                         # per-sample gradients of the local samples
+            compute_grad_sample(ddp.module, loss_fn, inputs, targets)
+        opt.step()                             # every rank, every step
+        opt.zero_grad()
+        accountant.step(noise_multiplier=sigma, sample_rate=sampler.sample_rate)
+
+Checkpoints: save ``opt.state_dict()`` on rank 0; every rank calls ``opt.load_state_dict``
+(secure mode: rank 0 draws a fresh key and broadcasts it).
 """
 from __future__ import annotations
 
