@@ -66,6 +66,22 @@ def _check_seed(seed) -> int | None:
     return seed
 
 
+class _Checked:
+    """An attribute validated on every assignment (``check(name, value)`` -> value)."""
+
+    def __init__(self, check):
+        self.check = check
+
+    def __set_name__(self, owner, name):
+        self.name, self.private = name, "_" + name
+
+    def __get__(self, obj, objtype=None):
+        return self if obj is None else getattr(obj, self.private)
+
+    def __set__(self, obj, value):
+        setattr(obj, self.private, self.check(self.name, value))
+
+
 class DPOptimizer(torch.optim.Optimizer):
     """Base class: state, key handling, validation and step counting for every DP optimizer.
 
@@ -90,29 +106,9 @@ class DPOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     # -- privacy attributes, validated on every assignment (noise schedules set them) --
-    @property
-    def max_grad_norm(self) -> float:
-        return self._max_grad_norm
-
-    @max_grad_norm.setter
-    def max_grad_norm(self, value):
-        self._max_grad_norm = check_positive("max_grad_norm", value)
-
-    @property
-    def noise_multiplier(self) -> float:
-        return self._noise_multiplier
-
-    @noise_multiplier.setter
-    def noise_multiplier(self, value):
-        self._noise_multiplier = check_nonnegative("noise_multiplier", value)
-
-    @property
-    def expected_batch_size(self) -> float:
-        return self._expected_batch_size
-
-    @expected_batch_size.setter
-    def expected_batch_size(self, value):
-        self._expected_batch_size = check_positive("expected_batch_size", value)
+    max_grad_norm = _Checked(check_positive)
+    noise_multiplier = _Checked(check_nonnegative)
+    expected_batch_size = _Checked(check_positive)
 
     @property
     def dp_step(self) -> int:
