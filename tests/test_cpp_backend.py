@@ -7,6 +7,7 @@ odd sizes around the block grid, float64 and non-contiguous inputs."""
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -108,6 +109,47 @@ def test_transform_cases():
     for (even, odd), c in zip(z.tolist(), cases):
         for got, want in ((even, c["z_even"]), (odd, c["z_odd"])):
             assert abs(got - want) <= max(2e-6, 1e-6 * abs(want)), c
+
+
+def _z_float64(words: torch.Tensor) -> torch.Tensor:
+    """SPEC section 3 with U, V and theta in float32 as written, ln / log1p / sqrt / cos /
+    sin in float64: the values the float32 transform approximates. [n, 4] -> [n, 2]."""
+    r0, r1, r2, r3 = words.unbind(1)
+    f32, m = torch.float32, 0xFFFFFFFF
+
+    def uniform(a, b, c):
+        return ((a.to(f32) * 2.0**-32 + b.to(f32) * 2.0**-64) + c.to(f32) * 2.0**-96) + 2.0**-97
+
+    U, V = uniform(r0, r1, r3).double(), uniform(m - r0, m - r1, m - r3).double()
+    L = torch.where(r0 < 2**31, -torch.log(U), -torch.log1p(-V))
+    theta = (ref.TWO_PI_F32 * (r2.to(f32) * 2.0**-32)).double()
+    R = torch.sqrt(2 * L)
+    return torch.stack([R * torch.cos(theta), R * torch.sin(theta)], dim=1)
+
+
+def test_transform_float32_math_within_spec_tolerance():
+    """The vectorised float32 ln / sincos keep z within max(2e-6, 1e-6 |z|) of float64
+    (SPEC section 3) for random words and at the edges: U down to 2^-97 (R up to 11.6),
+    r0 on both sides of 2^31 (the two branches), V tiny (w == 1 and just below), theta
+    near every multiple of pi/2."""
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    n = 200_000
+    words = torch.randint(0, 2**32, (8, n, 4), generator=g, dtype=torch.int64)
+    words[1, :, 0] &= 0xFF                                    # U ~ 2^-32 .. 2^-24
+    words[2, :, 0] = 0
+    words[2, :, 1] &= 0xFF                                    # U down to 2^-97
+    words[3, :, 0] = 2**31 + (words[3, :, 0] & 0xFFF) - 0x800  # both sides of 2^31
+    words[4, :, 0] |= 0xFFFFFF00                              # V ~ 2^-32 .. 2^-24
+    words[5, :, 0] = 0xFFFFFFFF                               # V < 2^-32: w == 1
+    quarter = torch.tensor([0, 2**30, 2**31, 3 * 2**30, 2**32 - 1])
+    near = quarter[torch.randint(0, 5, (n,), generator=g)] + torch.randint(-4096, 4097, (n,), generator=g)
+    words[6, :, 2] = near.clamp(0, 2**32 - 1)                 # cos or sin near 0
+    words[7, :, 1:] = 0                                       # the words' extremes
+    words = words.reshape(-1, 4)
+    got = cpp.normal_from_words(words).double()
+    want = _z_float64(words)
+    err = (got - want).abs() / torch.clamp(1e-6 * want.abs(), min=2e-6)
+    assert err.max().item() <= 0.5, (err.max().item(), words[err.max(1).values.argmax()].tolist())
 
 
 def test_noise_thread_and_path_invariance(threads):
