@@ -488,6 +488,10 @@ def render_markdown(results: dict) -> str:
     """The README block of a run (``results.json`` contents): how it was measured, the
     table and the issue 4 targets."""
     info, bw, cfg = results["machine"], results["bandwidth"], results["config"]
+    ghost_md = ""
+    if results.get("ghost"):  # python -m bench.report --ghost
+        from .ghost import markdown as ghost_markdown
+        ghost_md = "\n\n" + ghost_markdown(results["ghost"])
     return (f"Command: `{results['command']}` — {info['cpu']}, {info['cores']} cores, "
             f"{info['torch_threads']} thread(s), torch {info['torch']}, dpkern "
             f"{info['dpkern']} ({info['git_commit']}), {info['date']}; load average "
@@ -495,7 +499,7 @@ def render_markdown(results: dict) -> str:
             f"copy bandwidth {bw['bytes_per_s'] / 1e9:.1f} GB/s; medians of "
             f"{cfg['repeats']} alternating repeats; speed-up = baseline / dpkern.\n\n"
             + markdown_table(results["summary"]) + "\n\n"
-            + markdown_targets(results["targets"]))
+            + markdown_targets(results["targets"]) + ghost_md)
 
 
 def machine_info(device) -> dict:
@@ -611,6 +615,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--memory-fraction", type=float, default=0.7, help="skip a case (or "
                     "Opacus) whose estimated memory exceeds this share of MemAvailable")
     ap.add_argument("--no-memory", action="store_true", help="skip peak-memory measurement")
+    ap.add_argument("--ghost", action="store_true", help="also run the ghost-clipping part "
+                    "(bench/ghost.py: per-layer norms, end-to-end GPT-2 DP step)")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--out", type=Path, help="output folder (default "
                     "bench/results/<UTC date-time>/; the committed run: --out bench/results)")
@@ -710,6 +716,13 @@ def main(argv=None) -> dict:
             + "  ".join(f"{k}={v * 1e3:.3g}ms" for k, v in medians.items())
             + f"  [{time.perf_counter() - t0:.0f}s]")
 
+    ghost_res = None
+    if args.ghost:  # its timings before the memory phase below (which slows allocation)
+        from . import ghost
+        ghost_res = ghost.measure(device, repeats=args.repeats, warmup=args.warmup,
+                                  sigma=args.sigma, clip=args.clip,
+                                  memory=not args.no_memory, say=say)
+
     peaks_by_case = [{} for _ in per_case]
     if not args.no_memory:  # after all timings: pinning malloc's threshold slows allocation
         if device.type == "cpu":
@@ -742,6 +755,9 @@ def main(argv=None) -> dict:
                "backends": names, "adamw_variants": adamw,
                "elapsed_s": time.perf_counter() - started,
                "timings": timings, "summary": summary, "targets": targets}
+    if ghost_res is not None:
+        results["ghost"] = ghost_res
+        ghost.write(ghost_res, args.out)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     results["machine"]["loadavg_end"] = load
     args.out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,527 @@
+"""Ghost clipping in the benchmark report: per-layer norms and the end-to-end DP step.
+
+    python -m bench.ghost                  # this part alone (~1-2 min on a 2-core CPU)
+    python -m bench.report --ghost         # the same, inside the full report
+
+Two measurements, each alternating its candidates (the order rotates every repeat) and
+reporting medians, as :mod:`bench.report` does:
+
+1. **Per-layer norms** of a bias-free ``nn.Linear`` weight with sequence input
+   ``A [B, T, d] -> G [B, T, p]`` (the per-sample squared norms ``||G_i^T A_i||_F^2``,
+   float32 ``[B]``), on shapes ``BxTxDxP``:
+
+   - ``dpkern:gram``: :func:`dpkern.ghost.norms.outer_norm_sq` ``method="gram"``
+     (``sum((A_i A_i^T) o (G_i G_i^T))``, ~2 B T^2 (d + p) flops);
+   - ``dpkern:instantiate``: the same with ``method="instantiate"`` (form ``G_i^T A_i``
+     chunk by chunk, then square it: ~2 B T d p flops);
+   - ``dpkern:triton`` (CUDA only): the fused Gram kernel
+     :func:`dpkern.ghost.triton_norms.gram_norm_sq`;
+   - ``baseline:opacus``: the norm function Opacus' ghost clipping runs in its backward
+     hook, ``GradSampleModuleFastGradientClipping.NORM_SAMPLERS[nn.Linear]`` (opacus
+     1.6: ``compute_linear_norm_sample``, the Gram path by ``einsum``, unchunked), on the
+     same A and G (it returns norms; timed as is).
+
+   The table marks which method dpkern's rule (:func:`dpkern.ghost.norms.outer_method`,
+   Gram when ``T (d + p) <= d p``) picks. Before timing, every candidate's norms are
+   checked against the Gram path (``rtol`` 1e-3), so a wrong fast path cannot win.
+
+2. **End-to-end DP fine-tuning step** of the small byte-level GPT-2
+   (:func:`dpkern.models.default_model`, tied embedding <-> lm-head) on random token blocks
+   ``[B, block]``, each candidate on its own copy of the model:
+
+   - ``floor:nonprivate``: ``token_loss(...).mean().backward()`` +
+     ``torch.optim.AdamW.step()`` (the non-private step every ratio divides by);
+   - ``dpkern:ghost``: :class:`dpkern.ghost.GhostClipping` ``.backward(losses)`` +
+     ``dpkern.DPAdamW.step()``;
+   - ``dpkern:per_sample``: :func:`dpkern.grad_sample.compute_grad_sample` (torch.func) +
+     ``dpkern.DPAdamW.step()``;
+   - ``baseline:opacus``: Opacus' fast gradient clipping
+     (``GradSampleModuleFastGradientClipping(use_ghost_clipping=True)``,
+     ``DPOptimizerFastGradientClipping`` around ``torch.optim.AdamW``,
+     ``DPTensorFastGradientClipping(...).backward()``: two backward passes). Opacus 1.6
+     refuses tied weights ("Parameter tying is not supported with Ghost Clipping"): the
+     tied model is tried first and, when refused, the note says so and the candidate runs
+     on a copy whose lm-head is untied (``baseline:opacus-untied``: V x n_embd more
+     parameters, the same FLOPs), so it is still a number on this model's shapes.
+
+   Reported: median ms, ratio = candidate / non-private (1.0 = free privacy), and the peak
+   extra memory of one step (the report's ``peak_extra_bytes``: CPU peak-RSS delta,
+   CUDA ``max_memory_allocated`` delta), measured after all timings.
+
+Sources: Li et al. 2022 (ghost clipping, arXiv 2110.05679); Bu et al. 2023 (book-keeping
+and the per-layer Gram/instantiation choice, arXiv 2210.00038); Opacus 1.6 fast gradient
+clipping (``opacus.grad_sample.grad_sample_module_fast_gradient_clipping``).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as _dt
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import dpkern
+from dpkern.ghost.norms import outer_method, outer_norm_sq
+from dpkern.models import BYTE_VOCAB, CausalLMLogits, default_model, sample_loss, token_loss
+
+from . import MI, synchronize
+from .report import (KEY, LR, RESULTS_DIR, WEIGHT_DECAY, Candidate, machine_info,
+                     peak_extra_bytes, pin_malloc_threshold, time_alternating, write_csv)
+
+#: Linear shapes ``(B, T, d, p)``: the default GPT-2's c_fc at block 64, GPT-2-small's
+#: attention projection at T = 128, its MLP c_fc at T = 512 (Gram and instantiation close),
+#: and T = 1024 with d = p = 768 (the rule instantiates).
+DEFAULT_LAYERS = ("16x64x128x512", "16x128x768x768", "8x512x768x3072", "4x1024x768x768")
+DEFAULT_BLOCKS = (64, 128)
+DEFAULT_BATCHES = (16, 32)
+E2E_ROLES = ("floor:nonprivate", "dpkern:ghost", "dpkern:per_sample", "baseline:opacus",
+             "baseline:opacus-untied")
+OPACUS_QUIET = ("Full backward hook is firing", "Using a non-full backward hook",
+                "Secure RNG turned off", "Optimal order is the largest alpha")
+
+
+@dataclass(frozen=True)
+class LayerCase:
+    """A bias-free Linear ``[B, T, d] -> [B, T, p]``."""
+    B: int
+    T: int
+    d: int
+    p: int
+
+    @property
+    def rule(self) -> str:
+        """What dpkern's per-layer rule picks: "gram" or "instantiate"."""
+        return outer_method(self.T, self.d, self.p)
+
+    def flops(self, method: str) -> int:
+        """Multiply-adds x 2 of a method (the rule's estimate, not counting the squares)."""
+        if method == "instantiate":
+            return 2 * self.B * self.T * self.d * self.p
+        return 2 * self.B * self.T * self.T * (self.d + self.p)
+
+
+def parse_layer(text: str) -> LayerCase:
+    """'BxTxDxP' (e.g. '16x128x768x768') -> LayerCase. Raises ValueError otherwise."""
+    try:
+        vals = [int(v) for v in str(text).lower().split("x")]
+    except ValueError:
+        vals = []
+    if len(vals) != 4 or min(vals) < 1:
+        raise ValueError(f"invalid layer shape {text!r}: expected BxTxDxP with positive "
+                         "integers, e.g. 16x128x768x768")
+    return LayerCase(*vals)
+
+
+def _quiet(fn):
+    """``fn`` with autograd on (the report times under no_grad) and Opacus' chatter off."""
+    def run():
+        with torch.enable_grad(), warnings.catch_warnings():
+            for msg in OPACUS_QUIET:
+                warnings.filterwarnings("ignore", message=msg)
+            return fn()
+    return run
+
+
+# --------------------------------------------------------------------------------------
+# 1. Per-layer norms
+# --------------------------------------------------------------------------------------
+def layer_candidates(case: LayerCase, device) -> list[Candidate]:
+    """Candidates computing the per-sample squared weight-gradient norms of ``case`` on the
+    same random A ``[B, T, d]`` and G ``[B, T, p]`` (float32, on ``device``)."""
+    device = torch.device(device)
+    gen = torch.Generator().manual_seed(zlib.crc32(repr(case).encode()))
+    A = torch.randn(case.B, case.T, case.d, generator=gen).to(device)
+    G = torch.randn(case.B, case.T, case.p, generator=gen).mul_(1e-3).to(device)
+    cands = [Candidate("dpkern", m, lambda m=m: outer_norm_sq(G, A, method=m))
+             for m in ("gram", "instantiate")]
+    if device.type == "cuda":
+        try:
+            from dpkern.ghost.triton_norms import gram_norm_sq
+            cands.append(Candidate("dpkern", "triton", lambda: gram_norm_sq(G, A)))
+        except ImportError:
+            pass
+    try:
+        from opacus.grad_sample import GradSampleModuleFastGradientClipping as GSM
+    except ImportError:
+        return cands
+    layer = torch.nn.Linear(case.d, case.p, bias=False, device=device)
+    norm_fn = GSM.NORM_SAMPLERS[torch.nn.Linear]
+    cands.append(Candidate("baseline", "opacus",
+                           lambda: norm_fn(layer, [A], G)[layer.weight].square()))
+    return cands
+
+
+def check_agree(values: dict[str, torch.Tensor], reference: str, rtol: float = 1e-3) -> None:
+    """Raise AssertionError naming the candidate whose per-sample squared norms differ from
+    ``values[reference]`` by more than ``rtol`` (relative to the largest norm)."""
+    ref = values[reference].float().cpu()
+    scale = float(ref.abs().max()) or 1.0
+    for name, v in values.items():
+        err = float((v.float().cpu() - ref).abs().max()) / scale
+        if not err <= rtol:
+            raise AssertionError(f"ghost bench: {name} norms differ from {reference} "
+                                 f"(max relative error {err:.2e} > {rtol})")
+
+
+def layer_rows(case: LayerCase, medians: dict[str, float],
+               peaks: dict[str, int | None]) -> dict:
+    """One summary row: medians (s), speed-ups of dpkern's rule and Gram path over Opacus."""
+    auto = medians.get(f"dpkern:{case.rule}")
+    opacus = medians.get("baseline:opacus")
+    row = dict(B=case.B, T=case.T, d=case.d, p=case.p, rule=case.rule,
+               gram_gflop=case.flops("gram") / 1e9,
+               instantiate_gflop=case.flops("instantiate") / 1e9)
+    for name in ("dpkern:gram", "dpkern:instantiate", "dpkern:triton", "baseline:opacus"):
+        key = name.split(":")[1]
+        row[f"{key}_s"] = medians.get(name)
+        row[f"{key}_peak_bytes"] = peaks.get(name)
+    row["rule_s"] = auto
+    row["opacus_over_rule"] = opacus / auto if opacus and auto else None
+    row["opacus_over_gram"] = (opacus / medians["dpkern:gram"] if opacus else None)
+    best = min((v, k) for k, v in medians.items() if k.startswith("dpkern:"))
+    row["fastest_dpkern"] = best[1].split(":")[1]
+    return row
+
+
+# --------------------------------------------------------------------------------------
+# 2. End-to-end DP fine-tuning step
+# --------------------------------------------------------------------------------------
+def _untied_copy(model):
+    m = copy.deepcopy(model)
+    m.config.tie_word_embeddings = False
+    m.lm_head.weight = torch.nn.Parameter(m.transformer.wte.weight.detach().clone())
+    return m
+
+
+def _opacus_step(model, batch: int, ids, *, sigma: float, clip: float):
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping
+    from opacus.optimizers import DPOptimizerFastGradientClipping
+    from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
+
+    gsm = GradSampleModuleFastGradientClipping(
+        CausalLMLogits(model, explicit_positions=True), batch_first=True,
+        loss_reduction="mean", max_grad_norm=clip, use_ghost_clipping=True)
+    opt = DPOptimizerFastGradientClipping(
+        torch.optim.AdamW(gsm.parameters(), lr=LR, weight_decay=WEIGHT_DECAY),
+        noise_multiplier=sigma, max_grad_norm=clip, expected_batch_size=batch,
+        loss_reduction="mean")
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        losses = token_loss(gsm(ids), ids)
+        DPTensorFastGradientClipping(gsm, opt, losses, "mean").backward()
+        opt.step()
+    return _quiet(step)
+
+
+def e2e_candidates(block: int, batch: int, device, *, sigma: float = 1.0, clip: float = 1.0,
+                   model_kw: dict | None = None, opacus: bool = True
+                   ) -> tuple[list[Candidate], list[str], int]:
+    """(candidates, notes, trainable parameter count) for one DP step of
+    ``default_model(block, **model_kw)`` on random ids ``[batch, block]``.
+
+    Each candidate owns a deep copy of the same initial model (tied embedding <-> lm-head;
+    its ``.model`` attribute) and its optimizer. The Opacus candidate is probed with one step at build time; when
+    Opacus refuses the model the refusal goes to the notes (and, for tied weights, an
+    untied copy is used instead; see the module docstring)."""
+    device = torch.device(device)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"ghost e2e {block} {batch}".encode()))
+    fork = torch.random.fork_rng(devices=[])
+    with fork:
+        torch.manual_seed(zlib.crc32(f"ghost model {block}".encode()))
+        base = default_model(block, **(model_kw or {})).to(device)
+    ids = torch.randint(0, BYTE_VOCAB, (batch, block), generator=gen).to(device)
+    n_params = sum(p.numel() for p in base.parameters() if p.requires_grad)
+    cands, notes = [], []
+
+    net = CausalLMLogits(copy.deepcopy(base))
+    adamw = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+
+    def nonprivate():
+        adamw.zero_grad(set_to_none=True)
+        token_loss(net(ids), ids).mean().backward()
+        adamw.step()
+    cands.append(Candidate("floor", "nonprivate", _quiet(nonprivate)))
+    cands[-1].model = net
+
+    def dp_opt(model):
+        return dpkern.DPAdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY,
+                              max_grad_norm=clip, noise_multiplier=sigma,
+                              expected_batch_size=batch, seed=KEY)
+
+    from dpkern.ghost import GhostClipping
+    g_net = CausalLMLogits(copy.deepcopy(base))
+    g_opt = dp_opt(g_net)
+    ghost = GhostClipping(g_net, g_opt).attach()  # hooks live as long as the candidate
+
+    def ghost_step():
+        ghost.backward(token_loss(g_net(ids), ids))
+        g_opt.step()
+    cands.append(Candidate("dpkern", "ghost", _quiet(ghost_step)))
+    cands[-1].model = g_net
+
+    from dpkern.grad_sample import compute_grad_sample
+    p_net = CausalLMLogits(copy.deepcopy(base))
+    p_opt = dp_opt(p_net)
+
+    def per_sample_step():
+        compute_grad_sample(p_net, sample_loss, ids, ids)
+        p_opt.step()
+    cands.append(Candidate("dpkern", "per_sample", _quiet(per_sample_step)))
+    cands[-1].model = p_net
+
+    if opacus:
+        try:
+            import opacus as _opacus  # noqa: F401
+        except ImportError:
+            notes.append("Opacus not installed: no Opacus candidate")
+            return cands, notes, n_params
+        for variant, model in (("opacus", copy.deepcopy(base)),
+                               ("opacus-untied", None)):
+            if model is None:
+                model = _untied_copy(base)
+            try:
+                step = _opacus_step(model, batch, ids, sigma=sigma, clip=clip)
+                step()  # probe: Opacus raises in its hooks on models it cannot serve
+            except (NotImplementedError, ValueError, RuntimeError) as exc:
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                notes.append(f"Opacus fast gradient clipping ({variant}) refused the "
+                             f"model: {type(exc).__name__}: {first}")
+                continue
+            if variant == "opacus-untied":
+                notes.append("baseline:opacus-untied runs on a copy with an untied lm-head "
+                             f"(+{base.lm_head.weight.numel()} parameters; the same FLOPs)")
+            cands.append(Candidate("baseline", variant, step))
+            cands[-1].model = model
+            break
+    return cands, notes, n_params
+
+
+def e2e_row(block: int, batch: int, n_params: int, medians: dict[str, float],
+            peaks: dict[str, int | None]) -> dict:
+    """One summary row: medians (s), ratios to the non-private step, peak extra bytes
+    (and the part beyond the non-private step's peak)."""
+    base = medians["floor:nonprivate"]
+    base_peak = peaks.get("floor:nonprivate")
+    row = dict(block=block, batch=batch, params=n_params)
+    for name in E2E_ROLES:
+        key = name.split(":")[1].replace("-", "_")
+        t = medians.get(name)
+        row[f"{key}_s"] = t
+        row[f"{key}_ratio"] = t / base if t is not None else None
+        pk = peaks.get(name)
+        row[f"{key}_peak_bytes"] = pk
+        row[f"{key}_peak_over_nonprivate_bytes"] = (
+            pk - base_peak if pk is not None and base_peak is not None else None)
+    return row
+
+
+# --------------------------------------------------------------------------------------
+# Running, tables
+# --------------------------------------------------------------------------------------
+def measure(device="cpu", *, layers=DEFAULT_LAYERS, blocks=DEFAULT_BLOCKS,
+            batches=DEFAULT_BATCHES, repeats: int = 5, warmup: int = 1, sigma: float = 1.0,
+            clip: float = 1.0, memory: bool = True, model_kw: dict | None = None,
+            say=lambda *a: None) -> dict:
+    """Run both measurements; returns {"layers": rows, "e2e": rows, "timings": rows,
+    "notes": [str], "elapsed_s"}. ``layers``: LayerCase or 'BxTxDxP' strings.
+
+    Memory (``memory=True``) is measured after all timings; on CPU that pins glibc's
+    mmap threshold for the rest of the process (see ``bench.report.pin_malloc_threshold``),
+    so run other timings before this. Raises AssertionError when a layer candidate's norms
+    disagree with the Gram path."""
+    device = torch.device(device)
+    started = time.perf_counter()
+    cases = [c if isinstance(c, LayerCase) else parse_layer(c) for c in layers]
+    timings, notes = [], []
+    layer_meds, e2e_meds = [], []
+    for case in cases:
+        t0 = time.perf_counter()
+        cands = layer_candidates(case, device)
+        with torch.no_grad():
+            check_agree({c.name: c.run() for c in cands}, "dpkern:gram")
+        meds = _timed(cands, repeats, device, warmup, timings,
+                      dict(kind="layer", B=case.B, T=case.T, d=case.d, p=case.p))
+        layer_meds.append((case, meds))
+        del cands
+        gc.collect()
+        say(f"layer B={case.B} T={case.T} d={case.d} p={case.p} (rule: {case.rule})  "
+            + _fmt(meds) + f"  [{time.perf_counter() - t0:.0f}s]")
+    for block in blocks:
+        for batch in batches:
+            t0 = time.perf_counter()
+            cands, nts, n_params = e2e_candidates(block, batch, device, sigma=sigma,
+                                                  clip=clip, model_kw=model_kw)
+            notes += [n for n in nts if n not in notes]
+            meds = _timed(cands, repeats, device, warmup, timings,
+                          dict(kind="e2e", block=block, B=batch))
+            e2e_meds.append((block, batch, n_params, meds))
+            del cands
+            gc.collect()
+            say(f"e2e block={block} B={batch}  " + _fmt(meds)
+                + f"  [{time.perf_counter() - t0:.0f}s]")
+
+    layer_peaks = [{} for _ in layer_meds]
+    e2e_peaks = [{} for _ in e2e_meds]
+    if memory:
+        if device.type == "cpu":
+            pin_malloc_threshold()
+        for i, (case, _) in enumerate(layer_meds):
+            layer_peaks[i] = _peaks(layer_candidates(case, device), device)
+        for i, (block, batch, _, _) in enumerate(e2e_meds):
+            cands, _, _ = e2e_candidates(block, batch, device, sigma=sigma, clip=clip,
+                                         model_kw=model_kw)
+            e2e_peaks[i] = _peaks(cands, device)
+        say(f"ghost: peak memory measured [{time.perf_counter() - started:.0f}s so far]")
+    peak_of = {("layer", c.B, c.T, c.d, c.p): pk for (c, _), pk in zip(layer_meds, layer_peaks)}
+    peak_of.update({("e2e", b, n): pk for (b, n, _, _), pk in zip(e2e_meds, e2e_peaks)})
+    for t in timings:
+        key = ((t["kind"], t["B"], t["T"], t["d"], t["p"]) if t["kind"] == "layer"
+               else (t["kind"], t["block"], t["B"]))
+        t["peak_extra_bytes"] = peak_of[key].get(t["candidate"])
+    return {"layers": [layer_rows(c, m, pk) for (c, m), pk in zip(layer_meds, layer_peaks)],
+            "e2e": [e2e_row(b, n, np_, m, pk) for (b, n, np_, m), pk
+                    in zip(e2e_meds, e2e_peaks)],
+            "timings": timings, "notes": notes,
+            "elapsed_s": time.perf_counter() - started}
+
+
+def _timed(cands, repeats, device, warmup, timings, tags) -> dict[str, float]:
+    times = time_alternating(cands, repeats, device, warmup=warmup)
+    meds = {k: statistics.median(v) for k, v in times.items()}
+    for k, v in times.items():
+        timings.append(dict(tags, candidate=k, median_s=meds[k], min_s=min(v), max_s=max(v),
+                            repeats=len(v)))
+    return meds
+
+
+def _peaks(cands, device) -> dict[str, int | None]:
+    time_alternating(cands, 0, device, warmup=1)  # lazily created states exist before
+    out = {c.name: peak_extra_bytes(c, device) for c in cands}
+    del cands
+    gc.collect()
+    return out
+
+
+def _fmt(meds) -> str:
+    return "  ".join(f"{k}={v * 1e3:.3g}ms" for k, v in meds.items())
+
+
+def _ms(s):
+    return "–" if s is None else (f"{s * 1e3:.3g}" if s * 1e3 < 100 else f"{s * 1e3:.0f}")
+
+
+def _x(r):
+    return "–" if r is None else f"{r:.2f}×"
+
+
+def _mib(b):
+    return "–" if b is None else (f"{b / MI:.0f}" if b >= 10 * MI else f"{b / MI:.1f}")
+
+
+def markdown(res: dict) -> str:
+    """The two tables (and notes) of :func:`measure`'s results, as markdown."""
+    head = ("| B | T | d | p | rule picks | Gram ms | instantiate ms | triton ms | Opacus ms "
+            "| Opacus / dpkern (rule) | Opacus / Gram | peak extra MiB (Gram / inst. / Opacus) |")
+    lines = ["Per-sample weight-gradient norms of a Linear [B, T, d] -> [B, T, p] "
+             "(float32; Opacus = `GradSampleModuleFastGradientClipping.NORM_SAMPLERS"
+             "[nn.Linear]`; > 1×: dpkern faster).", "", head,
+             "|" + "---|" * (head.count("|") - 1)]
+    for r in res["layers"]:
+        lines.append(f"| {r['B']} | {r['T']} | {r['d']} | {r['p']} | {r['rule']} | "
+                     f"{_ms(r['gram_s'])} | {_ms(r['instantiate_s'])} | {_ms(r['triton_s'])} "
+                     f"| {_ms(r['opacus_s'])} | {_x(r['opacus_over_rule'])} | "
+                     f"{_x(r['opacus_over_gram'])} | {_mib(r['gram_peak_bytes'])} / "
+                     f"{_mib(r['instantiate_peak_bytes'])} / {_mib(r['opacus_peak_bytes'])} |")
+    head = ("| block | B | params | non-private ms | ghost ms | × | per-sample ms | × | "
+            "Opacus ms | × | peak extra MiB (non-private / ghost / per-sample / Opacus) |")
+    lines += ["", "One DP-AdamW fine-tuning step of the default byte-level GPT-2 "
+              "(`dpkern.models.default_model`), × = time / non-private step "
+              "(AdamW after `loss.mean().backward()`).", "", head,
+              "|" + "---|" * (head.count("|") - 1)]
+    for r in res["e2e"]:
+        op = "opacus" if r["opacus_s"] is not None else "opacus_untied"
+        lines.append(f"| {r['block']} | {r['batch']} | {r['params'] / 1e6:.2f}M | "
+                     f"{_ms(r['nonprivate_s'])} | {_ms(r['ghost_s'])} | {_x(r['ghost_ratio'])} "
+                     f"| {_ms(r['per_sample_s'])} | {_x(r['per_sample_ratio'])} | "
+                     f"{_ms(r[op + '_s'])}{' (untied)' if op == 'opacus_untied' else ''} | "
+                     f"{_x(r[op + '_ratio'])} | "
+                     f"{_mib(r['nonprivate_peak_bytes'])} / {_mib(r['ghost_peak_bytes'])} / "
+                     f"{_mib(r['per_sample_peak_bytes'])} / {_mib(r[op + '_peak_bytes'])} |")
+    if res["notes"]:
+        lines += [""] + [f"Note: {n}." for n in res["notes"]]
+    return "\n".join(lines)
+
+
+def write(res: dict, out: Path) -> None:
+    """ghost.json, ghost_layers.csv, ghost_e2e.csv, ghost_timings.csv, ghost.md in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ghost.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
+    write_csv(out / "ghost_layers.csv", res["layers"])
+    write_csv(out / "ghost_e2e.csv", res["e2e"])
+    write_csv(out / "ghost_timings.csv", res["timings"])
+    (out / "ghost.md").write_text(markdown(res) + "\n")
+
+
+def main(argv=None) -> dict:
+    """``python -m bench.ghost``: the ghost part alone; prints the tables, writes the files
+    under ``--out`` and returns the results (with "machine" and "command" added)."""
+    ap = argparse.ArgumentParser(prog="python -m bench.ghost",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--layers", nargs="+", default=list(DEFAULT_LAYERS),
+                    help="Linear shapes BxTxDxP (default: %(default)s)")
+    ap.add_argument("--blocks", nargs="+", type=int, default=list(DEFAULT_BLOCKS))
+    ap.add_argument("--batches", nargs="+", type=int, default=list(DEFAULT_BATCHES))
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--sigma", type=float, default=1.0)
+    ap.add_argument("--clip", type=float, default=1.0)
+    ap.add_argument("--threads", type=int)
+    ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--quiet", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        layers = [parse_layer(s) for s in args.layers]
+    except ValueError as exc:
+        ap.error(str(exc))
+    if args.repeats < 1 or args.warmup < 0 or min(args.blocks + args.batches) < 1:
+        ap.error("--repeats, --blocks, --batches must be >= 1 and --warmup >= 0")
+    if min(args.blocks) < 2:
+        ap.error("--blocks must be >= 2")
+    if args.threads:
+        from .report import set_threads
+        set_threads(args.threads)
+    say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
+    info = machine_info(args.device)
+    say(f"# dpkern ghost bench on {info['cpu']} ({info['cores']} cores, torch threads "
+        f"{info['torch_threads']}), load average {info['loadavg'][0]:.1f}")
+    res = measure(args.device, layers=layers, blocks=args.blocks, batches=args.batches,
+                  repeats=args.repeats, warmup=args.warmup, sigma=args.sigma, clip=args.clip,
+                  memory=not args.no_memory, say=say)
+    info["loadavg_end"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    res["machine"] = info
+    res["command"] = "python -m bench.ghost " + " ".join(
+        map(str, argv if argv is not None else sys.argv[1:]))
+    out = args.out or RESULTS_DIR / (_dt.datetime.now(_dt.timezone.utc)
+                                     .strftime("%Y%m%dT%H%M%SZ") + "-ghost")
+    write(res, out)
+    say("\n" + markdown(res))
+    say(f"\n(ghost part {res['elapsed_s']:.0f}s; load average {info['loadavg'][0]:.1f} -> "
+        f"{info['loadavg_end']:.1f}; results in {out})")
+    return res
+
+
+if __name__ == "__main__":
+    main()
