@@ -615,8 +615,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--memory-fraction", type=float, default=0.7, help="skip a case (or "
                     "Opacus) whose estimated memory exceeds this share of MemAvailable")
     ap.add_argument("--no-memory", action="store_true", help="skip peak-memory measurement")
-    ap.add_argument("--ghost", action="store_true", help="also run the ghost-clipping part "
-                    "(bench/ghost.py: per-layer norms, end-to-end GPT-2 DP step)")
+    ap.add_argument("--ghost", action=argparse.BooleanOptionalAction, default=True,
+                    help="the ghost-clipping part (bench/ghost.py: per-layer norms, "
+                    "end-to-end GPT-2 DP step; about 30 s; default on)")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--out", type=Path, help="output folder (default "
                     "bench/results/<UTC date-time>/; the committed run: --out bench/results)")

@@ -123,7 +123,7 @@ def test_report_end_to_end_tiny(tmp_path):
         res = R.main(["--noise-d", "4K", "--summed-d", "8K", "--per-sample-d", "8K",
                       "--batch", "2", "--repeats", "2", "--warmup", "0", "--threads", "1",
                       "--torch-max-d", "4K", "--bandwidth-mib", "8", "--no-memory",
-                      "--out", str(out), "--quiet"]
+                      "--no-ghost", "--out", str(out), "--quiet"]
                      + ([] if _has_matplotlib() else ["--no-plot"]))
     finally:
         R.set_threads(threads)

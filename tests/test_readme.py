@@ -9,8 +9,9 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 
 def test_readme_python_example_runs(tmp_path, capsys):
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    assert blocks, "README.md has no python example"
+    section = README.read_text().split("## Minimal example", 1)[1]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    assert blocks, "README.md's Minimal example section has no python block"
     script = tmp_path / "example.py"
     script.write_text(blocks[0])
     runpy.run_path(str(script), run_name="__main__")
