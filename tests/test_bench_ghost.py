@@ -117,8 +117,8 @@ def test_candidates_train_their_own_model_copy():
             p.data.copy_(s)
 
 
-def test_report_runs_the_ghost_part_behind_its_flag(tmp_path, monkeypatch):
-    assert R.parse_args([]).ghost is False and R.parse_args(["--ghost"]).ghost is True
+def test_report_runs_the_ghost_part_by_default(tmp_path, monkeypatch):
+    assert R.parse_args([]).ghost is True and R.parse_args(["--no-ghost"]).ghost is False
     monkeypatch.setattr(GB, "measure", functools.partial(
         GB.measure, layers=["2x4x16x16"], blocks=[8], batches=[2], model_kw=TINY))
     threads = torch.get_num_threads()
