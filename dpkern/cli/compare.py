@@ -495,6 +495,10 @@ def run(args: argparse.Namespace) -> int:
     except (RuntimeError, ValueError) as exc:
         print(f"dpkern compare: error: {exc}", file=sys.stderr)
         return 2
+    except ImportError as exc:  # scikit-learn (digits) or transformers (text) missing
+        print(f"dpkern compare: error: --task {args.task} needs {exc.name}: "
+              "pip install 'dpkern[compare]'", file=sys.stderr)
+        return 2
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     jobs = 1 if args.quick else min(args.jobs, len(configs))  # in-process: starts at once
@@ -524,8 +528,13 @@ def run(args: argparse.Namespace) -> int:
               f"accountant\n")
     table = markdown_table(summary, task, args.delta, header)
     (out / "table.md").write_text(table)
-    plot(summary, task, out / "plot.png")
+    written = [out / "runs.csv", out / "summary.csv", out / "table.md"]
+    try:
+        plot(summary, task, out / "plot.png")
+        written.append(out / "plot.png")
+    except ImportError:
+        print("dpkern compare: note: matplotlib is not installed: no plot "
+              "(pip install 'dpkern[compare]')", file=sys.stderr)
     print(table)
-    print(f"wrote {out / 'runs.csv'}, {out / 'summary.csv'}, {out / 'table.md'}, "
-          f"{out / 'plot.png'}")
+    print("wrote " + ", ".join(map(str, written)))
     return 0
