@@ -76,7 +76,8 @@ def _cos_sin(x, LIBDEVICE: tl.constexpr):
 def radius_angle(r0, r1, r2, r3, LIBDEVICE: tl.constexpr):
     """(R, theta) of SPEC section 3 from the Philox words (uint32 tensors)."""
     U = _uniform(r0, r1, r3)
-    V = _uniform(~r0, ~r1, ~r3)  # 32-bit complements: V = 1 - U
+    # 32-bit complements (V = 1 - U) as XOR: the interpreter of triton 3.7 fails on ~uint32
+    V = _uniform(r0 ^ 0xFFFFFFFF, r1 ^ 0xFFFFFFFF, r3 ^ 0xFFFFFFFF)
     big = r0 >= 2147483648
     # -ln U where U is small; for U near 1, -log1p(-V) through log only (Goldberg).
     # Lanes of the other branch get harmless stand-in values (no log(0), no 0/0).
