@@ -298,8 +298,12 @@ def test_ghost_step_equals_per_sample_step(opt_cls):
         assert (norms > 0.05).any()  # clipping is exercised
         ps_opt.step()
         assert losses.shape == (6,)
+        # AdamW's normalised update m_hat / sqrt(v_hat) amplifies the fp32 summation-order
+        # differences (GEMM vs per-sample rows) where m_hat ~ 0: allow 0.5% of lr there; a
+        # real clipping or noise error moves parameters by O(lr) = 1e-2.
+        atol = 5e-5 if opt_cls is dpkern.DPAdamW else 1e-6
         for p, q in zip(ghost_model.parameters(), ps_model.parameters()):
-            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=atol)
             assert p.grad is None  # ghost never fills .grad
     assert ghost_opt.dp_step == ps_opt.dp_step == 2
 
