@@ -19,3 +19,12 @@ def test_readme_python_example_runs(tmp_path, capsys):
     eps = float(re.search(r"epsilon=([0-9.]+)", out).group(1))
     acc = float(re.search(r"accuracy=([0-9.]+)", out).group(1))
     assert eps <= 3.0 + 1e-6 and acc > 0.75
+
+
+def test_docs_spec_is_the_shared_contract():
+    """docs/SPEC.md is the repository's copy of the project contract (shared/SPEC.md)."""
+    docs = README.parent / "docs" / "SPEC.md"
+    shared = README.parent.parent / "shared" / "SPEC.md"
+    assert docs.exists()
+    if shared.exists():
+        assert docs.read_text() == shared.read_text(), "docs/SPEC.md is out of date"

@@ -414,7 +414,13 @@ def _unit_interval(text: str) -> float:
     return value
 
 
+# finetune's names (dp-adamw, dp-adamw-bc, ...) are accepted too
+ALIASES = {"dp-sgd": "sgd", "dp-adam": "adam", "dp-adambc": "adambc", "dp-adamw": "adamw",
+           "dp-adamw-bc": "adamw_bc", "dp-macadam": "macadam"}
+
+
 def _optimizer_name(text: str) -> str:
+    text = ALIASES.get(text, text)
     if text != "all" and text not in OPTIMIZERS:
         raise argparse.ArgumentTypeError(f"unknown optimizer {text!r}: expected 'all' or one "
                                          f"of {', '.join(OPTIMIZERS)}")
@@ -449,7 +455,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jobs", type=_positive_int, default=os.cpu_count() or 1,
                         help="training runs in parallel, one CPU thread each (default: the "
                         "number of CPUs)")
-    parser.add_argument("--out-dir", type=Path, default=Path("compare_results"))
+    parser.add_argument("--out-dir", type=Path, default=Path("compare_results"),
+                        help="where runs.csv, summary.csv, table.md and plot.png go "
+                        "(default ./compare_results)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke test in seconds: first epsilon, one seed, two optimizers, "
                         "one learning rate, one epoch")
