@@ -4,6 +4,7 @@ The Triton column runs only in a pytest process started with TRITON_INTERPRET=1 
 or on a CUDA machine; ``tests/run.sh`` runs that process separately (``-m triton``)."""
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -46,3 +47,14 @@ def fused_backend(request):
     if not is_available(name):
         pytest.skip(f"backend {name!r} not available")
     return name
+
+
+def run_step(module, hyper, case):
+    """Run one backend step (and MacAdam's scale update) on a deep copy of ``case`` =
+    (params, grad_samples, clip_factors, summed, states, offsets, dp); return
+    (params, states, the step's return value)."""
+    params, grad_samples, clip, summed, states, offsets, dp = copy.deepcopy(case)
+    out = module.step(hyper, dp, params, grad_samples, clip, summed, states, offsets)
+    if hyper.rule == "macadam":
+        module.macadam_update_scale(hyper, dp, states["exp_var"], states["scale"], out)
+    return params, states, out

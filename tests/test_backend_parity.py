@@ -16,7 +16,7 @@ from dpkern.backends import resolve
 from dpkern.hyper import (AdamBCHyper, AdamHyper, AdamWBCHyper, AdamWHyper, DPStep,
                           MacAdamHyper, SGDHyper)
 
-from conftest import backend_device, load_vectors
+from conftest import backend_device, load_vectors, run_step
 
 SHAPES = [(), (1,), (7,), (3, 5), (33, 17), (1031,), (4, 16)]  # (4, 16): aligned vector path
 # Well-conditioned hyper-parameters: with gamma or h1 near 1e-6 the clamps in
@@ -86,14 +86,6 @@ def make_case(rule, B, dtype, device, seed, *, t=3, with_summed=True, gs_dtype=N
         off += int(torch.Size(s).numel())
     dp = DPStep(key=KEY, step=t, noise_std=0.7, expected_batch_size=6.0, noise_var_avg=0.05)
     return params, grad_samples, clip, summed, states, offsets, dp
-
-
-def _run(module, hyper, case):
-    params, grad_samples, clip, summed, states, offsets, dp = copy.deepcopy(case)
-    out = module.step(hyper, dp, params, grad_samples, clip, summed, states, offsets)
-    if hyper.rule == "macadam":
-        module.macadam_update_scale(hyper, dp, states["exp_var"], states["scale"], out)
-    return params, states, out
 
 
 # ---------------------------------------------------------------------------------------
@@ -167,8 +159,8 @@ def test_step(fused_backend, name, B, dtype, t):
     dev = backend_device(fused_backend)
     be = resolve(fused_backend, dev)
     case = make_case(hyper.rule, B, dtype, dev, seed=zlib.crc32(f"{name}-{B}-{t}".encode()) % 1000, t=t)
-    want_p, want_s, want_out = _run(ref, hyper, case)
-    got_p, got_s, got_out = _run(be, hyper, case)
+    want_p, want_s, want_out = run_step(ref, hyper, case)
+    got_p, got_s, got_out = run_step(be, hyper, case)
     for k, (a, b) in enumerate(zip(got_p, want_p)):
         assert a.dtype == dtype
         assert_close(a, b, dtype, f"param {k}")
@@ -189,8 +181,8 @@ def test_summed_entry_point(fused_backend, name):
     params, _, _, summed, states, offsets, dp = make_case(hyper.rule, 0, torch.float32, dev, 11)
     summed = [torch.randn(p.shape, device=dev) for p in params]
     case = (params, [None] * len(params), None, summed, states, offsets, dp)
-    want_p, want_s, _ = _run(ref, hyper, case)
-    got_p, got_s, _ = _run(be, hyper, case)
+    want_p, want_s, _ = run_step(ref, hyper, case)
+    got_p, got_s, _ = run_step(be, hyper, case)
     for a, b in zip(got_p, want_p):
         assert_close(a, b)
     for sname in want_s:

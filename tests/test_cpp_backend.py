@@ -6,7 +6,6 @@ the transform at its extremes, bad buffers rejected before any write, many small
 odd sizes around the block grid, float64 and non-contiguous inputs."""
 from __future__ import annotations
 
-import copy
 import os
 
 import pytest
@@ -20,7 +19,7 @@ from dpkern.backends import reference as ref  # noqa: E402
 from dpkern.hyper import (AdamBCHyper, AdamWHyper, DPStep, MacAdamHyper,  # noqa: E402
                           SGDHyper)
 
-from conftest import load_vectors  # noqa: E402
+from conftest import load_vectors, run_step  # noqa: E402
 
 KEY = 0x0123456789ABCDEF
 HYPERS = {
@@ -64,14 +63,6 @@ def make_case(rule, shapes, B, *, dtype=torch.float32, t=3, seed=0, first_offset
         off += p.numel()
     dp = DPStep(key=KEY, step=t, noise_std=0.7, expected_batch_size=6.0, noise_var_avg=0.05)
     return params, grad_samples, clip, summed, states, offsets, dp
-
-
-def run_step(module, hyper, case):
-    params, grad_samples, clip, summed, states, offsets, dp = copy.deepcopy(case)
-    out = module.step(hyper, dp, params, grad_samples, clip, summed, states, offsets)
-    if hyper.rule == "macadam":
-        module.macadam_update_scale(hyper, dp, states["exp_var"], states["scale"], out)
-    return params, states, out
 
 
 def assert_identical(a, b):

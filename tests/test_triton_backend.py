@@ -21,7 +21,8 @@ from dpkern.backends import triton_interpret
 from dpkern.hyper import AdamWHyper, DPStep, MacAdamHyper, SGDHyper
 
 from conftest import backend_device, load_vectors
-from test_backend_parity import HYPERS, KEY, _run, assert_close, make_case
+from conftest import run_step as _run
+from test_backend_parity import HYPERS, KEY, assert_close, make_case
 
 pytestmark = pytest.mark.triton
 ROOT = Path(__file__).resolve().parent.parent
