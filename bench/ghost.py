@@ -74,7 +74,7 @@ import dpkern
 from dpkern.ghost.norms import outer_method, outer_norm_sq
 from dpkern.models import BYTE_VOCAB, CausalLMLogits, default_model, sample_loss, token_loss
 
-from . import MI, synchronize
+from . import MI
 from .report import (KEY, LR, RESULTS_DIR, WEIGHT_DECAY, Candidate, machine_info,
                      peak_extra_bytes, pin_malloc_threshold, time_alternating, write_csv)
 

@@ -20,7 +20,6 @@ in every error case nothing has been modified.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Sequence
 

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from dpkern import DPAdamW, DPMacAdam, DPSGD
-from dpkern.distributed import (DistributedDPError, DistributedDPOptimizer,
+from dpkern.distributed import (DistributedDPOptimizer,
                                 DistributedPoissonSampler, disable_gradient_allreduce,
                                 key_fingerprint, sync_key)
 from dpkern.functional import gaussian_noise

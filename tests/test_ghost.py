@@ -17,7 +17,7 @@ from torch import nn
 import dpkern
 from dpkern.ghost import GhostClipping, supports
 from dpkern.ghost.capture import Capture
-from dpkern.ghost.norms import (IndexUse, OuterUse, index_norm_sq, outer_method,
+from dpkern.ghost.norms import (index_norm_sq, outer_method,
                                 outer_norm_sq, param_norm_sq)
 from dpkern.grad_sample import compute_grad_sample
 
