@@ -255,3 +255,48 @@ def test_ghost_clipping_refuses_dp_macadam(text_file, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "--clipping" in err[0]
     assert not (tmp_path / "x").exists()
+
+
+# -- data parallelism (--nproc): spawned workers, gloo on CPU ------------------------------
+
+def _nproc_run(tmp_path, text_file, *extra):
+    """A 2-process run on a tiny saved GPT-2 (spawned workers do not see the monkeypatched
+    default shape, so the model comes from a directory both sides load)."""
+    model = _tiny_gpt2_dir(tmp_path / "tiny-gpt2")
+    out = tmp_path / "run"
+    code = finetune("--model", model, "--data", text_file, "--nproc", 2, "--out", out, *TINY,
+                    *extra)
+    return code, out
+
+
+def test_nproc_2_trains_within_budget(text_file, tmp_path):
+    code, out = _nproc_run(tmp_path, text_file, "--steps", 4, "--seed", 1, "--epsilon", 8)
+    assert code == 0
+    m = read_metrics(out)
+    assert m["nproc"] == 2 and m["step"] == 4 and m["finished"]
+    assert 0.95 * 8 <= m["epsilon"] <= 8
+    assert m["sample_rate"] == pytest.approx(16 / m["n_train_blocks"])  # the GLOBAL rate
+    assert m["val_loss_after"] < m["val_loss_before"] - 0.1
+    assert 0 < m["samples"] < 4 * 16 * 3  # global count (Poisson around 64)
+    state = torch.load(out / "trainer_state.pt", weights_only=True)
+    assert state["optimizer"]["dp"]["seed"] == 1 and state["step"] == 4
+
+
+def test_nproc_2_secure_mode(text_file, tmp_path):
+    code, out = _nproc_run(tmp_path, text_file, "--steps", 3)
+    assert code == 0
+    m = read_metrics(out)
+    assert m["nproc"] == 2 and m["step"] == 3 and m["val_loss_after"] < m["val_loss_before"]
+    assert "seed" not in torch.load(out / "trainer_state.pt", weights_only=True)["optimizer"]["dp"]
+
+
+def test_nproc_bad_input_exits_2_before_spawning(text_file, tmp_path, capsys):
+    for argv, option in ((["--nproc", 0], "--nproc"), (["--nproc", -3], "--nproc"),
+                         (["--nproc", 2, "--epsilon", 0], "--epsilon"),
+                         (["--nproc", 2, "--device", "cpu", "--batch-size", 10**6],
+                          "--batch-size")):
+        out = tmp_path / "never"
+        assert finetune("--data", text_file, "--steps", 2, "--out", out, "--quiet", *argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and err.startswith(f"dpkern finetune: error: {option}:"), err
+        assert not out.exists()

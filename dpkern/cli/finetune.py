@@ -21,6 +21,17 @@ examples:
   dpkern finetune --data notes.jsonl --epsilon 3 --out run1
   dpkern finetune --model ./my-gpt2 --data notes.txt --steps 500 --out run2
   dpkern finetune --resume run2 --steps 800 --epsilon 4   # continue (sigma recalibrated)
+  dpkern finetune --nproc 4 --out run3               # data-parallel, 4 processes
+
+Data parallelism (--nproc N > 1): N worker processes (torch.multiprocessing, file://
+rendezvous in a temp dir; gloo on CPU, NCCL on CUDA with rank r on cuda:r) build the same
+model and data; rank 0's parameters are broadcast. Each rank Poisson-samples its shard of
+the training blocks with the global rate q (dpkern.distributed.DistributedPoissonSampler),
+and dpkern.distributed.DistributedDPOptimizer all-reduces the clipped sums once per step
+and adds the same noise on every rank (secure key drawn on rank 0 and broadcast), so the
+mechanism, sigma and the accounting are those of the single-process run. Only rank 0
+shows progress and writes --out. The sampled batches differ from a single-process run
+with the same --seed (a different sampler), so the two runs are not equal.
 """
 from __future__ import annotations
 
@@ -124,6 +135,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, help="reproducible mode: seeds the noise key, the "
                    "sampler and the model init. Without it the noise key is secret")
     g.add_argument("--device", help="torch device (default cuda if available, else cpu)")
+    g.add_argument("--nproc", type=int, default=1, metavar="N", help="data-parallel worker "
+                   "processes (gloo on CPU, NCCL on CUDA: one GPU each); the global expected "
+                   "batch is still --batch-size (default 1: a single process)")
     g = parser.add_argument_group("output")
     g.add_argument("--out", metavar="DIR", help="write the model (save_pretrained), "
                    f"{FILES['run']}, {FILES['metrics']} and {FILES['trainer']} here")
@@ -163,7 +177,8 @@ def _check_numbers(args) -> None:
     _require(args.val_fraction is None or 0 < args.val_fraction < 1, "--val-fraction",
              f"must be in (0, 1), got {args.val_fraction}")
     for opt, low in (("batch_size", 1), ("micro_batch_size", 1), ("steps", 1),
-                     ("block_size", 2), ("save_every", 1), ("eval_batch_size", 1)):
+                     ("block_size", 2), ("save_every", 1), ("eval_batch_size", 1),
+                     ("nproc", 1)):
         v = getattr(args, opt)
         _require(v is None or v >= low, "--" + opt.replace("_", "-"), f"must be >= {low}, got {v}")
     _require(args.epochs is None or args.epochs > 0, "--epochs", f"must be > 0, got {args.epochs}")
@@ -454,7 +469,43 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args) -> int:
+    job = _prepare(args)
+    if getattr(args, "nproc", 1) > 1:
+        del job  # everything is validated: the workers build their own copies
+        return _spawn(args)
+    return _train_with_warnings(args, job)
 
+
+def _train_with_warnings(args, job: dict, dist_ctx=None) -> int:
+    def show_warning(message, category, filename, lineno, file=None, line=None):
+        print(f"dpkern finetune: warning: {message}", file=sys.stderr)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show_warning
+        warnings.filterwarnings("ignore", module="opacus")
+        return _train(args, **job, dist_ctx=dist_ctx)
+
+
+def _check_nproc(args, device: torch.device) -> None:
+    nproc = getattr(args, "nproc", 1)
+    if nproc == 1:
+        return
+    import torch.distributed as dist
+    _require(dist.is_available(), "--nproc", "this torch build has no torch.distributed")
+    if device.type == "cuda":
+        _require(device.index is None, "--device", f"{device} names one GPU; with --nproc "
+                 "rank r runs on cuda:r (pass --device cuda)")
+        _require(nproc <= torch.cuda.device_count(), "--nproc", f"{nproc} processes but "
+                 f"only {torch.cuda.device_count()} CUDA devices")
+    else:
+        _require(device.type == "cpu", "--nproc", f"supports cpu and cuda, not {device.type}")
+
+
+def _prepare(args) -> dict:
+    """Validate everything and build the job (the keyword arguments of :func:`_train`).
+
+    Raises UsageError on bad input. Deterministic given args (the model init in secure
+    mode aside), so that data-parallel workers rebuild the same job."""
     _check_numbers(args)
     out = _check_out(args)
     saved = trainer_state = old_metrics = None
@@ -467,7 +518,11 @@ def _run(args) -> int:
         except ImportError:
             raise UsageError("--grad-sample", "opacus is not installed (pip install "
                              "'dpkern[opacus]')") from None
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError as exc:
+        raise UsageError("--device", str(exc)) from None
+    _check_nproc(args, device)
     from .. import backends
     if args.backend != "auto":
         try:
@@ -529,30 +584,115 @@ def _run(args) -> int:
     per_sample = (_Ghost(net, optimizer) if args.clipping == "ghost"
                   else _PerSample(net, args.grad_sample))
     numel = sum(p.numel() for p in params)
+    return dict(plan=plan, out=out, model=model, tokenizer=tokenizer, net=net,
+                optimizer=optimizer, accountant=accountant, per_sample=per_sample,
+                train=train, val=val, n_bytes=n_bytes, done=done, steps=steps, micro=micro,
+                delta=delta, numel=numel, device=device, old_metrics=old_metrics or {})
 
-    # -- everything validated: train ---------------------------------------------------
-    def show_warning(message, category, filename, lineno, file=None, line=None):
-        print(f"dpkern finetune: warning: {message}", file=sys.stderr)
 
-    with warnings.catch_warnings():
-        warnings.showwarning = show_warning
-        warnings.filterwarnings("ignore", module="opacus")
-        return _train(args, plan, out, model, tokenizer, net, optimizer, accountant,
-                      per_sample, train, val, n_bytes, done, steps, micro, delta, numel,
-                      device, old_metrics or {})
+# -- data parallelism (--nproc) -----------------------------------------------------------
 
+def _spawn(args) -> int:
+    """Run the validated job in ``args.nproc`` worker processes; rank 0's exit code."""
+    import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException
+
+    with tempfile.TemporaryDirectory(prefix="dpkern-finetune-") as tmp:
+        ctx = mp.start_processes(_worker, args=(args.nproc, tmp, args), nprocs=args.nproc,
+                                 join=False, start_method="spawn")
+        try:
+            while not ctx.join():
+                pass
+        except KeyboardInterrupt:  # the workers got it too: rank 0 checkpoints and exits
+            try:
+                while not ctx.join(timeout=60):
+                    pass
+            except (KeyboardInterrupt, ProcessException):
+                pass
+        except ProcessException as exc:
+            print(f"dpkern finetune: error: a worker process failed: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.terminate()
+        rc = Path(tmp, "rc0")
+        return int(rc.read_text()) if rc.is_file() else 130
+
+
+def _worker(rank: int, world: int, tmp: str, args) -> None:
+    """One data-parallel rank: rebuild the job, join the group, train, record the code."""
+    import contextlib
+    import io
+
+    import torch.distributed as dist
+
+    from ..distributed import DistributedDPOptimizer
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    args = argparse.Namespace(**vars(args))
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        args.device = f"cuda:{rank}"
+        torch.cuda.set_device(rank)
+    if rank != 0:
+        args.quiet, args.out, args.save_every = True, None, None
+    with contextlib.redirect_stderr(io.StringIO()):  # notes were shown before spawning
+        job = _prepare(args)
+    if rank != 0:
+        job["out"] = None
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            init_method=f"file://{os.path.join(tmp, 'rendezvous')}",
+                            rank=rank, world_size=world)
+    try:
+        with torch.no_grad():  # one model: rank 0's init (secure mode draws it per rank)
+            for t in job["model"].state_dict().values():
+                dist.broadcast(t, src=0)
+        job["optimizer"] = DistributedDPOptimizer(job["optimizer"])  # broadcasts the key
+        code = _train_with_warnings(args, job, dist_ctx=(rank, world))
+        Path(tmp, f"rc{rank}").write_text(str(code))
+    finally:
+        dist.destroy_process_group()
+
+
+def _check_replicas(model, world: int, device) -> None:
+    """Every rank must end with the same parameters (same init, same all-reduced sums,
+    same noise): compare per-parameter float64 sums across ranks, exactly (a collective).
+
+    Raises DistributedDPError on every rank if the replicas diverged."""
+    import torch.distributed as dist
+
+    from ..distributed import DistributedDPError
+    sums = torch.stack([p.detach().double().sum() for p in model.parameters()]).to(device)
+    rows = [torch.empty_like(sums) for _ in range(world)]
+    dist.all_gather(rows, sums)
+    bad = [r for r in range(world) if not torch.equal(rows[r], rows[0])]
+    if bad:
+        raise DistributedDPError(f"model replicas diverged: ranks {bad} differ from rank 0")
+
+
+# -- training -----------------------------------------------------------------------------
 
 def _train(args, plan, out, model, tokenizer, net, optimizer, accountant, per_sample, train,
-           val, n_bytes, done, steps, micro, delta, numel, device, old_metrics) -> int:
+           val, n_bytes, done, steps, micro, delta, numel, device, old_metrics,
+           dist_ctx=None) -> int:
+    """The training loop. ``dist_ctx``: None, or (rank, world size) inside an initialised
+    process group with ``optimizer`` a DistributedDPOptimizer."""
     from tqdm import tqdm
 
     from ..sampling import PoissonBatchSampler
 
     q, sigma = plan.sample_rate, plan.noise_multiplier
+    rank, world = dist_ctx or (0, 1)
     t_start = time.perf_counter()
     val_before = models.evaluate(net, val, args.eval_batch_size, device)
     sampler_seed = None if plan.seed is None else (plan.seed * 1_000_003 + done) % 2**63
-    sampler = PoissonBatchSampler(train.shape[0], q, steps - done, seed=sampler_seed)
+    if dist_ctx is None:
+        sampler = PoissonBatchSampler(train.shape[0], q, steps - done, seed=sampler_seed)
+    else:
+        from ..distributed import DistributedPoissonSampler
+        sampler = DistributedPoissonSampler(train.shape[0], q, steps - done, rank=rank,
+                                            num_replicas=world, seed=sampler_seed)
     train_tokens = samples = 0
     train_time = 0.0
     loss_ema = None
@@ -576,7 +716,7 @@ def _train(args, plan, out, model, tokenizer, net, optimizer, accountant, per_sa
             "total_seconds": time.perf_counter() - t_start, "num_parameters": numel,
             "n_train_blocks": plan.n_train, "n_val_blocks": plan.n_val,
             "block_size": plan.block_size, "finished": final,
-            "optimizer_stats": dict(optimizer.stats),
+            "optimizer_stats": dict(optimizer.stats), "nproc": world,
         }
         if out is not None:
             trainer = {"step": optimizer.dp_step, "optimizer": optimizer.state_dict(),
@@ -599,11 +739,17 @@ def _train(args, plan, out, model, tokenizer, net, optimizer, accountant, per_sa
                     optimizer.accumulate()
             optimizer.step()
             accountant.step(sigma, q)
+            count, loss_sum = batch.shape[0], float(torch.cat(losses).sum()) if losses else 0.0
+            if dist_ctx is not None:  # global counts and mean loss for the bar and metrics
+                import torch.distributed as dist
+                t = torch.tensor([count, loss_sum], dtype=torch.float64, device=device)
+                dist.all_reduce(t)
+                count, loss_sum = int(t[0]), float(t[1])
             train_time += time.perf_counter() - t0
-            samples += batch.shape[0]
-            train_tokens += batch.numel()
-            if batch.shape[0]:
-                mean = float(torch.cat(losses).mean())
+            samples += count
+            train_tokens += count * plan.block_size
+            if count:
+                mean = loss_sum / count
                 loss_ema = mean if loss_ema is None else 0.9 * loss_ema + 0.1 * mean
             now = time.perf_counter()
             if now - eps_time > 5.0 or optimizer.dp_step == steps:
@@ -622,12 +768,16 @@ def _train(args, plan, out, model, tokenizer, net, optimizer, accountant, per_sa
         optimizer.zero_grad()  # an unfinished logical batch is dropped (never saved)
         metrics = checkpoint()
         where = f"; resume with --resume {out}" if out is not None else ""
-        print(f"dpkern finetune: interrupted at step {optimizer.dp_step}/{steps}, "
-              f"epsilon spent {metrics['epsilon']:.3g}{where}", file=sys.stderr)
+        if rank == 0:
+            print(f"dpkern finetune: interrupted at step {optimizer.dp_step}/{steps}, "
+                  f"epsilon spent {metrics['epsilon']:.3g}{where}", file=sys.stderr)
         return 130
+    if dist_ctx is not None:
+        _check_replicas(model, world, device)
     val_after = models.evaluate(net, val, args.eval_batch_size, device)
     metrics = checkpoint(val_after, final=True)
-    _print_summary(plan, args, metrics, n_bytes, done, out)
+    if rank == 0:
+        _print_summary(plan, args, metrics, n_bytes, done, out)
     return 0
 
 
@@ -650,7 +800,8 @@ def _print_summary(plan, args, m, n_bytes, done, out) -> None:
         f"{plan.batch_size}), {plan.accountant.upper()} accountant",
         f"  training    steps {done} -> {m['step']}, {m['samples']:,} samples, "
         f"{m['tokens']:,} tokens in {_fmt_time(m['train_seconds'])} "
-        f"({m['tokens_per_second']:,.0f} tokens/s)",
+        f"({m['tokens_per_second']:,.0f} tokens/s)"
+        + (f", {m['nproc']} data-parallel processes" if m["nproc"] > 1 else ""),
         f"  validation  loss {m['val_loss_before']:.4f} -> {m['val_loss_after']:.4f}, "
         f"perplexity {m['val_perplexity_before']:.2f} -> {m['val_perplexity_after']:.2f}",
     ]
