@@ -320,8 +320,10 @@ def test_micro_batches_accumulate_to_one_logical_step():
     ghost_opt.step()
     compute_grad_sample(ps_model, lambda out, y: token_losses(out, y).sum(), ids, ids)
     ps_opt.step()
+    # Adam's first update is lr * g / (|g| + eps): where the noisy g ~ 0 it amplifies the fp32
+    # summation-order differences (GEMM vs per-sample rows); same bound as above (0.5% of lr).
     for p, q in zip(ghost_model.parameters(), ps_model.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=5e-5)
     assert ghost_opt.stats["samples"] == ps_opt.stats["samples"] == 7
     assert ghost_opt.stats["clipped_samples"] == ps_opt.stats["clipped_samples"]
 
