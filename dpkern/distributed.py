@@ -1,4 +1,4 @@
-"""Data-parallel DP training on torch.distributed (DDP), every step equal to one process's.
+"""Data-parallel DP training on torch.distributed (DDP, FSDP2), every step equal to one process's.
 
 The noise stream (SPEC section 3) is a pure function of (key, step, global element index),
 so data-parallel ranks need to exchange no noise: each rank clips and sums its own samples
@@ -49,6 +49,29 @@ A training script for ``torchrun --standalone --nproc_per_node=N train.py``::
 
 Checkpoints: save ``opt.state_dict()`` on rank 0; every rank calls ``opt.load_state_dict``
 (secure mode: rank 0 draws a fresh key and broadcasts it).
+
+FSDP2 (``fully_shard``): give the optimizer classes the sharded model's parameters
+(DTensors, Shard(0) on a 1-D mesh; every trainable parameter, so apply ``fully_shard`` to
+the root too) and wrap them in :class:`DistributedDPOptimizer` as above. Each rank then
+keeps optimizer state for its shard only and draws the noise of exactly its shard, at the
+shard's GLOBAL element indices (:mod:`dpkern.sharding`; padding consumes no index), so
+gathering the shards gives the single-process step -- no noise is communicated. The
+clipped sum reaches each shard one of two ways:
+
+- ghost-style (DP-SGD, Adam, AdamW and their BC variants): back-propagate
+  ``sum_i c_i * loss_i`` with this rank's clip factors c_i (e.g. from ghost norms); FSDP's
+  reduce-scatter SUMs the ranks' clipped sums into each shard's ``p.grad`` (set
+  ``set_gradient_divide_factor(1.0)`` on every FSDP unit, and under gloo, which lacks
+  PREMUL_SUM, ``set_force_sum_reduction_for_comms(True)``); then
+  ``opt.accumulate_clipped([p.grad for p in params], batch_size)`` and ``opt.step()``.
+- per-sample (every rule, and the only one for DP-MacAdam, whose clipping whitens each
+  coordinate with state held by the shard's owner): :func:`shard_grad_samples` sends each
+  rank its columns of every rank's per-sample gradients; ``opt.step()`` clips each shard
+  with the per-sample norms all-reduced over the mesh ([B] floats) and, for DP-MacAdam,
+  all-reduces the global sum_j sqrt(S_hat_j) that sets b (SPEC section 7).
+
+The wrapper skips its all-reduce for sharded parameters (the sums are already global).
+``state_dict()`` holds this rank's shards: every rank saves and loads its own.
 """
 from __future__ import annotations
 
@@ -59,13 +82,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import functional as F
 from .optim import DPOptimizer, key_fingerprint, secure_key
 from .sampling import PoissonBatchSampler
+from .sharding import is_sharded, local_shard, shard_offsets
 
 __all__ = ["DistributedDPError", "DistributedDPOptimizer", "DistributedPoissonSampler",
            "all_reduce_clipped_sums", "broadcast_key", "disable_gradient_allreduce",
-           "key_fingerprint", "shard_offsets", "sharded_step", "sync_key", "verify_lockstep"]
+           "key_fingerprint", "shard_grad_samples", "shard_offsets", "sync_key",
+           "verify_lockstep"]
 
 _BUCKET_NUMEL = 1 << 24  # 64 MiB of fp32 per all-reduce bucket
 
@@ -273,6 +297,7 @@ class DistributedDPOptimizer:
             raise TypeError(f"expected a dpkern DPOptimizer, got {type(optimizer).__name__}")
         self.optimizer, self.group = optimizer, group
         self.bucket_numel = int(bucket_numel)
+        self.sharded = any(is_sharded(p) for p in optimizer.trainable_params())
         sync_key(optimizer, group)
 
     def __getattr__(self, name):
@@ -324,7 +349,8 @@ class DistributedDPOptimizer:
                 buf.zero_()  # drop the logical batch on every rank, consistently
             self.optimizer.zero_grad()
             raise
-        all_reduce_clipped_sums(self.optimizer, self.group, self.bucket_numel)
+        if not self.sharded:  # FSDP: the reduce-scatter / shard_grad_samples summed already
+            all_reduce_clipped_sums(self.optimizer, self.group, self.bucket_numel)
         self.optimizer.step()
         return loss
 
@@ -405,86 +431,97 @@ class DistributedPoissonSampler(torch.utils.data.Sampler[list[int]]):
 
 
 # --------------------------------------------------------------------------------------
-# FSDP2 (fully_shard) prototype: each rank noises ITS shard, at the GLOBAL indices
+# FSDP2: per-sample gradients of every rank's samples, on the shard each rank owns
 # --------------------------------------------------------------------------------------
-def shard_offsets(params: Sequence[Tensor]) -> list[tuple[Tensor, int]]:
-    """Local shard and global noise index of its first element, for each parameter.
-
-    ``params``: the trainable parameters in noise-index order (SPEC section 3: the order
-    the single-process optimizer would see), plain tensors or FSDP2 DTensors sharded on
-    dim 0 over a 1-D mesh (``fully_shard``'s default layout). FSDP2 cuts dim 0 like
-    ``torch.chunk`` (ceil(n / W) rows per rank, the last ranks possibly short or empty);
-    a rank's rows are a contiguous run of the row-major flattening, so its shard is the
-    global index range [offset_p + first_row * row_numel, + local numel). Padding is not
-    part of the local tensor and consumes no index. Using LOCAL indices instead would
-    hand every shard the same noise -- a privacy failure (correlated noise).
-
-    Returns: list of (local tensor -- a view sharing storage --, global flat offset int).
-    Raises: ValueError for other placements (Shard(d > 0), Replicate, 2-D meshes) or a
-        local shard whose size does not match the torch.chunk layout."""
-    from torch.distributed.tensor import DTensor, Shard
-    out, offset = [], 0
-    for k, p in enumerate(params):
-        if isinstance(p, DTensor):
-            if len(p.placements) != 1 or p.placements[0] != Shard(0):
-                raise ValueError(f"params[{k}]: placements {p.placements} not supported "
-                                 "(the prototype handles FSDP2's Shard(0) on a 1-D mesh)")
-            local, n_rows = p.to_local(), p.shape[0]
-            world, rank = p.device_mesh.size(), p.device_mesh.get_local_rank()
-            first = min(rank * -(-n_rows // world), n_rows)
-            row_numel = p.numel() // n_rows if n_rows else 0
-            if local.shape[0] != min(-(-n_rows // world), n_rows - first) \
-                    or tuple(local.shape[1:]) != tuple(p.shape[1:]):
-                raise ValueError(f"params[{k}]: local shard {tuple(local.shape)} does not "
-                                 f"match torch.chunk rows of {tuple(p.shape)} on rank {rank}")
-            out.append((local, offset + first * row_numel))
-        else:
-            out.append((p.detach(), offset))
-        offset += p.numel()
-    return out
-
-
-_SHARDED_RULES = {"sgd": (F.dp_sgd, ("momentum_buffer",)),
-                  "adam": (F.dp_adam, ("exp_avg", "exp_avg_sq")),
-                  "adamw": (F.dp_adamw, ("exp_avg", "exp_avg_sq"))}
+def _rows(n_rows: int, world: int, rank: int) -> tuple[int, int]:
+    """[first, end) rows of ``rank`` under FSDP2's torch.chunk layout of dim 0."""
+    per_rank = -(-n_rows // world)
+    first = min(rank * per_rank, n_rows)
+    return first, min(first + per_rank, n_rows)
 
 
 @torch.no_grad()
-def sharded_step(rule: str, params: Sequence[Tensor], states: dict, *, key: int, step: int,
-                 max_grad_norm: float, noise_multiplier: float, expected_batch_size: float,
-                 backend: str = "auto", **hyper) -> None:
-    """PROTOTYPE: one DP step on FSDP2-sharded parameters whose ``.grad`` already holds
-    the GLOBAL clipped sum of this rank's shard (no noise yet).
+def shard_grad_samples(params: Sequence[Tensor], grad_samples: Sequence[Tensor]) -> int:
+    """Give every rank the per-sample gradients of ALL ranks' samples, on ITS shard.
 
-    Getting that gradient under FSDP2: compute per-sample clip factors c_i (ghost norms,
-    or any per-sample norm pass), back-propagate sum_i c_i * loss_i, and let FSDP's
-    reduce-scatter SUM the ranks' clipped sums (on every FSDP unit:
-    ``set_gradient_divide_factor(1.0)``, plus ``set_force_sum_reduction_for_comms(True)``
-    under gloo, which lacks PREMUL_SUM).
-    This function then adds, on each rank, the noise of its shard drawn at the shard's
-    global indices (:func:`shard_offsets`) and applies the update with
-    :mod:`dpkern.functional` -- no noise is communicated, and gathering the shards gives
-    exactly the single-process step.
+    Under FSDP2 each rank computes per-sample gradients of its own B_r samples for whole
+    parameters (they are unsharded during forward and backward), but owns only a shard of
+    each parameter's coordinates and of its optimizer state. One ``all_to_all_single``
+    sends rank k the rows of its shard: afterwards ``p.grad_sample`` on every rank has
+    shape ``[B, *local_shard_shape]`` with B = sum_r B_r (samples in rank order), and the
+    optimizer's ``step()`` clips with per-sample norms all-reduced over the shards ([B]
+    floats) -- the coordinate-sharded per-sample path that DP-MacAdam needs (its clipping
+    whitens every coordinate with state that lives on the owning rank). Communication:
+    each rank sends and receives about B_r * d and B * d / W elements (d = trainable
+    coordinates); a transient send buffer of B_r * d elements. Ghost clipping (no
+    per-sample gradients) is the cheaper path for the other rules: see the module doc.
 
     Args:
-        rule: "sgd", "adam" or "adamw" (element-wise rules; the BC rules and DP-MacAdam
-            need a global scalar reduction the functional API does not expose yet).
-        params: trainable parameters in noise-index order (DTensors or plain tensors).
-        states: dict, filled lazily: param -> {state name: float32 local tensor}.
-        key, step: shared by all ranks (:func:`broadcast_key`; step counted from 1).
-        **hyper: the rule's hyper-parameters (lr, betas, eps, weight_decay, momentum...).
-    Raises: ValueError (unknown rule, bad layout or hyper-parameters)."""
-    if rule not in _SHARDED_RULES:
-        raise ValueError(f"invalid rule={rule!r}: expected one of {tuple(_SHARDED_RULES)}")
-    fn, names = _SHARDED_RULES[rule]
-    for p, (local, offset) in zip(params, shard_offsets(params)):
-        if local.numel() == 0:
-            continue  # an empty shard: its rows live elsewhere, no index is consumed here
-        grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-        summed = torch.zeros_like(local, dtype=torch.float32) if grad is None else grad.float()
-        st = states.setdefault(p, {n: torch.zeros_like(local, dtype=torch.float32)
-                                   for n in names})
-        fn([local], None, *[[st[n]] for n in names], step=step, key=key,
-           max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
-           expected_batch_size=expected_batch_size, summed_grads=[summed], offset=offset,
-           backend=backend, **hyper)
+        params: the optimizer's trainable parameters (``opt.trainable_params()``): FSDP2
+            DTensors sharded on dim 0, all on one 1-D device mesh.
+        grad_samples: per parameter, this rank's per-sample gradients, a plain tensor of
+            shape ``[B_r, *p.shape]`` (global shape; B_r may be 0), any float dtype (sent
+            as the common dtype, float32 if they differ).
+    Returns: B, the global number of samples (every rank gets the same).
+    Raises: ValueError (not DTensors, meshes differ, wrong count, shape or B_r), before
+        any communication -- but it is a collective: every rank must call it.
+    """
+    params, grad_samples = list(params), list(grad_samples)
+    if len(params) != len(grad_samples):
+        raise ValueError(f"shard_grad_samples: {len(grad_samples)} grad_samples for "
+                         f"{len(params)} parameters")
+    if not params:
+        raise ValueError("shard_grad_samples: no parameters")
+    if not all(is_sharded(p) for p in params) \
+            or len({id(p.device_mesh) for p in params}) != 1:
+        raise ValueError("shard_grad_samples: every parameter must be a DTensor on one "
+                         "device mesh (FSDP2 fully_shard)")
+    B_r = None
+    for k, (p, g) in enumerate(zip(params, grad_samples)):
+        local_shard(p, f"params[{k}]")  # validates the layout
+        if not isinstance(g, Tensor) or is_sharded(g) or not g.is_floating_point() \
+                or tuple(g.shape[1:]) != tuple(p.shape) or g.device != p.device:
+            raise ValueError(f"grad_samples[{k}]: expected a plain float tensor "
+                             f"[B_r, *{tuple(p.shape)}] on {p.device}")
+        if B_r is None:
+            B_r = g.shape[0]
+        elif g.shape[0] != B_r:
+            raise ValueError(f"grad_samples[{k}]: {g.shape[0]} rows, others {B_r}")
+    mesh = params[0].device_mesh
+    group, world, me = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+    dtypes = {g.dtype for g in grad_samples}
+    dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+    device = params[0].device
+    sizes = torch.zeros(world, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(sizes, torch.tensor([B_r], dtype=torch.int64, device=device),
+                                group=group)
+    sizes = sizes.tolist()
+
+    def cols(rank):  # elements per sample that rank owns, param by param
+        out = []
+        for p in params:
+            first, end = _rows(p.shape[0], world, rank)
+            out.append((end - first) * (p.numel() // p.shape[0] if p.shape[0] else 0))
+        return out
+
+    def block(rank):  # a [B_r, n_rank] block (the params' slices side by side), flattened
+        if not B_r:
+            return torch.zeros(0, dtype=dtype, device=device)
+        return torch.cat([g[:, slice(*_rows(p.shape[0], world, rank))].reshape(B_r, -1)
+                          .to(dtype) for p, g in zip(params, grad_samples)], dim=1).reshape(-1)
+
+    mine = cols(me)
+    blocks = [block(rank) for rank in range(world)]
+    out = torch.empty(sum(sizes) * sum(mine), dtype=dtype, device=device)
+    dist.all_to_all_single(out, torch.cat(blocks),
+                           output_split_sizes=[b * sum(mine) for b in sizes],
+                           input_split_sizes=[blk.numel() for blk in blocks], group=group)
+    B = sum(sizes)
+    rows = out.view(B, sum(mine))
+    pos = 0
+    for p, n in zip(params, mine):
+        local = p.to_local()
+        p.grad_sample = rows[:, pos:pos + n].reshape(B, *local.shape).contiguous()
+        pos += n
+    return B
+

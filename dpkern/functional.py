@@ -21,7 +21,7 @@ in every error case nothing has been modified.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -33,6 +33,7 @@ from .hyper import (AdamBCHyper, AdamHyper, AdamWBCHyper, AdamWHyper, DPStep, Hy
 NONFINITE_MODES = ("error", "zero")
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 CLIP_EPS = 1e-6  # c_i = min(1, C / (n_i + 1e-6)), Opacus' convention (SPEC section 2)
+Reduce = Callable[[Tensor], None]  # in-place SUM over the ranks of sharded parameters
 
 
 # --------------------------------------------------------------------------------------
@@ -201,8 +202,12 @@ def _pass1(groups: list[Group], backend, batch_size: int, device, dp_step: int) 
 
 
 def clip_and_check(groups: list[Group], *, backend, device, step: int, max_grad_norm: float,
-                   nonfinite: str) -> StepResult:
+                   nonfinite: str, reduce: Reduce | None = None) -> StepResult:
     """Pass 1 and the clip factors; raise FloatingPointError on non-finite rows if asked.
+
+    ``reduce``: for coordinate-sharded parameters (FSDP, tensor parallel), an in-place SUM
+    over the shards' ranks applied to the [B] partial squared norms, so every rank clips
+    with the norms over ALL coordinates (see :func:`dp_step_groups`).
 
     Returns a StepResult whose ``clip_factors`` is None when no per-sample gradient is
     present (summed-gradient step). Modifies nothing."""
@@ -211,6 +216,10 @@ def clip_and_check(groups: list[Group], *, backend, device, step: int, max_grad_
         return StepResult()
     B = present[0].shape[0]
     norms = _pass1(groups, backend, B, device, step)
+    if reduce is not None:
+        sq = norms.double().square()
+        reduce(sq)
+        norms = sq.sqrt().float()
     finite = torch.isfinite(norms)
     bad = (~finite).nonzero().flatten().tolist()
     if bad and nonfinite == "error":
@@ -229,16 +238,26 @@ def clip_and_check(groups: list[Group], *, backend, device, step: int, max_grad_
 
 def dp_step_groups(groups: list[Group], *, key: int, step: int, max_grad_norm: float,
                    noise_multiplier: float, expected_batch_size: float,
-                   backend: str = "auto", nonfinite: str = "error") -> StepResult:
+                   backend: str = "auto", nonfinite: str = "error",
+                   reduce: Reduce | None = None) -> StepResult:
     """One DP step over several parameter groups sharing one noise index space and step.
 
     Validates everything first (nothing is modified on error), then runs pass 1 over all
     groups, pass 2 per group, and DP-MacAdam's global scale update. ``max_grad_norm`` is
-    ignored by DP-MacAdam (its bound is 1 in the whitened space)."""
+    ignored by DP-MacAdam (its bound is 1 in the whitened space).
+
+    Coordinate-sharded parameters (each rank holds a slice of every parameter, e.g. FSDP2
+    shards or tensor-parallel slices): give each rank's local slices with their GLOBAL
+    ``offsets`` and a ``reduce`` callable (an in-place SUM over the ranks holding the
+    shards, e.g. ``lambda t: dist.all_reduce(t, group=g)``). It is called on the [B]
+    partial squared per-sample norms (float64; the grad_sample slices must hold the same
+    B samples on every rank) and, for DP-MacAdam, on the one-element sum
+    sum_j sqrt(S_hat_j) (SPEC section 7): the only two global reductions of a step. Every
+    rank must then call this function (a collective)."""
     device = check_params(groups)
     be = backends.resolve(backends.check_name(backend), device)
     pass1 = clip_and_check(groups, backend=be, device=device, step=step,
-                           max_grad_norm=max_grad_norm, nonfinite=nonfinite)
+                           max_grad_norm=max_grad_norm, nonfinite=nonfinite, reduce=reduce)
     macadam = groups[0].hyper.rule == "macadam"
     noise_std = noise_multiplier * (1.0 if macadam else max_grad_norm)
     sqrt_sum = 0.0
@@ -249,6 +268,10 @@ def dp_step_groups(groups: list[Group], *, key: int, step: int, max_grad_norm: f
         steps.append(dp)
         sqrt_sum += be.step(grp.hyper, dp, grp.params, grp.grad_samples, pass1.clip_factors,
                             grp.summed, grp.states, grp.offsets)
+    if macadam and reduce is not None:
+        total = torch.tensor([sqrt_sum], dtype=torch.float64, device=device)
+        reduce(total)
+        sqrt_sum = float(total)
     if macadam:
         for grp, dp in zip(groups, steps):
             be.macadam_update_scale(grp.hyper, dp, grp.states["exp_var"],
@@ -441,21 +464,23 @@ del _f
 
 
 def accumulate_groups(groups: list[Group], *, step: int, max_grad_norm: float,
-                      backend: str = "auto", nonfinite: str = "error") -> StepResult:
+                      backend: str = "auto", nonfinite: str = "error",
+                      reduce: Reduce | None = None) -> StepResult:
     """Fold one micro-batch into the logical batch: ``grp.summed[k] += sum_i c_i x_i``.
 
     ``grp.summed`` entries must be float32 buffers (not None); x_i is the per-sample
     gradient (whitened for DP-MacAdam, whose m_hat and b stay fixed within a logical
     batch). ``step`` is the step that will end the logical batch. No noise is added: the
-    step that ends the logical batch adds it once (SPEC section 2). Validates first;
-    nothing is modified on error."""
+    step that ends the logical batch adds it once (SPEC section 2). ``reduce``: as in
+    :func:`dp_step_groups` (sharded parameters). Validates first; nothing is modified on
+    error."""
     device = check_params(groups)
     if not any(g is not None for grp in groups for g in grp.grad_samples):
         raise ValueError("accumulate: no parameter has a grad_sample (per-sample gradients "
                          "were never computed for this micro-batch)")
     be = backends.resolve(backends.check_name(backend), device)
     result = clip_and_check(groups, backend=be, device=device, step=step,
-                            max_grad_norm=max_grad_norm, nonfinite=nonfinite)
+                            max_grad_norm=max_grad_norm, nonfinite=nonfinite, reduce=reduce)
     dp = DPStep(key=0, step=step, noise_std=0.0, expected_batch_size=1.0)
     for grp in groups:
         be.accumulate(grp.hyper, dp, grp.grad_samples, result.clip_factors, grp.summed,

@@ -38,6 +38,7 @@ from . import functional as F
 from .hyper import (AdamBCHyper, AdamHyper, AdamWBCHyper, AdamWHyper, Hyper, MacAdamHyper,
                     SGDHyper, check_betas, check_nonnegative, check_positive)
 from .backends.reference import STATE_NAMES
+from .sharding import is_sharded, local_shard
 
 __all__ = ["DPOptimizer", "DPSGD", "DPAdam", "DPAdamBC", "DPAdamW", "DPAdamWBC", "DPMacAdam"]
 
@@ -173,7 +174,7 @@ class DPOptimizer(torch.optim.Optimizer):
         the first time, to commit into ``self.state`` / ``self._accum`` on success only."""
         trainable = [(gi, pi, p) for gi, g in enumerate(self.param_groups)
                      for pi, p in enumerate(g["params"]) if p.requires_grad]
-        n_total = sum(p.numel() for _, _, p in trainable)
+        n_total = sum(p.numel() for _, _, p in trainable)  # global numel for DTensors
         any_gs = any(getattr(p, "grad_sample", None) is not None for _, _, p in trainable)
         if not any_gs and (for_accumulate or not self._accum):
             raise ValueError("no parameter has a grad_sample: per-sample gradients were "
@@ -190,6 +191,9 @@ class DPOptimizer(torch.optim.Optimizer):
                 if not p.requires_grad:
                     continue
                 name = f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)})"
+                local, start = local_shard(p, name)
+                if local.shape != p.shape:
+                    name = f"{name[:-1]}, local shard {tuple(local.shape)})"
                 gs = getattr(p, "grad_sample", None)
                 if isinstance(gs, (list, tuple)):  # Opacus: several forward passes
                     if not all(isinstance(x, Tensor) for x in gs):
@@ -202,17 +206,17 @@ class DPOptimizer(torch.optim.Optimizer):
                                      "outside the module wrapped for per-sample gradients?)")
                 state = self.state.get(p)
                 if not state:
-                    state = new_states[p] = self._fresh_state(p, n_total)
+                    state = new_states[p] = self._fresh_state(local, n_total)
                 for sname in states:
                     states[sname].append(state[sname])
                 buf = self._accum.get(p)
                 if buf is None and for_accumulate:
                     buf = new_buffers[p] = torch.zeros_like(
-                        p, dtype=torch.float32, memory_format=torch.contiguous_format)
-                params.append(p)
+                        local, dtype=torch.float32, memory_format=torch.contiguous_format)
+                params.append(local)
                 gss.append(gs)
                 summed.append(buf)
-                offsets.append(offset)
+                offsets.append(offset + start)
                 names.append(name)
                 offset += p.numel()
             if params:
@@ -221,6 +225,28 @@ class DPOptimizer(torch.optim.Optimizer):
         if not groups:
             raise ValueError("the optimizer owns no trainable parameter")
         return groups, new_states, new_buffers
+
+    def _reduce(self):
+        """None for ordinary parameters; for FSDP2 DTensor shards, an in-place SUM over the
+        device mesh's process group (per-sample squared norms, MacAdam's global sum).
+
+        Raises ValueError if plain and sharded parameters are mixed (the partial norms of
+        a replicated parameter would be counted once per rank) or meshes differ."""
+        params = self.trainable_params()
+        sharded = [p for p in params if is_sharded(p)]
+        if not sharded:
+            return None
+        meshes = {id(p.device_mesh) for p in sharded}
+        if len(sharded) != len(params) or len(meshes) > 1:
+            raise ValueError("sharded parameters: every trainable parameter must be a DTensor "
+                             "on one device mesh (apply fully_shard to the root module too); "
+                             f"got {len(sharded)} DTensors among {len(params)} parameters "
+                             f"on {len(meshes)} meshes")
+        import torch.distributed as dist
+        group = sharded[0].device_mesh.get_group()
+        if dist.get_world_size(group) == 1:
+            return None
+        return lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
 
     def _noise_var_avg(self, group: dict, hyper: Hyper) -> float:
         return 0.0
@@ -239,12 +265,11 @@ class DPOptimizer(torch.optim.Optimizer):
         groups, new_states, new_buffers = self._groups(for_accumulate=True)
         result = F.accumulate_groups(groups, step=self._dp_step + 1,
                                      max_grad_norm=self.max_grad_norm, backend=self.backend,
-                                     nonfinite=self.nonfinite)
+                                     nonfinite=self.nonfinite, reduce=self._reduce())
         self._accum.update(new_buffers)
         self._record(result, step=False)
-        for grp in groups:
-            for p in grp.params:
-                p.grad_sample = None
+        for p in self.trainable_params():
+            p.grad_sample = None
 
     def trainable_params(self) -> list[Tensor]:
         """Trainable parameters in noise-index order (param_groups order, frozen skipped)."""
@@ -257,7 +282,7 @@ class DPOptimizer(torch.optim.Optimizer):
         out = []
         for p in self.trainable_params():
             if p not in self._accum:
-                self._accum[p] = torch.zeros_like(p, dtype=torch.float32,
+                self._accum[p] = torch.zeros_like(local_shard(p)[0], dtype=torch.float32,
                                                   memory_format=torch.contiguous_format)
             out.append(self._accum[p])
         return out
@@ -271,7 +296,8 @@ class DPOptimizer(torch.optim.Optimizer):
             clipped_sums: one entry per ``trainable_params()`` entry, ``None`` or a tensor
                 shaped like the parameter holding sum_i c_i g_i with every sample's
                 gradient clipped to norm <= max_grad_norm over all parameters (for
-                DP-MacAdam: the sum of clipped whitened rows).
+                DP-MacAdam: the sum of clipped whitened rows). FSDP2: the DTensor
+                ``p.grad`` FSDP reduce-scattered (its local shard is used).
             batch_size: samples in this micro-batch (for ``stats`` only).
         Raises: ValueError (wrong count, shape, device, non-finite values); nothing is
         modified when it raises."""
@@ -284,9 +310,12 @@ class DPOptimizer(torch.optim.Optimizer):
             if s is None:
                 continue
             if not isinstance(s, Tensor) or s.shape != p.shape or s.device != p.device \
-                    or not s.is_floating_point() or s.is_sparse:
-                raise ValueError(f"clipped_sums[{k}]: expected a dense float tensor of shape "
+                    or not s.is_floating_point() or s.is_sparse \
+                    or is_sharded(s) != is_sharded(p):
+                raise ValueError(f"clipped_sums[{k}]: expected a dense float "
+                                 f"{'DTensor' if is_sharded(p) else 'tensor'} of shape "
                                  f"{tuple(p.shape)} on {p.device}")
+            clipped_sums[k] = s = local_shard(s, f"clipped_sums[{k}]")[0]
             if not torch.isfinite(s).all():
                 raise ValueError(f"clipped_sums[{k}]: non-finite values")
         for s, buf in zip(clipped_sums, self.clipped_sum_buffers()):
@@ -313,7 +342,8 @@ class DPOptimizer(torch.optim.Optimizer):
                                   max_grad_norm=self.max_grad_norm,
                                   noise_multiplier=self.noise_multiplier,
                                   expected_batch_size=self.expected_batch_size,
-                                  backend=self.backend, nonfinite=self.nonfinite)
+                                  backend=self.backend, nonfinite=self.nonfinite,
+                                  reduce=self._reduce())
         for p, st in new_states.items():
             self.state[p].update(st)
         self._commit_noise_var_avg(groups)
@@ -371,12 +401,13 @@ class DPOptimizer(torch.optim.Optimizer):
         new_state = {}
         for pid, st in saved_state.items():
             p = id_to_param[pid]
+            shape = local_shard(p)[0].shape  # this rank's shard for FSDP2 DTensors
             new_state[p] = {}
             for name, value in st.items():
                 if isinstance(value, Tensor):
-                    if value.shape != p.shape and value.dim() != 0:
+                    if value.shape != shape and value.dim() != 0:
                         raise ValueError(f"state {name!r} has shape {tuple(value.shape)}, "
-                                         f"parameter has {tuple(p.shape)}")
+                                         f"parameter (shard) has {tuple(shape)}")
                     value = value.to(device=p.device, dtype=torch.float32).clone()
                 new_state[p][name] = value
         step = dp.get("step", 0)
@@ -497,8 +528,12 @@ class _BCMixin:
         return hyper.beta2 * prev + (1 - hyper.beta2) * Phi
 
     def _commit_noise_var_avg(self, groups) -> None:
-        for grp in groups:
-            for p in grp.params:
+        # groups[k] holds the (local views of the) trainable parameters of the k-th
+        # param_group that has any; self.state is keyed by the parameters themselves
+        owners = [ps for ps in ([p for p in g["params"] if p.requires_grad]
+                                for g in self.param_groups) if ps]
+        for grp, params in zip(groups, owners):
+            for p in params:
                 self.state[p]["noise_var_avg"].fill_(grp.noise_var_avg)
 
 

@@ -167,6 +167,39 @@ def _run_mismatch(rank, world, data):
     return out
 
 
+def _run_fsdp_errors(rank, world, data):
+    """Sharded-path errors: clear, raised on every rank, nothing changed."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dpkern.distributed import shard_grad_samples
+    model, replica = _net(), _net()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    params = list(model.parameters())
+    out = {"count": _catch(lambda: shard_grad_samples(params, [])),
+           "plain": _catch(lambda: shard_grad_samples(list(replica.parameters()),
+                                                      [torch.zeros(1, *p.shape)
+                                                       for p in replica.parameters()])),
+           "shape": _catch(lambda: shard_grad_samples(params, [torch.zeros(1, 2)] * 4))}
+    mixed = DPAdamW([params[0], nn.Parameter(torch.randn(3))], max_grad_norm=1.0,
+                    noise_multiplier=1.0, expected_batch_size=2.0, seed=3)
+    out["mixed"] = _catch(lambda: mixed.accumulate_clipped([None, None]) or mixed.step())
+    # a NaN in rank 0's per-sample gradients lands in some rank's shard; the all-reduced
+    # norms carry it to every rank, so every rank refuses the step
+    opt = DistributedDPOptimizer(_make_opt("macadam", params, seed=5))
+    local = BATCHES[0][rank::world]
+    compute_grad_sample(replica, _loss, data["x"][local], data["y"][local])
+    gs = [p.grad_sample for p in replica.parameters()]
+    if rank == 0:
+        gs[2][0, -1, -1] = float("nan")
+    before = [p.full_tensor().clone() for p in params]
+    shard_grad_samples(params, gs)
+    out["nan"] = _catch(opt.step)
+    out["nan_untouched"] = all(torch.equal(a, p.full_tensor()) for a, p in zip(before, params))
+    out["nan_state"] = any(len(opt.state[p]) for p in params)
+    return out
+
+
 def _run_poisson(rank, world, data):
     sampler = DistributedPoissonSampler(**SAMPLER, seed=None)
     batches = list(sampler)
@@ -189,16 +222,25 @@ def _run_poisson(rank, world, data):
                                                         for p in net.parameters()]}
 
 
-def _run_fsdp(rank, world, data, local_indices=False):
-    """FSDP2 fully_shard prototype, DP-AdamW: FSDP reduce-scatters (SUM) the gradient of
-    sum_i c_i loss_i; sharded_step noises each shard at its global indices. The clip
-    factors come from a full replica (test harness: any per-sample norm pass will do)."""
+def _run_fsdp(rank, world, data, name, local_indices=False):
+    """FSDP2 fully_shard, the optimizer classes on DTensor shards, through
+    DistributedDPOptimizer (seeded key 77).
+
+    adamw: the summed (ghost-style) path: FSDP reduce-scatters (SUM) the gradient of
+    sum_i c_i loss_i, fed to accumulate_clipped; the clip factors c_i come from a full
+    replica (test harness: ghost norms or any per-sample norm pass will do).
+    macadam: the per-sample path: the replica's per-sample gradients of the local samples
+    go through shard_grad_samples; the optimizer whitens and clips each shard with norms
+    all-reduced over the ranks and updates b with the all-reduced global sum.
+    ``local_indices``: the privacy failure the global offsets prevent (every shard noised
+    from its parameter's first index), as a negative control."""
     from unittest import mock
 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    import dpkern.distributed as D
+    import dpkern.optim
+    from dpkern.distributed import shard_grad_samples, shard_offsets
     from dpkern.functional import clip_factors, per_sample_norms
     mesh = init_device_mesh("cpu", (world,))
     model, replica = _net(), _net()
@@ -208,38 +250,41 @@ def _run_fsdp(rank, world, data, local_indices=False):
     for layer in (model, model[0], model[2]):
         layer.set_gradient_divide_factor(1.0)  # each FSDP unit reduce-scatters with SUM
         layer.set_force_sum_reduction_for_comms(True)  # (gloo has no PREMUL_SUM)
-    offsets = real_offsets = D.shard_offsets
-    if local_indices:  # the privacy failure the global offsets prevent
-        def offsets(params):
-            out, off = [], 0
-            for local, _ in real_offsets(params):
-                out.append((local, off))
-                off += local.numel()
-            return out
-    states, snaps = {}, []
-    with mock.patch.object(D, "shard_offsets", offsets):
-        for t, batch in enumerate(BATCHES, 1):
+    real_local_shard = dpkern.optim.local_shard
+    fake = (lambda p, name="": (real_local_shard(p, name)[0], 0)) if local_indices else None
+    opt = DistributedDPOptimizer(_make_opt(name, model.parameters(), seed=77))
+    snaps = []
+    with mock.patch.object(dpkern.optim, "local_shard", fake or real_local_shard):
+        for batch in BATCHES:
             local = batch[rank::world]
             for r, p in zip(replica.parameters(), model.parameters()):
                 r.data.copy_(p.full_tensor())
-            c = torch.zeros(0)
             if local:
                 compute_grad_sample(replica, _loss, data["x"][local], data["y"][local])
-                c = clip_factors(per_sample_norms([p.grad_sample for p in replica.parameters()],
-                                                  backend="torch"), 0.7)
-            losses = nn.functional.cross_entropy(model(data["x"][local]), data["y"][local],
-                                                 reduction="none")
-            (c * losses).sum().backward()  # every rank, empty batch or not
-            D.sharded_step("adamw", list(model.parameters()), states, key=77, step=t,
-                           max_grad_norm=0.7, noise_multiplier=SIGMA,
-                           expected_batch_size=float(N) / 2, backend="torch", lr=0.05,
-                           weight_decay=0.1)
-            model.zero_grad()
+            gs = [r.grad_sample if local else torch.zeros(0, *r.shape)
+                  for r in replica.parameters()]
+            if name == "macadam":
+                assert shard_grad_samples(opt.trainable_params(), gs) == len(batch)
+            else:
+                c = clip_factors(per_sample_norms(gs, backend="torch"), 0.7)
+                losses = nn.functional.cross_entropy(model(data["x"][local]),
+                                                     data["y"][local], reduction="none")
+                (c * losses).sum().backward()  # every rank, empty batch or not
+                opt.accumulate_clipped([p.grad for p in model.parameters()], len(local))
+            opt.step()
+            opt.zero_grad()
+            replica.zero_grad()
             snaps.append([p.full_tensor().detach().clone() for p in model.parameters()])
-    shards = [(off, local.numel(), {k: v.clone() for k, v in states[p].items()}
-               if p in states else {}) for p, (local, off)
-              in zip(model.parameters(), D.shard_offsets(list(model.parameters())))]
-    return {"snaps": snaps, "shards": shards}
+    shards = [(off, local.numel(), {k: v.clone() for k, v in opt.state[p].items()})
+              for p, (local, off) in zip(model.parameters(),
+                                         shard_offsets(list(model.parameters())))]
+    # a checkpoint of the sharded state (this rank's shards) loads back
+    again = DistributedDPOptimizer(_make_opt(name, model.parameters(), seed=77))
+    again.load_state_dict(opt.state_dict())
+    resumed = again.dp_step == opt.dp_step and all(
+        torch.equal(again.state[p][k], v) for p in model.parameters()
+        for k, v in opt.state[p].items())
+    return {"snaps": snaps, "shards": shards, "resumed": resumed}
 
 
 def _worker(rank, world, tmpdir):
@@ -254,10 +299,12 @@ def _worker(rank, world, tmpdir):
                "func_macadam": _run_func(rank, world, data, "macadam"),
                "noise": _run_noise(rank, world),
                "poisson": _run_poisson(rank, world, data)}
-        res["fsdp"] = _run_fsdp(rank, world, data)
+        for name in ("adamw", "macadam"):
+            res[f"fsdp_{name}"] = _run_fsdp(rank, world, data, name)
         if world > 1:
             res["mismatch"] = _run_mismatch(rank, world, data)
-            res["fsdp_local"] = _run_fsdp(rank, world, data, local_indices=True)
+            res["fsdp_errors"] = _run_fsdp_errors(rank, world, data)
+            res["fsdp_local"] = _run_fsdp(rank, world, data, "adamw", local_indices=True)
         torch.save(res, os.path.join(tmpdir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -371,6 +418,20 @@ def test_mismatches_are_detected_on_every_rank(run):
             assert torch.equal(a, b)
 
 
+def test_fsdp2_errors_are_clear_and_raised_on_every_rank(run):
+    world, _, results = run
+    if world == 1:
+        pytest.skip("needs two ranks")
+    for r in results:
+        e = r["fsdp_errors"]
+        assert e["count"][0] == "ValueError" and "0 grad_samples for 4" in e["count"][1]
+        assert e["plain"][0] == "ValueError" and "DTensor" in e["plain"][1]
+        assert e["shape"][0] == "ValueError" and "grad_samples[0]" in e["shape"][1]
+        assert e["mixed"][0] == "ValueError" and "must be a DTensor" in e["mixed"][1]
+        assert e["nan"][0] == "FloatingPointError" and "rows [0]" in e["nan"][1]
+        assert e["nan_untouched"] and not e["nan_state"]
+
+
 def test_distributed_poisson_sampling(run):
     world, _, results = run
     n, q, steps = SAMPLER["num_samples"], SAMPLER["sample_rate"], SAMPLER["steps"]
@@ -419,25 +480,32 @@ def test_poisson_training_loop_equals_single_process_on_union(run):
 # ------------------------------------------------------------------------------------
 # single-process unit tests
 # ------------------------------------------------------------------------------------
-def test_fsdp2_sharded_steps_equal_single_process(run):
+@pytest.mark.parametrize("name", ["adamw", "macadam"])
+def test_fsdp2_sharded_steps_equal_single_process(run, name):
     world, data, results = run
-    want = _single("adamw", data, 77, BATCHES)
+    # samples in rank order, as shard_grad_samples stacks them (same float summation order)
+    rank_order = [[i for r in range(world) for i in b[r::world]] for b in BATCHES]
+    want = _single(name, data, 77, rank_order)
     for r in results:
-        for t, (got, w) in enumerate(zip(r["fsdp"]["snaps"], want)):
+        assert r[f"fsdp_{name}"]["resumed"]
+        for t, (got, w) in enumerate(zip(r[f"fsdp_{name}"]["snaps"], want)):
             for a, b in zip(got, w["params"]):
                 torch.testing.assert_close(a, b, atol=1e-6, rtol=0, msg=f"step {t + 1}")
     # the shards tile the global index space exactly (no index twice, none skipped) ...
     numel = sum(p.numel() for p in want[-1]["params"])
-    ranges = sorted((off, n) for r in results for off, n, _ in r["fsdp"]["shards"] if n)
+    ranges = sorted((off, n) for r in results for off, n, _ in r[f"fsdp_{name}"]["shards"]
+                    if n)
     assert [o for o, _ in ranges] == [0] + [o + n for o, n in ranges[:-1]]
     assert ranges[-1][0] + ranges[-1][1] == numel
     # ... and the shards' optimizer states are the single-process states at those indices
-    flat = {k: torch.cat([s[k].flatten() for s in want[-1]["state"]])
-            for k in ("exp_avg", "exp_avg_sq")}
+    names = want[-1]["state"][0].keys()
+    flat = {k: torch.cat([s[k].flatten() for s in want[-1]["state"]]) for k in names}
     for r in results:
-        for off, n, st in r["fsdp"]["shards"]:
+        for off, n, st in r[f"fsdp_{name}"]["shards"]:
+            assert st.keys() == names
             for k, v in st.items():
-                torch.testing.assert_close(v.flatten(), flat[k][off:off + n], atol=1e-6, rtol=0)
+                torch.testing.assert_close(v.flatten(), flat[k][off:off + n], atol=1e-6,
+                                           rtol=0, msg=k)
 
 
 def test_fsdp2_local_indices_would_differ(run):
