@@ -58,9 +58,13 @@ shard's GLOBAL element indices (:mod:`dpkern.sharding`; padding consumes no inde
 gathering the shards gives the single-process step -- no noise is communicated. The
 clipped sum reaches each shard one of two ways:
 
-- ghost-style (DP-SGD, Adam, AdamW and their BC variants): back-propagate
-  ``sum_i c_i * loss_i`` with this rank's clip factors c_i (e.g. from ghost norms); FSDP's
-  reduce-scatter SUMs the ranks' clipped sums into each shard's ``p.grad`` (set
+- ghost clipping (DP-SGD, Adam, AdamW and their BC variants):
+  ``GhostClipping(model, opt)`` with ``opt`` the wrapper; each micro-batch's book-kept
+  full-shape clipped sums are reduce-scattered to the shards
+  (:func:`reduce_scatter_clipped_sums`). Every rank runs forward and ``gc.backward``,
+  empty local batch or not (FSDP's all-gathers are collectives).
+- or FSDP's own reduce-scatter: back-propagate ``sum_i c_i * loss_i`` with this rank's
+  clip factors c_i; it SUMs the ranks' clipped sums into each shard's ``p.grad`` (set
   ``set_gradient_divide_factor(1.0)`` on every FSDP unit, and under gloo, which lacks
   PREMUL_SUM, ``set_force_sum_reduction_for_comms(True)``); then
   ``opt.accumulate_clipped([p.grad for p in params], batch_size)`` and ``opt.step()``.
@@ -88,8 +92,8 @@ from .sharding import is_sharded, local_shard, shard_offsets
 
 __all__ = ["DistributedDPError", "DistributedDPOptimizer", "DistributedPoissonSampler",
            "all_reduce_clipped_sums", "broadcast_key", "disable_gradient_allreduce",
-           "key_fingerprint", "shard_grad_samples", "shard_offsets", "sync_key",
-           "verify_lockstep"]
+           "key_fingerprint", "reduce_scatter_clipped_sums", "shard_grad_samples",
+           "shard_offsets", "sync_key", "verify_lockstep"]
 
 _BUCKET_NUMEL = 1 << 24  # 64 MiB of fp32 per all-reduce bucket
 
@@ -315,7 +319,17 @@ class DistributedDPOptimizer:
 
     def accumulate_clipped(self, clipped_sums: Sequence[Tensor | None],
                            batch_size: int = 0) -> None:
-        """Add locally computed clipped sums (ghost clipping); see the inner optimizer."""
+        """Add this rank's clipped sums (ghost clipping: pass the wrapper to
+        :class:`dpkern.ghost.GhostClipping`); see the inner optimizer.
+
+        DDP: local, summed over ranks at ``step()``. FSDP2: plain full-shape sums are
+        reduce-scattered right away (:func:`reduce_scatter_clipped_sums`, a collective:
+        every rank calls it, ``None`` entries count as zeros); DTensor sums (FSDP's own
+        reduce-scattered ``p.grad``) are already global and are taken as they are."""
+        clipped_sums = list(clipped_sums)
+        if self.sharded and not any(is_sharded(s) for s in clipped_sums if s is not None):
+            clipped_sums = reduce_scatter_clipped_sums(self.optimizer.trainable_params(),
+                                                       clipped_sums, self.bucket_numel)
         self.optimizer.accumulate_clipped(clipped_sums, batch_size)
 
     @torch.no_grad()
@@ -524,4 +538,82 @@ def shard_grad_samples(params: Sequence[Tensor], grad_samples: Sequence[Tensor])
         p.grad_sample = rows[:, pos:pos + n].reshape(B, *local.shape).contiguous()
         pos += n
     return B
+
+
+@torch.no_grad()
+def reduce_scatter_clipped_sums(params: Sequence[Tensor], clipped_sums: Sequence[Tensor | None],
+                                bucket_numel: int = _BUCKET_NUMEL) -> list[Tensor]:
+    """SUM over ranks of each rank's full-shape clipped sums, each rank keeping its shard.
+
+    For ghost clipping under FSDP2: book-keeping builds sum_i c_i g_i of this rank's
+    samples with each parameter's full shape (the layers ran unsharded); this SUMs them
+    over the mesh and returns this rank's shard of each, as a DTensor like ``p`` (ready
+    for ``optimizer.accumulate_clipped``). Parameters are packed into buckets of at most
+    ``bucket_numel`` elements, one ``reduce_scatter_tensor`` each (rows padded to the
+    torch.chunk layout; the padding is dropped). A collective: every rank calls it.
+
+    Args:
+        params: the optimizer's trainable parameters, FSDP2 DTensors on one 1-D mesh.
+        clipped_sums: per parameter, a plain float tensor of the parameter's global shape,
+            or None (unused on this rank: zeros, still communicated).
+    Returns: list of float32 DTensors (Shard(0)), one per parameter.
+    Raises: ValueError (count, shapes, non-DTensor parameters) before communicating."""
+    from torch.distributed.tensor import DTensor
+    params, clipped_sums = list(params), list(clipped_sums)
+    if len(params) != len(clipped_sums) or not params:
+        raise ValueError(f"reduce_scatter_clipped_sums: {len(clipped_sums)} sums for "
+                         f"{len(params)} parameters")
+    if not all(is_sharded(p) for p in params) \
+            or len({id(p.device_mesh) for p in params}) != 1:
+        raise ValueError("reduce_scatter_clipped_sums: every parameter must be a DTensor on "
+                         "one device mesh (FSDP2 fully_shard)")
+    for k, (p, s) in enumerate(zip(params, clipped_sums)):
+        local_shard(p, f"params[{k}]")
+        if s is not None and (not isinstance(s, Tensor) or is_sharded(s)
+                              or tuple(s.shape) != tuple(p.shape) or s.device != p.device
+                              or not s.is_floating_point()):
+            raise ValueError(f"clipped_sums[{k}]: expected None or a plain float tensor of "
+                             f"shape {tuple(p.shape)} on {p.device}")
+    mesh = params[0].device_mesh
+    group, world = mesh.get_group(), mesh.size()
+    out: list[Tensor] = [None] * len(params)
+
+    def padded_rows(p):
+        return -(-p.shape[0] // world)
+
+    def flush(idx):
+        blocks = []
+        for rank in range(world):
+            for k in idx:
+                p, s = params[k], clipped_sums[k]
+                first, end = _rows(p.shape[0], world, rank)
+                block = torch.zeros((padded_rows(p), *p.shape[1:]), dtype=torch.float32,
+                                    device=p.device)
+                if s is not None:
+                    block[:end - first] = s[first:end]
+                blocks.append(block.reshape(-1))
+        flat = torch.cat(blocks)
+        mine = torch.empty(flat.numel() // world, dtype=torch.float32, device=flat.device)
+        dist.reduce_scatter_tensor(mine, flat, op=dist.ReduceOp.SUM, group=group)
+        pos = 0
+        for k in idx:
+            p = params[k]
+            local = local_shard(p)[0]
+            n = padded_rows(p) * (p.numel() // p.shape[0] if p.shape[0] else 0)
+            shard = mine[pos:pos + n].view(padded_rows(p), *p.shape[1:])[:local.shape[0]]
+            out[k] = DTensor.from_local(shard.contiguous(), mesh, p.placements,
+                                        run_check=False, shape=p.shape, stride=p.stride())
+            pos += n
+
+    idx, size = [], 0
+    for k, p in enumerate(params):
+        n = padded_rows(p) * world * (p.numel() // p.shape[0] if p.shape[0] else 0)
+        if idx and size + n > bucket_numel:
+            flush(idx)
+            idx, size = [], 0
+        idx.append(k)
+        size += n
+    if idx:
+        flush(idx)
+    return out
 

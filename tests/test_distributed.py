@@ -226,9 +226,10 @@ def _run_fsdp(rank, world, data, name, local_indices=False):
     """FSDP2 fully_shard, the optimizer classes on DTensor shards, through
     DistributedDPOptimizer (seeded key 77).
 
-    adamw: the summed (ghost-style) path: FSDP reduce-scatters (SUM) the gradient of
-    sum_i c_i loss_i, fed to accumulate_clipped; the clip factors c_i come from a full
-    replica (test harness: ghost norms or any per-sample norm pass will do).
+    adamw: the summed path: FSDP reduce-scatters (SUM) the gradient of sum_i c_i loss_i,
+    fed to accumulate_clipped; the clip factors c_i come from a full replica.
+    ghost: DP-AdamW with GhostClipping over the wrapper: each rank's book-kept full-shape
+    clipped sums are reduce-scattered to the shards (reduce_scatter_clipped_sums).
     macadam: the per-sample path: the replica's per-sample gradients of the local samples
     go through shard_grad_samples; the optimizer whitens and clips each shard with norms
     all-reduced over the ranks and updates b with the all-reduced global sum.
@@ -242,6 +243,7 @@ def _run_fsdp(rank, world, data, name, local_indices=False):
     import dpkern.optim
     from dpkern.distributed import shard_grad_samples, shard_offsets
     from dpkern.functional import clip_factors, per_sample_norms
+    from dpkern.ghost import GhostClipping
     mesh = init_device_mesh("cpu", (world,))
     model, replica = _net(), _net()
     for layer in (model[0], model[2]):
@@ -252,7 +254,9 @@ def _run_fsdp(rank, world, data, name, local_indices=False):
         layer.set_force_sum_reduction_for_comms(True)  # (gloo has no PREMUL_SUM)
     real_local_shard = dpkern.optim.local_shard
     fake = (lambda p, name="": (real_local_shard(p, name)[0], 0)) if local_indices else None
-    opt = DistributedDPOptimizer(_make_opt(name, model.parameters(), seed=77))
+    rule = "adamw" if name == "ghost" else name
+    opt = DistributedDPOptimizer(_make_opt(rule, model.parameters(), seed=77))
+    ghost = GhostClipping(model, opt) if name == "ghost" else None
     snaps = []
     with mock.patch.object(dpkern.optim, "local_shard", fake or real_local_shard):
         for batch in BATCHES:
@@ -265,6 +269,10 @@ def _run_fsdp(rank, world, data, name, local_indices=False):
                   for r in replica.parameters()]
             if name == "macadam":
                 assert shard_grad_samples(opt.trainable_params(), gs) == len(batch)
+            elif name == "ghost":
+                with ghost:  # every rank runs forward and backward, empty batch or not
+                    ghost.backward(nn.functional.cross_entropy(
+                        model(data["x"][local]), data["y"][local], reduction="none"))
             else:
                 c = clip_factors(per_sample_norms(gs, backend="torch"), 0.7)
                 losses = nn.functional.cross_entropy(model(data["x"][local]),
@@ -279,7 +287,7 @@ def _run_fsdp(rank, world, data, name, local_indices=False):
               for p, (local, off) in zip(model.parameters(),
                                          shard_offsets(list(model.parameters())))]
     # a checkpoint of the sharded state (this rank's shards) loads back
-    again = DistributedDPOptimizer(_make_opt(name, model.parameters(), seed=77))
+    again = DistributedDPOptimizer(_make_opt(rule, model.parameters(), seed=77))
     again.load_state_dict(opt.state_dict())
     resumed = again.dp_step == opt.dp_step and all(
         torch.equal(again.state[p][k], v) for p in model.parameters()
@@ -299,7 +307,7 @@ def _worker(rank, world, tmpdir):
                "func_macadam": _run_func(rank, world, data, "macadam"),
                "noise": _run_noise(rank, world),
                "poisson": _run_poisson(rank, world, data)}
-        for name in ("adamw", "macadam"):
+        for name in ("adamw", "macadam", "ghost"):
             res[f"fsdp_{name}"] = _run_fsdp(rank, world, data, name)
         if world > 1:
             res["mismatch"] = _run_mismatch(rank, world, data)
@@ -480,12 +488,12 @@ def test_poisson_training_loop_equals_single_process_on_union(run):
 # ------------------------------------------------------------------------------------
 # single-process unit tests
 # ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["adamw", "macadam"])
+@pytest.mark.parametrize("name", ["adamw", "macadam", "ghost"])
 def test_fsdp2_sharded_steps_equal_single_process(run, name):
     world, data, results = run
     # samples in rank order, as shard_grad_samples stacks them (same float summation order)
     rank_order = [[i for r in range(world) for i in b[r::world]] for b in BATCHES]
-    want = _single(name, data, 77, rank_order)
+    want = _single("adamw" if name == "ghost" else name, data, 77, rank_order)
     for r in results:
         assert r[f"fsdp_{name}"]["resumed"]
         for t, (got, w) in enumerate(zip(r[f"fsdp_{name}"]["snaps"], want)):

@@ -71,9 +71,12 @@ class GhostClipping:
 
     Args:
         model: the module whose forward computes the losses (batch-first inputs).
-        optimizer: a dpkern optimizer (DPSGD, DPAdam, DPAdamBC, DPAdamW, DPAdamWBC);
-            norms run over its ``trainable_params()``, clipping at its ``max_grad_norm``,
-            non-finite samples follow its ``nonfinite`` policy.
+        optimizer: a dpkern optimizer (DPSGD, DPAdam, DPAdamBC, DPAdamW, DPAdamWBC), or a
+            :class:`dpkern.distributed.DistributedDPOptimizer` over one (DDP: local sums,
+            all-reduced at ``step()``; FSDP2: each micro-batch's full-shape sums are
+            reduce-scattered to the shards); norms run over its ``trainable_params()``,
+            clipping at its ``max_grad_norm``, non-finite samples follow its
+            ``nonfinite`` policy.
         instantiate_unsupported: give uncovered layer types per-sample gradients by
             torch.func (memory B x their parameter count) instead of raising.
         backend: Linear Gram-path norms: ``"auto"`` (the fused Triton kernel for CUDA
@@ -94,12 +97,13 @@ class GhostClipping:
                  instantiate_unsupported: bool = False, backend: str = "auto",
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, check: bool = False):
         from ..optim import DPMacAdam, DPOptimizer
-        if isinstance(optimizer, DPMacAdam):
+        inner = getattr(optimizer, "optimizer", optimizer)  # DistributedDPOptimizer
+        if isinstance(inner, DPMacAdam):
             raise ValueError("ghost clipping cannot serve DP-MacAdam: it clips whitened "
                              "per-sample gradients (g_i - m_hat) / b, whose norms ghost "
                              "clipping cannot compute; use the per-sample path "
                              "(dpkern.grad_sample.compute_grad_sample + optimizer.step())")
-        if not isinstance(optimizer, DPOptimizer):
+        if not isinstance(inner, DPOptimizer):
             raise ValueError(f"ghost clipping needs a dpkern optimizer, got "
                              f"{type(optimizer).__name__}")
         if backend not in NORM_BACKENDS:

@@ -222,7 +222,14 @@ class Capture:
             raise ValueError(f"ghost clipping: expected per-sample losses of shape [B], got "
                              f"{tuple(losses.shape)} (do not average over the batch)")
         B = losses.shape[0]
-        if B == 0:  # an empty micro-batch: zero gradient, nothing to back-propagate
+        if B == 0:  # an empty micro-batch: zero gradient
+            if losses.requires_grad and records:  # still back-propagated: under FSDP2 the
+                self._in_backward = True           # backward runs collectives (parameter
+                try:                               # all-gathers) every rank must join
+                    torch.autograd.grad(losses.sum(), [r.output for r in records],
+                                        allow_unused=True)
+                finally:
+                    self._in_backward = False
             return 0, [[] for _ in self.params], None
         if not losses.requires_grad:
             raise ValueError("ghost clipping: the losses do not require grad (computed under "
