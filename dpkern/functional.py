@@ -307,7 +307,9 @@ def _single(hyper: Hyper, params, grad_samples, summed_grads, states: dict, *, s
             raise ValueError(f"{name}: {len(lst)} entries for {n} params")
     for name, lst in states.items():
         for k, (s, p) in enumerate(zip(lst, params)):
-            if s.shape != p.shape or s.dtype != torch.float32 or s.device != p.device:
+            if s is None and name == "momentum_buffer" and hyper.momentum == 0:
+                continue  # unused without momentum (torch.optim's functional sgd allows it)
+            if not isinstance(s, Tensor) or s.shape != p.shape or s.dtype != torch.float32 or s.device != p.device:
                 raise ValueError(f"{name}[{k}]: expected float32 of shape {tuple(p.shape)} "
                                  f"on {p.device}")
     if not isinstance(offset, int) or offset < 0:
@@ -349,12 +351,15 @@ def dp_sgd(params, grad_samples, momentum_buffers, *, step, key, lr, momentum=0.
            nonfinite="error", backend="auto") -> StepResult:
     """DP-SGD (Abadi et al. 2016, Algorithm 1) with torch.optim.SGD's update (SPEC 5.1).
 
-    ``momentum_buffers``: float32 tensors like the params (ignored when momentum = 0,
-    may then be None)."""
+    ``momentum_buffers``: float32 tensors like the params; with momentum = 0 they are
+    unused and may be None (the whole list or entries: nothing is allocated).
+    Raises: ValueError (momentum != 0 and a buffer missing), see below."""
     hyper = SGDHyper(lr=lr, momentum=momentum, dampening=dampening,
                      weight_decay=weight_decay, nesterov=nesterov)
     if momentum_buffers is None:
-        momentum_buffers = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+        if momentum != 0:
+            raise ValueError("momentum_buffers: required when momentum != 0")
+        momentum_buffers = [None] * len(params)
     return _single(hyper, params, grad_samples, summed_grads,
                    {"momentum_buffer": list(momentum_buffers)}, step=step, key=key,
                    max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,

@@ -204,11 +204,20 @@ class DPOptimizer(torch.optim.Optimizer):
                 if gs is None and any_gs and p.grad is not None:
                     raise ValueError(f"{name}: has .grad but no grad_sample (was it created "
                                      "outside the module wrapped for per-sample gradients?)")
+                unused = self._unused_states(hyper)
                 state = self.state.get(p)
                 if not state:
-                    state = new_states[p] = self._fresh_state(local, n_total)
+                    state = new_states[p] = {k: v for k, v in
+                                             self._fresh_state(local, n_total).items()
+                                             if k not in unused}
+                elif any(k not in state and k not in unused for k in states):
+                    # a state needed from now on (e.g. momentum switched on): zeros
+                    fresh = self._fresh_state(local, n_total)
+                    new_states[p] = {k: fresh[k] for k in states
+                                     if k not in state and k not in unused}
+                    state = {**state, **new_states[p]}
                 for sname in states:
-                    states[sname].append(state[sname])
+                    states[sname].append(state.get(sname))  # None: unused by this rule
                 buf = self._accum.get(p)
                 if buf is None and for_accumulate:
                     buf = new_buffers[p] = torch.zeros_like(
@@ -247,6 +256,11 @@ class DPOptimizer(torch.optim.Optimizer):
         if dist.get_world_size(group) == 1:
             return None
         return lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+
+    def _unused_states(self, hyper: Hyper) -> set[str]:
+        """State names the update does not use with these hyper-parameters (never
+        allocated, passed to the backends as None)."""
+        return set()
 
     def _noise_var_avg(self, group: dict, hyper: Hyper) -> float:
         return 0.0
@@ -457,6 +471,9 @@ class DPSGD(DPOptimizer):
         return SGDHyper(lr=group["lr"], momentum=group["momentum"],
                         dampening=group["dampening"], weight_decay=group["weight_decay"],
                         nesterov=group["nesterov"])
+
+    def _unused_states(self, hyper):
+        return {"momentum_buffer"} if hyper.momentum == 0 else set()
 
 
 class _AdamFamily(DPOptimizer):

@@ -15,6 +15,7 @@ from conftest import backend_device
 # difference in z (cos/log rounding differs by device) into errors far above 1e-5.
 CLASSES = {
     "sgd": (dpkern.DPSGD, dict(momentum=0.9, nesterov=True, weight_decay=0.01)),
+    "sgd_plain": (dpkern.DPSGD, dict(weight_decay=0.01)),  # momentum 0: no buffer at all
     "adam": (dpkern.DPAdam, dict(weight_decay=0.01)),
     "adam_bc": (dpkern.DPAdamBC, dict(gamma=1e-2)),
     "adamw": (dpkern.DPAdamW, dict(weight_decay=0.1)),
@@ -74,6 +75,7 @@ def test_same_trajectory_as_reference(fused_backend, name, dtype):
             assert q not in got_o.state and p not in want_o.state
             continue
         assert got_o.state[q].keys() == want_o.state[p].keys()
+        assert ("momentum_buffer" in want_o.state[p]) == (name == "sgd")
         for sname, val in want_o.state[p].items():
             torch.testing.assert_close(got_o.state[q][sname].float(), val.float(),
                                        rtol=max(rtol, 1e-4), atol=max(atol, 1e-5))

@@ -264,6 +264,33 @@ def test_torch_optim_twin_on_mean_gradient(name):
                     torch.testing.assert_close(dp.state[p][sname], val, rtol=1e-5, atol=1e-7)
 
 
+def test_sgd_without_momentum_keeps_no_buffer_then_momentum_switched_on():
+    """Like torch.optim.SGD: no momentum_buffer while momentum = 0 (no d floats wasted);
+    switched on later, the buffer starts from the current gradient (dampening 0)."""
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(7,), (3, 5)]
+    a = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    dp = DPSGD(a, lr=0.1, weight_decay=0.01, max_grad_norm=1e6, noise_multiplier=0.0,
+               expected_batch_size=4, seed=seed, backend="torch")
+    tw = torch.optim.SGD(b, lr=0.1, weight_decay=0.01)
+    for t in range(1, 6):
+        if t == 3:
+            dp.param_groups[0]["momentum"] = tw.param_groups[0]["momentum"] = 0.9
+        for p, q in zip(a, b):
+            p.grad_sample = torch.randn((4, *p.shape), generator=gen)
+            q.grad = p.grad_sample.mean(0)
+        dp.step()
+        tw.step()
+        for p, q in zip(a, b):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=f"seed={seed} t={t}")
+            assert ("momentum_buffer" in dp.state[p]) == (t >= 3)
+            if t >= 3:
+                torch.testing.assert_close(dp.state[p]["momentum_buffer"],
+                                           tw.state[q]["momentum_buffer"], rtol=1e-5, atol=1e-7)
+
+
 # --------------------------------------------------------------------------------------
 # DP-AdamBC's noise variance and DP-MacAdam's scale, read off the optimizer's own state
 # --------------------------------------------------------------------------------------
