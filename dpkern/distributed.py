@@ -126,16 +126,19 @@ def _device(optimizer: DPOptimizer) -> torch.device:
     return params[0].device
 
 
-# columns of the lockstep check: ok flag, secure flag, configuration, step, key
-_OK, _SECURE, _CONFIG, _STEP, _KEY = range(5)
+# columns of the lockstep check: ok flag, secure flag, configuration, step, key, and
+# whether the rank holds per-sample gradients (must agree for sharded parameters only)
+_OK, _SECURE, _CONFIG, _STEP, _KEY, _PER_SAMPLE = range(6)
 _WHAT = {_SECURE: "secure mode (seed=None) vs seed=", _CONFIG: "optimizer configuration",
-         _STEP: "DP step counters", _KEY: "noise keys"}
+         _STEP: "DP step counters", _KEY: "noise keys",
+         _PER_SAMPLE: "per-sample gradients present (sharded: every rank or none)"}
 
 
-def _gather_checks(optimizer: DPOptimizer, group, ok: bool = True) -> Tensor:
+def _gather_checks(optimizer: DPOptimizer, group, ok: bool = True,
+                   per_sample: bool = False) -> Tensor:
     row = torch.tensor([int(ok), int(optimizer.secure),
                         _fingerprint(repr(_describe(optimizer)).encode()),
-                        optimizer.dp_step, optimizer.key_fingerprint()],
+                        optimizer.dp_step, optimizer.key_fingerprint(), int(per_sample)],
                        dtype=torch.int64, device=_device(optimizer))
     rows = [torch.empty_like(row) for _ in range(dist.get_world_size(group))]
     dist.all_gather(rows, row, group=group)
@@ -173,7 +176,7 @@ def _raise_on_mismatch(optimizer: DPOptimizer, table: Tensor, group, columns) ->
 def verify_lockstep(optimizer: DPOptimizer, group=None) -> None:
     """Check that every rank has the same noise key, DP step and optimizer configuration.
 
-    One all-gather of 5 int64 per rank (a collective: every rank of ``group`` must call it).
+    One all-gather of 6 int64 per rank (a collective: every rank of ``group`` must call it).
     The key is compared by :func:`key_fingerprint`, never sent.
 
     Raises:
@@ -279,6 +282,10 @@ class DistributedDPOptimizer:
     and step, normalised by the global ``expected_batch_size``. Micro-batches: call
     ``accumulate()`` after each but the last (local, no communication).
 
+    Sharded (FSDP2 DTensor) parameters: no all-reduce (the sums reach the shards by
+    reduce-scatter, see the module docstring); per-sample inputs are validated on every
+    rank before the per-sample norms are all-reduced, so a bad input raises on every rank.
+
     Construction runs :func:`sync_key` (a collective). Other attributes (``param_groups``,
     ``state``, ``stats`` -- local counts --, ``dp_step``, ``noise_multiplier``, ...) are the
     inner optimizer's; give LR schedulers ``opt.optimizer``.
@@ -290,7 +297,8 @@ class DistributedDPOptimizer:
     Raises:
         TypeError: ``optimizer`` is not a DPOptimizer.
         DistributedDPError: ranks disagree (at construction, or at any step: the
-            lockstep check, one 40-byte all-gather, runs before each), or a rank failed its local clipping (it re-raises its own error, the others
+            lockstep check, one 48-byte all-gather, runs before each), or a rank failed
+            its local clipping (it re-raises its own error, the others
             this one); the logical batch is then dropped on every rank and parameters and
             optimizer state are untouched everywhere.
     """
@@ -314,7 +322,26 @@ class DistributedDPOptimizer:
                    for p in self.optimizer.trainable_params())
 
     def accumulate(self) -> None:
-        """Fold this rank's micro-batch into its local clipped sum (no communication)."""
+        """Fold this rank's micro-batch into its local clipped sum (no communication).
+
+        Sharded (FSDP2) parameters: a collective (the per-sample norms are all-reduced),
+        preceded by a check that every rank's inputs are valid, so a bad input raises on
+        every rank instead of leaving the others waiting."""
+        if self.sharded:
+            error = None
+            try:
+                self.optimizer._check_inputs()
+            except ValueError as exc:
+                error = exc
+            table = _gather_checks(self.optimizer, self.group, ok=error is None,
+                                   per_sample=self._has_grad_sample())
+            failed = [r for r, ok in enumerate(table[:, _OK].tolist()) if not ok]
+            if error is not None:
+                raise error
+            if failed:
+                raise DistributedDPError(f"ranks {failed} have invalid per-sample gradients; "
+                                         "nothing was accumulated on any rank")
+            _raise_on_mismatch(self.optimizer, table, self.group, (_PER_SAMPLE,))
         self.optimizer.accumulate()
 
     def accumulate_clipped(self, clipped_sums: Sequence[Tensor | None],
@@ -342,12 +369,14 @@ class DistributedDPOptimizer:
             with torch.enable_grad():
                 loss = closure()
         error = None
-        if self._has_grad_sample():
-            try:
-                self.optimizer.accumulate()
+        per_sample = self._has_grad_sample()
+        if per_sample:
+            try:  # sharded: local validation only, the clipping all-reduces norms below
+                (self.optimizer._check_inputs if self.sharded else self.optimizer.accumulate)()
             except (ValueError, FloatingPointError) as exc:
                 error = exc
-        table = _gather_checks(self.optimizer, self.group, ok=error is None)
+        table = _gather_checks(self.optimizer, self.group, ok=error is None,
+                               per_sample=per_sample)
         try:
             failed = [r for r, ok in enumerate(table[:, _OK].tolist()) if not ok]
             if error is not None:
@@ -357,7 +386,10 @@ class DistributedDPOptimizer:
                                          "the logical batch was dropped on every rank, "
                                          "nothing was updated")
             _raise_on_mismatch(self.optimizer, table, self.group,
-                               (_SECURE, _CONFIG, _STEP, _KEY))
+                               (_SECURE, _CONFIG, _STEP, _KEY)
+                               + ((_PER_SAMPLE,) if self.sharded else ()))
+            if per_sample and self.sharded:  # every rank: same rows, all-reduced norms,
+                self.optimizer.accumulate()  # so a non-finite row fails on every rank
         except Exception:
             for buf in self.optimizer.clipped_sum_buffers():
                 buf.zero_()  # drop the logical batch on every rank, consistently

@@ -257,6 +257,14 @@ class DPOptimizer(torch.optim.Optimizer):
             return None
         return lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
 
+    def _check_inputs(self) -> None:
+        """Validate this micro-batch's grad_sample and the parameters as ``accumulate()``
+        would, without computing or modifying anything (no collective: sharded callers
+        run it on every rank before the norms' all-reduce). Raises ValueError."""
+        groups, _, _ = self._groups(for_accumulate=True)
+        F.check_params(groups)
+        self._reduce()
+
     def _unused_states(self, hyper: Hyper) -> set[str]:
         """State names the update does not use with these hyper-parameters (never
         allocated, passed to the backends as None)."""

@@ -197,6 +197,15 @@ def _run_fsdp_errors(rank, world, data):
     out["nan"] = _catch(opt.step)
     out["nan_untouched"] = all(torch.equal(a, p.full_tensor()) for a, p in zip(before, params))
     out["nan_state"] = any(len(opt.state[p]) for p in params)
+    # one rank's per-sample gradients have a wrong shape: checked on every rank BEFORE the
+    # norms' all-reduce, so no rank is left waiting in a collective
+    gs[2][0, -1, -1] = 0.0
+    shard_grad_samples(params, gs)
+    if rank == world - 1:
+        params[1].grad_sample = params[1].grad_sample[:, :0]
+    out["shape_step"] = _catch(opt.step)
+    out["shape_untouched"] = all(torch.equal(a, p.full_tensor())
+                                 for a, p in zip(before, params))
     return out
 
 
@@ -438,6 +447,10 @@ def test_fsdp2_errors_are_clear_and_raised_on_every_rank(run):
         assert e["mixed"][0] == "ValueError" and "must be a DTensor" in e["mixed"][1]
         assert e["nan"][0] == "FloatingPointError" and "rows [0]" in e["nan"][1]
         assert e["nan_untouched"] and not e["nan_state"]
+        assert e["shape_untouched"]
+    assert [r["fsdp_errors"]["shape_step"][0] for r in results] == \
+        ["DistributedDPError"] * (world - 1) + ["ValueError"]
+    assert "grad_sample has shape" in results[-1]["fsdp_errors"]["shape_step"][1]
 
 
 def test_distributed_poisson_sampling(run):
