@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from dpkern import DPAdamW, DPMacAdam, DPSGD
+from dpkern import DPAdamW, DPAdamWBC, DPMacAdam, DPSGD
 from dpkern.distributed import (DistributedDPOptimizer,
                                 DistributedPoissonSampler, disable_gradient_allreduce,
                                 key_fingerprint, sync_key)
@@ -47,10 +47,14 @@ def _ddp(net: nn.Module):
 
 
 def _make_opt(name: str, params, seed, expected_batch_size=float(N) / 2, sigma=SIGMA):
+    common = dict(max_grad_norm=0.7, noise_multiplier=sigma, seed=seed, backend="torch",
+                  expected_batch_size=expected_batch_size)
     if name == "adamw":
-        return DPAdamW(params, lr=0.05, weight_decay=0.1, max_grad_norm=0.7,
-                       noise_multiplier=sigma, expected_batch_size=expected_batch_size,
-                       seed=seed, backend="torch")
+        return DPAdamW(params, lr=0.05, weight_decay=0.1, **common)
+    if name == "adamw_bc":
+        return DPAdamWBC(params, lr=0.05, weight_decay=0.1, gamma=1e-3, **common)
+    if name == "sgd":
+        return DPSGD(params, lr=0.2, momentum=0.9, nesterov=True, **common)
     return DPMacAdam(params, lr=0.05, noise_multiplier=sigma,
                      expected_batch_size=expected_batch_size, seed=seed, backend="torch")
 
@@ -231,17 +235,23 @@ def _run_poisson(rank, world, data):
                                                         for p in net.parameters()]}
 
 
+# FSDP2 scenarios: name -> (optimizer, how the clipped sums reach the shards)
+FSDP_CASES = {"adamw": ("adamw", "fsdp_grad"), "ghost": ("adamw", "ghost"),
+              "ghost_bc": ("adamw_bc", "ghost"), "macadam": ("macadam", "per_sample"),
+              "sgd": ("sgd", "per_sample")}
+
+
 def _run_fsdp(rank, world, data, name, local_indices=False):
     """FSDP2 fully_shard, the optimizer classes on DTensor shards, through
-    DistributedDPOptimizer (seeded key 77).
+    DistributedDPOptimizer (seeded key 77). Paths (FSDP_CASES):
 
-    adamw: the summed path: FSDP reduce-scatters (SUM) the gradient of sum_i c_i loss_i,
-    fed to accumulate_clipped; the clip factors c_i come from a full replica.
-    ghost: DP-AdamW with GhostClipping over the wrapper: each rank's book-kept full-shape
-    clipped sums are reduce-scattered to the shards (reduce_scatter_clipped_sums).
-    macadam: the per-sample path: the replica's per-sample gradients of the local samples
-    go through shard_grad_samples; the optimizer whitens and clips each shard with norms
-    all-reduced over the ranks and updates b with the all-reduced global sum.
+    fsdp_grad: FSDP reduce-scatters (SUM) the gradient of sum_i c_i loss_i, fed to
+    accumulate_clipped; the clip factors c_i come from a full replica.
+    ghost: GhostClipping over the wrapper: each rank's book-kept full-shape clipped sums
+    are reduce-scattered to the shards (reduce_scatter_clipped_sums).
+    per_sample: the replica's per-sample gradients of the local samples go through
+    shard_grad_samples; the optimizer clips (MacAdam: whitens, then clips) each shard with
+    norms all-reduced over the ranks (MacAdam: b from the all-reduced global sum).
     ``local_indices``: the privacy failure the global offsets prevent (every shard noised
     from its parameter's first index), as a negative control."""
     from unittest import mock
@@ -263,9 +273,9 @@ def _run_fsdp(rank, world, data, name, local_indices=False):
         layer.set_force_sum_reduction_for_comms(True)  # (gloo has no PREMUL_SUM)
     real_local_shard = dpkern.optim.local_shard
     fake = (lambda p, name="": (real_local_shard(p, name)[0], 0)) if local_indices else None
-    rule = "adamw" if name == "ghost" else name
+    rule, path = FSDP_CASES[name]
     opt = DistributedDPOptimizer(_make_opt(rule, model.parameters(), seed=77))
-    ghost = GhostClipping(model, opt) if name == "ghost" else None
+    ghost = GhostClipping(model, opt) if path == "ghost" else None
     snaps = []
     with mock.patch.object(dpkern.optim, "local_shard", fake or real_local_shard):
         for batch in BATCHES:
@@ -276,9 +286,9 @@ def _run_fsdp(rank, world, data, name, local_indices=False):
                 compute_grad_sample(replica, _loss, data["x"][local], data["y"][local])
             gs = [r.grad_sample if local else torch.zeros(0, *r.shape)
                   for r in replica.parameters()]
-            if name == "macadam":
+            if path == "per_sample":
                 assert shard_grad_samples(opt.trainable_params(), gs) == len(batch)
-            elif name == "ghost":
+            elif path == "ghost":
                 with ghost:  # every rank runs forward and backward, empty batch or not
                     ghost.backward(nn.functional.cross_entropy(
                         model(data["x"][local]), data["y"][local], reduction="none"))
@@ -316,7 +326,7 @@ def _worker(rank, world, tmpdir):
                "func_macadam": _run_func(rank, world, data, "macadam"),
                "noise": _run_noise(rank, world),
                "poisson": _run_poisson(rank, world, data)}
-        for name in ("adamw", "macadam", "ghost"):
+        for name in FSDP_CASES:
             res[f"fsdp_{name}"] = _run_fsdp(rank, world, data, name)
         if world > 1:
             res["mismatch"] = _run_mismatch(rank, world, data)
@@ -501,12 +511,12 @@ def test_poisson_training_loop_equals_single_process_on_union(run):
 # ------------------------------------------------------------------------------------
 # single-process unit tests
 # ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["adamw", "macadam", "ghost"])
+@pytest.mark.parametrize("name", list(FSDP_CASES))
 def test_fsdp2_sharded_steps_equal_single_process(run, name):
     world, data, results = run
     # samples in rank order, as shard_grad_samples stacks them (same float summation order)
     rank_order = [[i for r in range(world) for i in b[r::world]] for b in BATCHES]
-    want = _single("adamw" if name == "ghost" else name, data, 77, rank_order)
+    want = _single(FSDP_CASES[name][0], data, 77, rank_order)
     for r in results:
         assert r[f"fsdp_{name}"]["resumed"]
         for t, (got, w) in enumerate(zip(r[f"fsdp_{name}"]["snaps"], want)):
@@ -525,6 +535,9 @@ def test_fsdp2_sharded_steps_equal_single_process(run, name):
         for off, n, st in r[f"fsdp_{name}"]["shards"]:
             assert st.keys() == names
             for k, v in st.items():
+                if v.dim() == 0:  # a per-group scalar (DP-AdamW-BC's phi): the same value
+                    torch.testing.assert_close(v, want[-1]["state"][0][k], atol=0, rtol=1e-6)
+                    continue
                 torch.testing.assert_close(v.flatten(), flat[k][off:off + n], atol=1e-6,
                                            rtol=0, msg=k)
 
