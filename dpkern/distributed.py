@@ -35,17 +35,20 @@ A training script for ``torchrun --standalone --nproc_per_node=N train.py``::
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     ddp = DistributedDataParallel(model.to(device))
     disable_gradient_allreduce(ddp)
-    sampler = DistributedPoissonSampler(len(dataset), sample_rate, steps)
-    loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=...)
+    sampler = DistributedPoissonSampler(len(X), sample_rate, steps)  # X, Y: the data set
     opt = DistributedDPOptimizer(dpkern.DPAdamW(ddp.parameters(), lr=1e-3, max_grad_norm=1.0,
                                  noise_multiplier=sigma,
                                  expected_batch_size=sampler.expected_batch_size))
-    for batch in loader:                       # may be empty on this rank
-        if len(batch):                         # per-sample gradients of the local samples
-            compute_grad_sample(ddp.module, loss_fn, inputs, targets)
+    for indices in sampler:                    # this rank's samples; may be empty
+        if indices:                            # per-sample gradients of the local samples
+            compute_grad_sample(ddp.module, loss_fn, X[indices].to(device),
+                                Y[indices].to(device))
         opt.step()                             # every rank, every step
         opt.zero_grad()
         accountant.step(noise_multiplier=sigma, sample_rate=sampler.sample_rate)
+
+(With a ``DataLoader(dataset, batch_sampler=sampler)``, give it a ``collate_fn`` that
+accepts an empty list: the default one fails on an empty local batch.)
 
 Checkpoints: save ``opt.state_dict()`` on rank 0; every rank calls ``opt.load_state_dict``
 (secure mode: rank 0 draws a fresh key and broadcasts it).
@@ -62,20 +65,27 @@ clipped sum reaches each shard one of two ways:
   ``GhostClipping(model, opt)`` with ``opt`` the wrapper; each micro-batch's book-kept
   full-shape clipped sums are reduce-scattered to the shards
   (:func:`reduce_scatter_clipped_sums`). Every rank runs forward and ``gc.backward``,
-  empty local batch or not (FSDP's all-gathers are collectives).
+  empty local batch or not (FSDP's all-gathers are collectives): a model that cannot run
+  on B = 0 runs on a placeholder sample, followed by ``gc.backward(losses[:0])``
+  (``gc.add_empty_batch()`` is refused there).
 - or FSDP's own reduce-scatter: back-propagate ``sum_i c_i * loss_i`` with this rank's
   clip factors c_i; it SUMs the ranks' clipped sums into each shard's ``p.grad`` (set
   ``set_gradient_divide_factor(1.0)`` on every FSDP unit, and under gloo, which lacks
   PREMUL_SUM, ``set_force_sum_reduction_for_comms(True)``); then
   ``opt.accumulate_clipped([p.grad for p in params], batch_size)`` and ``opt.step()``.
 - per-sample (every rule, and the only one for DP-MacAdam, whose clipping whitens each
-  coordinate with state held by the shard's owner): :func:`shard_grad_samples` sends each
-  rank its columns of every rank's per-sample gradients; ``opt.step()`` clips each shard
+  coordinate with state held by the shard's owner): per-sample gradients of the local
+  samples come from an unsharded replica of the model (refreshed from ``p.full_tensor()``
+  each step; torch.func cannot trace an FSDP2 module), :func:`shard_grad_samples` sends
+  each rank its columns of every rank's per-sample gradients; ``opt.step()`` clips each shard
   with the per-sample norms all-reduced over the mesh ([B] floats) and, for DP-MacAdam,
   all-reduces the global sum_j sqrt(S_hat_j) that sets b (SPEC section 7).
 
 The wrapper skips its all-reduce for sharded parameters (the sums are already global).
-``state_dict()`` holds this rank's shards: every rank saves and loads its own.
+``state_dict()`` holds this rank's shards: every rank saves and loads its own. After a
+``torch.no_grad()`` forward (evaluation) FSDP2's root module keeps its parameters
+unsharded until the next forward/backward: call ``model.reshard()`` before reading
+``p.full_tensor()`` (:class:`dpkern.ghost.GhostClipping` reshards at construction).
 """
 from __future__ import annotations
 
@@ -96,6 +106,11 @@ __all__ = ["DistributedDPError", "DistributedDPOptimizer", "DistributedPoissonSa
            "shard_offsets", "sync_key", "verify_lockstep"]
 
 _BUCKET_NUMEL = 1 << 24  # 64 MiB of fp32 per all-reduce bucket
+# torch 2.13 renamed the tensor-in/tensor-out collectives (the old names warn)
+_all_gather_single = (getattr(dist, "all_gather_single", None)
+                      or getattr(dist, "all_gather_into_tensor", None))
+_reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
+                          or getattr(dist, "reduce_scatter_tensor", None))
 
 
 class DistributedDPError(RuntimeError):
@@ -404,7 +419,9 @@ class DistributedDPOptimizer:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict:
-        """The inner optimizer's state_dict (identical on every rank: save rank 0's)."""
+        """The inner optimizer's state_dict. DDP: identical on every rank (save rank
+        0's). FSDP2: this rank's shards of the states (every rank saves its own, e.g. in
+        a per-rank file or with torch.distributed.checkpoint, and loads it back)."""
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -539,8 +556,8 @@ def shard_grad_samples(params: Sequence[Tensor], grad_samples: Sequence[Tensor])
     dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
     device = params[0].device
     sizes = torch.zeros(world, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(sizes, torch.tensor([B_r], dtype=torch.int64, device=device),
-                                group=group)
+    _all_gather_single(sizes, torch.tensor([B_r], dtype=torch.int64, device=device),
+                       group=group)
     sizes = sizes.tolist()
 
     def cols(rank):  # elements per sample that rank owns, param by param
@@ -581,7 +598,7 @@ def reduce_scatter_clipped_sums(params: Sequence[Tensor], clipped_sums: Sequence
     samples with each parameter's full shape (the layers ran unsharded); this SUMs them
     over the mesh and returns this rank's shard of each, as a DTensor like ``p`` (ready
     for ``optimizer.accumulate_clipped``). Parameters are packed into buckets of at most
-    ``bucket_numel`` elements, one ``reduce_scatter_tensor`` each (rows padded to the
+    ``bucket_numel`` elements, one reduce-scatter each (rows padded to the
     torch.chunk layout; the padding is dropped). A collective: every rank calls it.
 
     Args:
@@ -626,7 +643,7 @@ def reduce_scatter_clipped_sums(params: Sequence[Tensor], clipped_sums: Sequence
                 blocks.append(block.reshape(-1))
         flat = torch.cat(blocks)
         mine = torch.empty(flat.numel() // world, dtype=torch.float32, device=flat.device)
-        dist.reduce_scatter_tensor(mine, flat, op=dist.ReduceOp.SUM, group=group)
+        _reduce_scatter_single(mine, flat, op=dist.ReduceOp.SUM, group=group)
         pos = 0
         for k in idx:
             p = params[k]

@@ -37,7 +37,8 @@ def compute_grad_sample(module: nn.Module, loss_fn: Callable, inputs, targets=No
     Returns:
         float32 tensor ``[B]``: each sample's loss.
     Raises:
-        ValueError: inputs/targets with different B, or a module without trainable params.
+        ValueError: inputs/targets with different B, a module without trainable params, or
+            an FSDP2-sharded module.
     Source: torch.func per-sample-gradients recipe; Opacus' grad_sample convention.
     """
     inputs = _as_tuple(inputs)
@@ -47,6 +48,13 @@ def compute_grad_sample(module: nn.Module, loss_fn: Callable, inputs, targets=No
     names = [n for n, p in module.named_parameters() if p.requires_grad]
     if not names:
         raise ValueError("compute_grad_sample: the module has no trainable parameter")
+    from .sharding import is_sharded
+    if hasattr(module, "reshard") or any(is_sharded(p) for p in module.parameters()):
+        raise ValueError("compute_grad_sample: FSDP2 (fully_shard) modules are not supported "
+                         "(torch.func cannot trace through FSDP's parameter swapping); "
+                         "compute per-sample gradients on an unsharded replica refreshed "
+                         "from p.full_tensor() and pass them to "
+                         "dpkern.distributed.shard_grad_samples, or use ghost clipping")
     trainable = {n: p.detach() for n, p in module.named_parameters() if p.requires_grad}
     frozen = {n: p.detach() for n, p in module.named_parameters() if not p.requires_grad}
     buffers = {n: b.detach() for n, b in module.named_buffers()}

@@ -210,6 +210,22 @@ def _run_fsdp_errors(rank, world, data):
     out["shape_step"] = _catch(opt.step)
     out["shape_untouched"] = all(torch.equal(a, p.full_tensor())
                                  for a, p in zip(before, params))
+    opt.zero_grad()
+    # torch.func cannot trace FSDP2 modules: a clear error, not an AttributeError
+    out["func"] = _catch(lambda: compute_grad_sample(model, _loss, data["x"][:2],
+                                                     data["y"][:2]))
+    # a root that owns parameters keeps them unsharded after an evaluation forward:
+    # GhostClipping reshards first; add_empty_batch is refused (it would leave the other
+    # ranks waiting in their forward's all-gathers)
+    from dpkern.ghost import GhostClipping
+    rooted = _net()
+    fully_shard(rooted[0], mesh=params[0].device_mesh)
+    fully_shard(rooted, mesh=params[0].device_mesh)
+    ropt = DistributedDPOptimizer(_make_opt("adamw", rooted.parameters(), seed=5))
+    with torch.no_grad():
+        rooted(data["x"][:3])
+    out["eval_then_ghost"] = _catch(lambda: GhostClipping(rooted, ropt))
+    out["empty"] = _catch(lambda: GhostClipping(rooted, ropt).add_empty_batch())
     return out
 
 
@@ -289,9 +305,14 @@ def _run_fsdp(rank, world, data, name, local_indices=False):
             if path == "per_sample":
                 assert shard_grad_samples(opt.trainable_params(), gs) == len(batch)
             elif path == "ghost":
-                with ghost:  # every rank runs forward and backward, empty batch or not
-                    ghost.backward(nn.functional.cross_entropy(
-                        model(data["x"][local]), data["y"][local], reduction="none"))
+                # every rank runs forward and backward, empty batch or not: on B = 0
+                # (ghost), or on a placeholder sample whose loss is dropped (ghost_bc: the
+                # recipe for models that cannot run on an empty batch)
+                rows = local or ([0] if name == "ghost_bc" else [])
+                with ghost:
+                    losses = nn.functional.cross_entropy(
+                        model(data["x"][rows]), data["y"][rows], reduction="none")
+                    ghost.backward(losses if local else losses[:0])
             else:
                 c = clip_factors(per_sample_norms(gs, backend="torch"), 0.7)
                 losses = nn.functional.cross_entropy(model(data["x"][local]),
@@ -458,6 +479,9 @@ def test_fsdp2_errors_are_clear_and_raised_on_every_rank(run):
         assert e["nan"][0] == "FloatingPointError" and "rows [0]" in e["nan"][1]
         assert e["nan_untouched"] and not e["nan_state"]
         assert e["shape_untouched"]
+        assert e["func"][0] == "ValueError" and "shard_grad_samples" in e["func"][1]
+        assert e["eval_then_ghost"] is None
+        assert e["empty"][0] == "RuntimeError" and "losses[:0]" in e["empty"][1]
     assert [r["fsdp_errors"]["shape_step"][0] for r in results] == \
         ["DistributedDPError"] * (world - 1) + ["ValueError"]
     assert "grad_sample has shape" in results[-1]["fsdp_errors"]["shape_step"][1]

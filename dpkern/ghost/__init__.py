@@ -21,7 +21,9 @@ Usage in your own loop::
 
 ``gc.backward`` replaces ``loss.backward()``: it never fills ``p.grad`` (the accumulator is
 the optimizer's fp32 buffer, never aliasing ``.grad``). An empty micro-batch (B = 0) is
-fine; for one the model cannot run on, call ``gc.add_empty_batch()``. Forwards run under ``torch.no_grad()`` (evaluation) are not recorded.
+fine; for one the model cannot run on, call ``gc.add_empty_batch()`` (under FSDP2: run the
+forward on a placeholder sample and call ``gc.backward(losses[:0])``). Forwards run under
+``torch.no_grad()`` (evaluation) are not recorded.
 
 Covered layers: ``nn.Linear``, transformers' ``Conv1D`` (GPT-2), ``nn.Embedding``
 (``padding_idx`` respected), ``nn.LayerNorm``, ``nn.RMSNorm``; tied weights (embedding
@@ -112,6 +114,11 @@ class GhostClipping:
         self.backend = backend
         self.chunk_bytes = int(chunk_bytes)
         self.check = check
+        self.sharded = bool(getattr(optimizer, "sharded", False))  # FSDP2 wrapper
+        if hasattr(model, "reshard") and callable(model.reshard):
+            # FSDP2: after a no_grad forward (evaluation) the root keeps its parameters
+            # unsharded, registered as plain tensors instead of the optimizer's DTensors
+            model.reshard()
         self.capture = Capture(model, optimizer.trainable_params(),
                                instantiate_unsupported=instantiate_unsupported)
 
@@ -204,7 +211,20 @@ class GhostClipping:
 
     def add_empty_batch(self) -> None:
         """Record an empty micro-batch without a forward (Poisson sampling may draw one;
-        many models cannot run on B = 0): ``optimizer.step()`` then adds the noise alone."""
+        many models cannot run on B = 0): ``optimizer.step()`` then adds the noise alone.
+
+        Not under FSDP2 (a sharded :class:`~dpkern.distributed.DistributedDPOptimizer`):
+        there every rank must run the model, whose all-gathers are collectives. A rank
+        with no sample runs the forward on a placeholder (any one sample, e.g. a row of
+        padding) and calls ``gc.backward(losses[:0])``: zero samples are added, and the
+        forward and backward join the other ranks' collectives.
+
+        Raises: RuntimeError under FSDP2 (instead of leaving the other ranks waiting)."""
+        if self.sharded:
+            raise RuntimeError("add_empty_batch cannot be used under FSDP2: every rank must "
+                               "run the model's forward and backward (FSDP all-gathers are "
+                               "collectives); run the forward on a placeholder sample and "
+                               "call gc.backward(losses[:0])")
         self.optimizer.accumulate_clipped([None] * len(self.capture.params), batch_size=0)
 
     def backward(self, losses: Tensor) -> None:
