@@ -418,14 +418,44 @@ class DistributedDPOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
-    def state_dict(self) -> dict:
+    def state_dict(self, full: bool = False) -> dict:
         """The inner optimizer's state_dict. DDP: identical on every rank (save rank
-        0's). FSDP2: this rank's shards of the states (every rank saves its own, e.g. in
-        a per-rank file or with torch.distributed.checkpoint, and loads it back)."""
-        return self.optimizer.state_dict()
+        0's). FSDP2: this rank's shards of the states (every rank saves its own), or with
+        ``full=True`` every state gathered to its parameter's full shape (a collective;
+        identical on every rank: save rank 0's; the same file a single process writes)."""
+        sd = self.optimizer.state_dict()
+        if not (full and self.sharded):
+            return sd
+        from torch.distributed.tensor import DTensor
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        state = {}
+        for idx, st in sorted(sd["state"].items()):  # the same order on every rank
+            p, st = params[idx], dict(st)  # (a copy: sd's dicts are the live state)
+            for k, v in sorted(st.items()):
+                if isinstance(v, Tensor) and v.dim() > 0 and is_sharded(p):
+                    st[k] = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False,
+                                               shape=p.shape, stride=p.stride()).full_tensor()
+            state[idx] = st
+        return {**sd, "state": state}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load on every rank, then :func:`sync_key` (secure mode: rank 0's fresh key)."""
+        """Load on every rank, then :func:`sync_key` (secure mode: rank 0's fresh key).
+
+        FSDP2: accepts this rank's shards or a full state_dict (``state_dict(full=True)``
+        or a single-process checkpoint): full-shape states are cut to this rank's rows."""
+        if self.sharded:
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            state = {}
+            for idx, st in state_dict.get("state", {}).items():
+                p, st = params[idx] if 0 <= idx < len(params) else None, dict(st)
+                if p is not None and is_sharded(p):
+                    mesh = p.device_mesh
+                    first, end = _rows(p.shape[0], mesh.size(), mesh.get_local_rank())
+                    for k, v in st.items():
+                        if isinstance(v, Tensor) and v.dim() > 0 and v.shape == p.shape:
+                            st[k] = v[first:end]
+                state[idx] = st
+            state_dict = {**state_dict, "state": state}
         self.optimizer.load_state_dict(state_dict)
         sync_key(self.optimizer, self.group)
 

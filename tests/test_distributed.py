@@ -332,7 +332,14 @@ def _run_fsdp(rank, world, data, name, local_indices=False):
     resumed = again.dp_step == opt.dp_step and all(
         torch.equal(again.state[p][k], v) for p in model.parameters()
         for k, v in opt.state[p].items())
-    return {"snaps": snaps, "shards": shards, "resumed": resumed}
+    # ... and so does a FULL one (gathered states, what a single process would save)
+    full = opt.state_dict(full=True)
+    again = DistributedDPOptimizer(_make_opt(rule, model.parameters(), seed=77))
+    again.load_state_dict(full)
+    resumed = resumed and all(torch.equal(again.state[p][k], v) for p in model.parameters()
+                              for k, v in opt.state[p].items())
+    return {"snaps": snaps, "shards": shards, "resumed": resumed,
+            "full_state": [full["state"][k] for k in sorted(full["state"])]}
 
 
 def _worker(rank, world, tmpdir):
@@ -543,6 +550,10 @@ def test_fsdp2_sharded_steps_equal_single_process(run, name):
     want = _single(FSDP_CASES[name][0], data, 77, rank_order)
     for r in results:
         assert r[f"fsdp_{name}"]["resumed"]
+        for got, w in zip(r[f"fsdp_{name}"]["full_state"], want[-1]["state"]):
+            assert got.keys() == w.keys()
+            for k in w:  # state_dict(full=True): the single-process states, full shape
+                torch.testing.assert_close(got[k], w[k], atol=1e-6, rtol=1e-6, msg=k)
         for t, (got, w) in enumerate(zip(r[f"fsdp_{name}"]["snaps"], want)):
             for a, b in zip(got, w["params"]):
                 torch.testing.assert_close(a, b, atol=1e-6, rtol=0, msg=f"step {t + 1}")
