@@ -113,10 +113,11 @@ def test_other_optimizers_run(text_file, tmp_path, optimizer):
     assert read_metrics(out)["optimizer"] == optimizer
 
 
-def _tiny_gpt2_dir(path, vocab_size=300, n_positions=32):
+def _tiny_gpt2_dir(path, vocab_size=300, n_positions=32, **extra):
     from transformers import GPT2Config, GPT2LMHeadModel
-    cfg = GPT2Config(vocab_size=vocab_size, n_positions=n_positions, n_embd=32, n_layer=1,
-                     n_head=2, bos_token_id=0, eos_token_id=0)
+    cfg = GPT2Config(**{"vocab_size": vocab_size, "n_positions": n_positions, "n_embd": 32,
+                        "n_layer": 1, "n_head": 2, "bos_token_id": 0, "eos_token_id": 0,
+                        **extra})
     GPT2LMHeadModel(cfg).save_pretrained(path)
     return path
 
@@ -290,8 +291,45 @@ def test_nproc_2_secure_mode(text_file, tmp_path):
     assert "seed" not in torch.load(out / "trainer_state.pt", weights_only=True)["optimizer"]["dp"]
 
 
+def test_nproc_2_fsdp_equals_ddp_and_resumes(text_file, tmp_path):
+    """--fsdp shards the model (one FSDP2 unit per block): with a seed, the same run as DDP
+    (no dropout: its masks are not seeded per rank), and the checkpoint holds the FULL
+    model and optimizer state, so it resumes with or without --fsdp."""
+    from safetensors.torch import load_file
+    model = _tiny_gpt2_dir(tmp_path / "tiny", n_layer=2, resid_pdrop=0.0, embd_pdrop=0.0,
+                           attn_pdrop=0.0)
+    common = ("--data", text_file, "--nproc", 2, *TINY)
+    runs = {}
+    for name, extra in (("ddp", ()), ("fsdp", ("--fsdp",))):
+        runs[name] = tmp_path / name
+        assert finetune(*common, "--model", model, "--seed", 3, "--steps", 4,
+                        "--out", runs[name], *extra) == 0
+    m = read_metrics(runs["fsdp"])
+    assert m["fsdp"] and m["step"] == 4 and m["val_loss_after"] < m["val_loss_before"] - 0.1
+    assert not read_metrics(runs["ddp"])["fsdp"]
+    a, b = (load_file(runs[n] / "model.safetensors") for n in ("fsdp", "ddp"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0, msg=k)
+    sa, sb = (torch.load(runs[n] / "trainer_state.pt", weights_only=True)["optimizer"]
+              for n in ("fsdp", "ddp"))
+    for i, st in sb["state"].items():  # full shapes, the DDP values
+        for k, v in st.items():
+            torch.testing.assert_close(sa["state"][i][k], v, atol=1e-6, rtol=1e-6)
+    # resume the sharded run's checkpoint without --fsdp, and the DDP one with it
+    for name, extra in (("fsdp", ()), ("ddp", ("--fsdp",))):
+        assert finetune(*common, "--steps", 6, "--resume", runs[name], *extra) == 0
+    a, b = (load_file(runs[n] / "model.safetensors") for n in ("fsdp", "ddp"))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0, msg=k)
+    assert read_metrics(runs["ddp"])["fsdp"] and read_metrics(runs["ddp"])["step"] == 6
+
+
 def test_nproc_bad_input_exits_2_before_spawning(text_file, tmp_path, capsys):
     for argv, option in ((["--nproc", 0], "--nproc"), (["--nproc", -3], "--nproc"),
+                         (["--fsdp"], "--fsdp"),
+                         (["--nproc", 2, "--fsdp", "--optimizer", "dp-macadam"], "--fsdp"),
+                         (["--nproc", 2, "--fsdp", "--clipping", "per-sample"], "--fsdp"),
                          (["--nproc", 2, "--epsilon", 0], "--epsilon"),
                          (["--nproc", 2, "--device", "cpu", "--batch-size", 10**6],
                           "--batch-size")):

@@ -22,6 +22,7 @@ examples:
   dpkern finetune --model ./my-gpt2 --data notes.txt --steps 500 --out run2
   dpkern finetune --resume run2 --steps 800 --epsilon 4   # continue (sigma recalibrated)
   dpkern finetune --nproc 4 --out run3               # data-parallel, 4 processes
+  dpkern finetune --nproc 4 --fsdp --out run4        # the same, parameters sharded (FSDP2)
 
 Data parallelism (--nproc N > 1): N worker processes (torch.multiprocessing, file://
 rendezvous in a temp dir; gloo on CPU, NCCL on CUDA with rank r on cuda:r) build the same
@@ -32,6 +33,15 @@ and adds the same noise on every rank (secure key drawn on rank 0 and broadcast)
 mechanism, sigma and the accounting are those of the single-process run. Only rank 0
 shows progress and writes --out. The sampled batches differ from a single-process run
 with the same --seed (a different sampler), so the two runs are not equal.
+
+--fsdp (with --nproc N): parameters, gradients and optimizer state are sharded over the N
+processes (FSDP2 fully_shard, one unit per transformer block plus the root) instead of
+replicated: each rank keeps 1/N of the model and of the optimizer state between steps
+and draws the noise of its shard at the shard's global indices, so the step is the DDP
+step. Clipping is ghost clipping (the book-kept clipped sums are reduce-scattered);
+every rank runs the same number of micro-batches (a rank without samples runs a
+placeholder whose loss is dropped). Checkpoints gather the full model and optimizer
+state, so --resume works with or without --fsdp.
 """
 from __future__ import annotations
 
@@ -138,6 +148,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--nproc", type=int, default=1, metavar="N", help="data-parallel worker "
                    "processes (gloo on CPU, NCCL on CUDA: one GPU each); the global expected "
                    "batch is still --batch-size (default 1: a single process)")
+    g.add_argument("--fsdp", action="store_true", help="with --nproc N: shard parameters, "
+                   "gradients and optimizer state over the processes (FSDP2, one unit per "
+                   "transformer block) instead of replicating them (DDP); ghost clipping only")
     g = parser.add_argument_group("output")
     g.add_argument("--out", metavar="DIR", help="write the model (save_pretrained), "
                    f"{FILES['run']}, {FILES['metrics']} and {FILES['trainer']} here")
@@ -322,10 +335,17 @@ class _PerSample:
         return losses.detach()
 
 
+_FSDP_NEEDS_GHOST = ("needs ghost clipping (dp-macadam and --clipping per-sample materialise "
+                     "per-sample gradients, which the finetune job does not shard)")
+
+
 def _choose_clipping(args, plan: Plan, net, params) -> str:
     """--clipping: ghost by default where dpkern.ghost covers every trainable layer;
     dp-macadam (whitened clipping) and --grad-sample opacus need per-sample gradients."""
     from ..ghost import supports
+    _require(not getattr(args, "fsdp", False) or (plan.optimizer != "dp-macadam"
+                                                    and args.clipping != "per-sample"),
+             "--fsdp", _FSDP_NEEDS_GHOST)
     if plan.optimizer == "dp-macadam":
         _require(args.clipping != "ghost", "--clipping", "ghost clipping cannot serve "
                  "dp-macadam (it clips whitened per-sample gradients); use per-sample")
@@ -348,12 +368,18 @@ class _Ghost:
 
     accumulates = True  # the micro-batch is already in the optimizer's buffers
 
-    def __init__(self, net, optimizer):
+    def __init__(self, net, optimizer, placeholder=None):
         from ..ghost import GhostClipping
         self.gc = GhostClipping(net, optimizer).attach()
         self.net = net
+        self.placeholder = placeholder  # FSDP2: one block run by a rank without samples
 
     def __call__(self, ids):
+        if ids.shape[0] == 0 and self.placeholder is not None:
+            # FSDP2: the forward's all-gathers are collectives; the loss is dropped
+            ph = self.placeholder.to(ids.device)
+            self.gc.backward(models.token_loss(self.net(ph), ph)[:0])
+            return torch.zeros(0, device=ids.device)
         if ids.shape[0] == 0:
             self.gc.add_empty_batch()
             return torch.zeros(0, device=ids.device)
@@ -407,16 +433,18 @@ def _calibrate_extension(history, sample_rate: float, steps: int, epsilon: float
 
 # -- checkpoints --------------------------------------------------------------------------
 
-def _write_checkpoint(out: Path, model, tokenizer, plan: Plan, metrics: dict, trainer: dict) -> None:
+def _write_checkpoint(out: Path, model, tokenizer, plan: Plan, metrics: dict, trainer: dict,
+                      model_state: dict | None = None) -> None:
     """Write into a fresh sibling directory, then swap it in: a crash never leaves a
-    half-written --out, and an existing one is only replaced once the new one is whole."""
+    half-written --out, and an existing one is only replaced once the new one is whole.
+    ``model_state``: the full state dict of a sharded (FSDP2) model."""
     import dataclasses
 
     out = out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, state_dict=model_state)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         (tmp / FILES["run"]).write_text(json.dumps(dataclasses.asdict(plan), indent=2) + "\n")
@@ -488,6 +516,14 @@ def _train_with_warnings(args, job: dict, dist_ctx=None) -> int:
 
 def _check_nproc(args, device: torch.device) -> None:
     nproc = getattr(args, "nproc", 1)
+    if getattr(args, "fsdp", False):
+        _require(nproc > 1, "--fsdp", "shards over the --nproc processes: pass --nproc N "
+                 "with N >= 2")
+        try:
+            from torch.distributed.fsdp import fully_shard  # noqa: F401
+        except ImportError:
+            raise UsageError("--fsdp", f"needs FSDP2 (torch >= 2.6), torch is "
+                             f"{torch.__version__}") from None
     if nproc == 1:
         return
     import torch.distributed as dist
@@ -581,6 +617,8 @@ def _prepare(args) -> dict:
         optimizer.noise_multiplier = sigma
     micro = args.micro_batch_size or DEFAULT_MICRO_BATCH
     args.clipping = _choose_clipping(args, plan, net, params)
+    _require(not getattr(args, "fsdp", False) or args.clipping == "ghost", "--fsdp",
+             _FSDP_NEEDS_GHOST)
     per_sample = (_Ghost(net, optimizer) if args.clipping == "ghost"
                   else _PerSample(net, args.grad_sample))
     numel = sum(p.numel() for p in params)
@@ -635,8 +673,11 @@ def _worker(rank: int, world: int, tmp: str, args) -> None:
     if device.type == "cuda":
         args.device = f"cuda:{rank}"
         torch.cuda.set_device(rank)
+    args.writes = args.out is not None or args.resume is not None  # rank 0 checkpoints
     if rank != 0:
-        args.quiet, args.out, args.save_every = True, None, None
+        args.quiet, args.out = True, None
+        if not args.fsdp:  # (FSDP: every rank joins the checkpoint's gathers)
+            args.save_every = None
     with contextlib.redirect_stderr(io.StringIO()):  # notes were shown before spawning
         job = _prepare(args)
     if rank != 0:
@@ -648,11 +689,41 @@ def _worker(rank: int, world: int, tmp: str, args) -> None:
         with torch.no_grad():  # one model: rank 0's init (secure mode draws it per rank)
             for t in job["model"].state_dict().values():
                 dist.broadcast(t, src=0)
-        job["optimizer"] = DistributedDPOptimizer(job["optimizer"])  # broadcasts the key
+        if args.fsdp:
+            _shard(job, args, world)
+        else:
+            job["optimizer"] = DistributedDPOptimizer(job["optimizer"])  # broadcasts the key
         code = _train_with_warnings(args, job, dist_ctx=(rank, world))
         Path(tmp, f"rc{rank}").write_text(str(code))
     finally:
         dist.destroy_process_group()
+
+
+def _shard(job: dict, args, world: int) -> None:
+    """--fsdp: shard the (broadcast) model with FSDP2 -- one unit per transformer block,
+    then the root -- and rebuild the optimizer over the DTensor shards (a resumed run's
+    full optimizer state is cut to this rank's rows) and ghost clipping over it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from ..distributed import DistributedDPOptimizer
+    model, plan = job["model"], job["plan"]
+    full_state = job["optimizer"].state_dict() if job["done"] else None
+    job["per_sample"].gc.detach()
+    mesh = init_device_mesh(job["device"].type, (world,))
+    blocks = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)
+                   and len(m)), [])
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = DistributedDPOptimizer(_make_optimizer(plan, params, args.backend,
+                                                       plan.noise_multiplier))
+    if full_state is not None:
+        optimizer.load_state_dict(full_state)
+        optimizer.noise_multiplier = plan.noise_multiplier
+    job["optimizer"] = optimizer
+    job["per_sample"] = _Ghost(job["net"], optimizer, placeholder=job["train"][:1])
 
 
 def _check_replicas(model, world: int, device) -> None:
@@ -684,6 +755,8 @@ def _train(args, plan, out, model, tokenizer, net, optimizer, accountant, per_sa
 
     q, sigma = plan.sample_rate, plan.noise_multiplier
     rank, world = dist_ctx or (0, 1)
+    fsdp = bool(getattr(optimizer, "sharded", False))
+    writes = getattr(args, "writes", out is not None)  # (FSDP: ranks != 0 join the gathers)
     t_start = time.perf_counter()
     val_before = models.evaluate(net, val, args.eval_batch_size, device)
     sampler_seed = None if plan.seed is None else (plan.seed * 1_000_003 + done) % 2**63
@@ -716,12 +789,28 @@ def _train(args, plan, out, model, tokenizer, net, optimizer, accountant, per_sa
             "total_seconds": time.perf_counter() - t_start, "num_parameters": numel,
             "n_train_blocks": plan.n_train, "n_val_blocks": plan.n_val,
             "block_size": plan.block_size, "finished": final,
-            "optimizer_stats": dict(optimizer.stats), "nproc": world,
+            "optimizer_stats": dict(optimizer.stats), "nproc": world, "fsdp": fsdp,
         }
+        model_state = opt_state = None
+        if fsdp and writes:  # collectives: every rank gathers, rank 0 writes
+            from ..sharding import is_sharded
+            model.reshard()
+            # one gather per parameter, so tied weights stay one tensor (the same on
+            # every rank: keyed by the module's parameter objects, not by storage)
+            owner = {n: id(p) for n, p in model.named_parameters(remove_duplicate=False)}
+            full: dict[int, torch.Tensor] = {}
+            model_state = {}
+            for k, v in model.state_dict().items():
+                key = owner.get(k, id(v))
+                if is_sharded(v) and key not in full:
+                    full[key] = v.full_tensor()
+                model_state[k] = full.get(key, v)
+            opt_state = optimizer.state_dict(full=True)
         if out is not None:
-            trainer = {"step": optimizer.dp_step, "optimizer": optimizer.state_dict(),
+            trainer = {"step": optimizer.dp_step,
+                       "optimizer": opt_state if fsdp else optimizer.state_dict(),
                        "accountant": accountant.state_dict()}
-            _write_checkpoint(out, model, tokenizer, plan, metrics, trainer)
+            _write_checkpoint(out, model, tokenizer, plan, metrics, trainer, model_state)
         return metrics
 
     net.train()
@@ -733,6 +822,11 @@ def _train(args, plan, out, model, tokenizer, net, optimizer, accountant, per_sa
             batch = train[indices]
             losses = []
             chunks = [batch[i:i + micro] for i in range(0, batch.shape[0], micro)] or [batch]
+            if fsdp:  # every rank runs as many micro-batches (forwards are collectives)
+                import torch.distributed as dist
+                n = torch.tensor([len(chunks)], device=device)
+                dist.all_reduce(n, op=dist.ReduceOp.MAX)
+                chunks += [batch[:0]] * (int(n) - len(chunks))
             for chunk in chunks:
                 losses.append(per_sample(chunk.to(device)))
                 if not getattr(per_sample, "accumulates", False):
@@ -759,7 +853,7 @@ def _train(args, plan, out, model, tokenizer, net, optimizer, accountant, per_sa
                             tok_s=f"{train_tokens / max(train_time, 1e-9):.0f}", refresh=False)
             bar.update(1)
             if args.save_every and optimizer.dp_step % args.save_every == 0 \
-                    and optimizer.dp_step < steps and out is not None:
+                    and optimizer.dp_step < steps and (out is not None or fsdp and writes):
                 checkpoint()
     except KeyboardInterrupt:
         interrupted = True
@@ -772,7 +866,7 @@ def _train(args, plan, out, model, tokenizer, net, optimizer, accountant, per_sa
             print(f"dpkern finetune: interrupted at step {optimizer.dp_step}/{steps}, "
                   f"epsilon spent {metrics['epsilon']:.3g}{where}", file=sys.stderr)
         return 130
-    if dist_ctx is not None:
+    if dist_ctx is not None and not fsdp:
         _check_replicas(model, world, device)
     val_after = models.evaluate(net, val, args.eval_batch_size, device)
     metrics = checkpoint(val_after, final=True)
@@ -801,7 +895,8 @@ def _print_summary(plan, args, m, n_bytes, done, out) -> None:
         f"  training    steps {done} -> {m['step']}, {m['samples']:,} samples, "
         f"{m['tokens']:,} tokens in {_fmt_time(m['train_seconds'])} "
         f"({m['tokens_per_second']:,.0f} tokens/s)"
-        + (f", {m['nproc']} data-parallel processes" if m["nproc"] > 1 else ""),
+        + (f", {m['nproc']} data-parallel processes" if m["nproc"] > 1 else "")
+        + (" (FSDP2-sharded)" if m.get("fsdp") else ""),
         f"  validation  loss {m['val_loss_before']:.4f} -> {m['val_loss_after']:.4f}, "
         f"perplexity {m['val_perplexity_before']:.2f} -> {m['val_perplexity_after']:.2f}",
     ]
