@@ -7,7 +7,8 @@
 #   3. times GPT-2 small (124M coordinates, 148 tensors), B in {1, 8, 32}: fused step vs
 #      reference vs an Opacus-style pipeline, the summed path vs torch.normal + AdamW(fused),
 #      sigma = 0 vs sigma > 0, as GB/s against the bytes floor and the copy bandwidth
-#      (bench/gpu_check.py; its --smoke mode tests it on CPU).
+#      (bench/gpu_check.py; its --smoke mode tests it on CPU);
+#   4. runs dpkern.distributed on NCCL, one process per GPU (bench/gpu_dist_check.py).
 # Budget: under 8 minutes on an H200 (Triton compilation of the test variants included).
 # Usage: bash bench/gpu_check.sh [extra gpu_check.py arguments, e.g. --gs-dtype bfloat16]
 set -uo pipefail
@@ -55,4 +56,8 @@ fi
 
 # 3. timings
 timeout 150 "$PY" bench/gpu_check.py "$@" || status=1
+
+# 4. dpkern.distributed on NCCL (DDP, FSDP2 + ghost, FSDP2 + MacAdam, the noise): the same
+#    steps as one process (bench/gpu_dist_check.py; --device cpu runs it on gloo)
+timeout 120 "$PY" bench/gpu_dist_check.py || status=1
 exit $status
