@@ -291,6 +291,18 @@ def test_nproc_2_secure_mode(text_file, tmp_path):
     assert "seed" not in torch.load(out / "trainer_state.pt", weights_only=True)["optimizer"]["dp"]
 
 
+def test_seed_makes_a_model_with_dropout_reproducible(text_file, tmp_path):
+    from safetensors.torch import load_file
+    model = _tiny_gpt2_dir(tmp_path / "tiny", resid_pdrop=0.1)  # dropout on
+    outs = [tmp_path / "a", tmp_path / "b", tmp_path / "c"]
+    for out, seed in zip(outs, (4, 4, 5)):
+        assert finetune("--model", model, "--data", text_file, "--steps", 2, "--seed", seed,
+                        "--out", out, *TINY) == 0
+    a, b, c = (load_file(o / "model.safetensors") for o in outs)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
 def test_nproc_2_fsdp_equals_ddp_and_resumes(text_file, tmp_path):
     """--fsdp shards the model (one FSDP2 unit per block): with a seed, the same run as DDP
     (no dropout: its masks are not seeded per rank), and the checkpoint holds the FULL

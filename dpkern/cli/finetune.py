@@ -143,7 +143,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "(materialised, see --grad-sample). Default: ghost when it covers every "
                    "trainable layer, else per-sample; dp-macadam always uses per-sample")
     g.add_argument("--seed", type=int, help="reproducible mode: seeds the noise key, the "
-                   "sampler and the model init. Without it the noise key is secret")
+                   "sampler, the model init and dropout. Without it the noise key is secret")
     g.add_argument("--device", help="torch device (default cuda if available, else cpu)")
     g.add_argument("--nproc", type=int, default=1, metavar="N", help="data-parallel worker "
                    "processes (gloo on CPU, NCCL on CUDA: one GPU each); the global expected "
@@ -760,6 +760,8 @@ def _train(args, plan, out, model, tokenizer, net, optimizer, accountant, per_sa
     t_start = time.perf_counter()
     val_before = models.evaluate(net, val, args.eval_batch_size, device)
     sampler_seed = None if plan.seed is None else (plan.seed * 1_000_003 + done) % 2**63
+    if plan.seed is not None:  # dropout masks (a --model with dropout): per rank, per resume
+        torch.manual_seed((sampler_seed * 1009 + rank + 1) % 2**63)
     if dist_ctx is None:
         sampler = PoissonBatchSampler(train.shape[0], q, steps - done, seed=sampler_seed)
     else:
