@@ -30,22 +30,49 @@ all-reduce of the raw, unclipped ``.grad`` is useless for DP training (the optim
 ``grad_sample``), so it is replaced by a no-op communication hook. Works with gloo (CPU)
 and NCCL (GPU) alike: collectives run on the parameters' device.
 
-A training script for ``torchrun --standalone --nproc_per_node=N train.py``::
+A complete training script (``torchrun --standalone --nproc_per_node=N train.py``; it runs
+as written, ``tests/test_distributed.py`` runs it on 2 gloo ranks)::
+
+    # train.py
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel
+
+    import dpkern
+    from dpkern.accounting import PrivacyAccountant
+    from dpkern.distributed import (DistributedDPOptimizer, DistributedPoissonSampler,
+                                    disable_gradient_allreduce)
+    from dpkern.grad_sample import compute_grad_sample
 
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    ddp = DistributedDataParallel(model.to(device))
+    rank = dist.get_rank()
+    device = torch.device(f"cuda:{rank}" if torch.cuda.is_available() else "cpu")
+    gen = torch.Generator().manual_seed(0)              # the same data set on every rank
+    X = torch.randn(2000, 20, generator=gen)
+    Y = (X[:, 0] + X[:, 1] > 0).long()
+    model = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 2)).to(device)
+    ddp = DistributedDataParallel(model)                # broadcasts rank 0's parameters
     disable_gradient_allreduce(ddp)
-    sampler = DistributedPoissonSampler(len(X), sample_rate, steps)  # X, Y: the data set
-    opt = DistributedDPOptimizer(dpkern.DPAdamW(ddp.parameters(), lr=1e-3, max_grad_norm=1.0,
-                                 noise_multiplier=sigma,
-                                 expected_batch_size=sampler.expected_batch_size))
-    for indices in sampler:                    # this rank's samples; may be empty
-        if indices:                            # per-sample gradients of the local samples
-            compute_grad_sample(ddp.module, loss_fn, X[indices].to(device),
+    sample_rate, steps, sigma = 0.05, 60, 1.0
+    sampler = DistributedPoissonSampler(len(X), sample_rate, steps)
+    opt = DistributedDPOptimizer(dpkern.DPAdamW(
+        model.parameters(), lr=1e-2, max_grad_norm=1.0, noise_multiplier=sigma,
+        expected_batch_size=sampler.expected_batch_size))  # the GLOBAL q * N
+    accountant = PrivacyAccountant()
+    for indices in sampler:                             # this rank's samples; may be empty
+        if indices:                                     # per-sample gradients, local samples
+            compute_grad_sample(model, F.cross_entropy, X[indices].to(device),
                                 Y[indices].to(device))
-        opt.step()                             # every rank, every step
+        opt.step()                                      # every rank, every step
         opt.zero_grad()
-        accountant.step(noise_multiplier=sigma, sample_rate=sampler.sample_rate)
+        accountant.step(noise_multiplier=sigma, sample_rate=sample_rate)
+    with torch.no_grad():
+        accuracy = (model(X.to(device)).argmax(1) == Y.to(device)).float().mean()
+    if rank == 0:
+        print(f"epsilon = {accountant.get_epsilon(1e-5):.2f}, accuracy = {accuracy:.2f}")
+    dist.destroy_process_group()
 
 (With a ``DataLoader(dataset, batch_sampler=sampler)``, give it a ``collate_fn`` that
 accepts an empty list: the default one fails on an empty local batch.)

@@ -314,6 +314,12 @@ def test_nproc_2_fsdp_equals_ddp_and_resumes(text_file, tmp_path):
     m_fsdp = read_metrics(runs["fsdp"])  # ... and so does the sharded one, the same way
     assert m_fsdp["fsdp"] and m_fsdp["step"] == 4 and m_fsdp["epsilon"] == m["epsilon"]
     assert m_fsdp["samples"] == m["samples"]
+    for mm in (m, m_fsdp):  # statistics over both ranks, not rank 0's share
+        assert mm["optimizer_stats"]["samples"] == mm["samples"]
+        assert mm["optimizer_stats"]["steps"] == 4
+        assert mm["segments"] == [{"steps": [0, 4], "nproc": 2, "fsdp": mm["fsdp"],
+                                   "samples": mm["samples"], "tokens": mm["tokens"],
+                                   "train_seconds": mm["train_seconds"]}]
     a, b = (load_file(runs[n] / "model.safetensors") for n in ("fsdp", "ddp"))
     assert a.keys() == b.keys()
     for k in a:
@@ -329,7 +335,22 @@ def test_nproc_2_fsdp_equals_ddp_and_resumes(text_file, tmp_path):
     a, b = (load_file(runs[n] / "model.safetensors") for n in ("fsdp", "ddp"))
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0, msg=k)
-    assert read_metrics(runs["ddp"])["fsdp"] and read_metrics(runs["ddp"])["step"] == 6
+    m2 = read_metrics(runs["ddp"])
+    assert m2["fsdp"] and m2["step"] == 6
+    assert [(g["steps"], g["fsdp"]) for g in m2["segments"]] == [([0, 4], False),
+                                                                ([4, 6], True)]
+    assert m2["optimizer_stats"]["samples"] == sum(g["samples"] for g in m2["segments"])
+    assert m2["optimizer_stats"]["steps"] == 6
+
+
+@pytest.mark.parametrize("argv", [["--steps", "abc"], ["--optimizer", "dp-foo"],
+                                  ["--no-such-option"]])
+def test_malformed_options_are_one_line_errors(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        finetune(*argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("dpkern") and " error: " in err, err
 
 
 def test_nproc_bad_input_exits_2_before_spawning(text_file, tmp_path, capsys):

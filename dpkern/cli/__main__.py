@@ -14,9 +14,17 @@ COMMANDS = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad option value is ONE line (``prog: error: ...``), exit code 2:
+    the usage block is for ``--help``."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dpkern", description="Differentially private "
-                                     "training with fused kernels.")
+    parser = _Parser(prog="dpkern", description="Differentially private "
+                     "training with fused kernels.")
     sub = parser.add_subparsers(dest="command", metavar="command")
     modules = {}
     for name, help_text in COMMANDS.items():
