@@ -565,8 +565,9 @@ def shard_grad_samples(params: Sequence[Tensor], grad_samples: Sequence[Tensor])
     """Give every rank the per-sample gradients of ALL ranks' samples, on ITS shard.
 
     Under FSDP2 each rank computes per-sample gradients of its own B_r samples for whole
-    parameters (they are unsharded during forward and backward), but owns only a shard of
-    each parameter's coordinates and of its optimizer state. One ``all_to_all_single``
+    parameters (on an unsharded replica refreshed from ``p.full_tensor()``: torch.func
+    cannot trace an FSDP2 module), but owns only a shard of each parameter's coordinates
+    and of its optimizer state. One ``all_to_all_single``
     sends rank k the rows of its shard: afterwards ``p.grad_sample`` on every rank has
     shape ``[B, *local_shard_shape]`` with B = sum_r B_r (samples in rank order), and the
     optimizer's ``step()`` clips with per-sample norms all-reduced over the shards ([B]
