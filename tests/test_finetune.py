@@ -314,6 +314,11 @@ def test_nproc_2_fsdp_equals_ddp_and_resumes(text_file, tmp_path):
     m_fsdp = read_metrics(runs["fsdp"])  # ... and so does the sharded one, the same way
     assert m_fsdp["fsdp"] and m_fsdp["step"] == 4 and m_fsdp["epsilon"] == m["epsilon"]
     assert m_fsdp["samples"] == m["samples"]
+    # rank 0 keeps half of the parameters and of the optimizer state under --fsdp
+    full, half = m["bytes_per_rank"], m_fsdp["bytes_per_rank"]
+    assert full["optimizer_state"] == 2 * full["params"]  # exp_avg, exp_avg_sq (fp32)
+    for k in full:
+        assert 0.4 * full[k] < half[k] < 0.6 * full[k], (k, full, half)
     for mm in (m, m_fsdp):  # statistics over both ranks, not rank 0's share
         assert mm["optimizer_stats"]["samples"] == mm["samples"]
         assert mm["optimizer_stats"]["steps"] == 4

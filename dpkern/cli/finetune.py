@@ -797,6 +797,7 @@ def _train(args, plan, out, model, tokenizer, net, optimizer, accountant, per_sa
             "n_train_blocks": plan.n_train, "n_val_blocks": plan.n_val,
             "block_size": plan.block_size, "finished": final,
             "optimizer_stats": dict(stats), "nproc": world, "fsdp": fsdp,
+            "bytes_per_rank": _resident_bytes(optimizer),
         }
         segment = {"steps": [segment_start, optimizer.dp_step], "nproc": world,
                    "fsdp": fsdp, "samples": samples, "tokens": train_tokens,
@@ -891,6 +892,17 @@ def _train(args, plan, out, model, tokenizer, net, optimizer, accountant, per_sa
     if rank == 0:
         _print_summary(plan, args, metrics, n_bytes, done, out)
     return 0
+
+
+def _resident_bytes(optimizer) -> dict:
+    """Bytes of parameters and optimizer state this rank keeps between steps (its shards
+    under --fsdp, everything otherwise)."""
+    from ..sharding import local_shard
+    params = optimizer.trainable_params()
+    state = sum(v.numel() * v.element_size() for p in params
+                for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor))
+    return {"params": sum(local_shard(p)[0].numel() * p.element_size() for p in params),
+            "optimizer_state": state}
 
 
 def _past_segments(old_metrics: dict) -> list[dict]:
