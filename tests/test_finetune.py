@@ -348,6 +348,15 @@ def test_nproc_2_fsdp_equals_ddp_and_resumes(text_file, tmp_path):
     assert m2["optimizer_stats"]["steps"] == 6
 
 
+def test_missing_transformers_is_a_one_line_error(monkeypatch, capsys):
+    import sys
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    monkeypatch.setitem(sys.modules, "transformers.utils", None)
+    assert finetune("--steps", 1, "--quiet") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "pip install 'dpkern[llm]'" in err, err
+
+
 @pytest.mark.parametrize("argv", [["--steps", "abc"], ["--optimizer", "dp-foo"],
                                   ["--no-such-option"]])
 def test_malformed_options_are_one_line_errors(argv, capsys):

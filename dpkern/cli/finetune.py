@@ -566,7 +566,11 @@ def _prepare(args) -> dict:
         except (RuntimeError, ValueError) as exc:
             raise UsageError("--backend", str(exc)) from None
 
-    from transformers.utils import logging as hf_logging
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        raise UsageError("--model", "the finetune job needs transformers, which is not "
+                         "installed (pip install 'dpkern[llm]')") from None
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     logging.getLogger("absl").setLevel(logging.ERROR)  # dp-accounting's RDP series notes
