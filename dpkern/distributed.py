@@ -469,7 +469,11 @@ class DistributedDPOptimizer:
         """Load on every rank, then :func:`sync_key` (secure mode: rank 0's fresh key).
 
         FSDP2: accepts this rank's shards or a full state_dict (``state_dict(full=True)``
-        or a single-process checkpoint): full-shape states are cut to this rank's rows."""
+        or a single-process checkpoint): full-shape states are cut to this rank's rows.
+
+        Raises: the inner optimizer's error on a rank whose state_dict does not fit, and
+        DistributedDPError on the others, which then restore their previous state (all
+        ranks keep the old state, and their keys stay in lockstep)."""
         if self.sharded:
             params = [p for g in self.optimizer.param_groups for p in g["params"]]
             state = {}
@@ -483,8 +487,19 @@ class DistributedDPOptimizer:
                             st[k] = v[first:end]
                 state[idx] = st
             state_dict = {**state_dict, "state": state}
-        self.optimizer.load_state_dict(state_dict)
-        sync_key(self.optimizer, self.group)
+        backup, error = self.optimizer.state_dict(), None
+        try:
+            self.optimizer.load_state_dict(state_dict)
+        except (ValueError, KeyError, TypeError) as exc:
+            error = exc
+        try:  # every rank loaded, or none keeps the new state (no rank left waiting)
+            _raise_if_any_failed(error, self.group, _device(self.optimizer),
+                                 "load_state_dict")
+        except DistributedDPError:
+            self.optimizer.load_state_dict(backup)
+            raise
+        finally:
+            sync_key(self.optimizer, self.group)
 
 
 def _rank_seed(seed: int, rank: int) -> int:
@@ -553,6 +568,29 @@ class DistributedPoissonSampler(torch.utils.data.Sampler[list[int]]):
 # --------------------------------------------------------------------------------------
 # FSDP2: per-sample gradients of every rank's samples, on the shard each rank owns
 # --------------------------------------------------------------------------------------
+def _mesh_group(params: Sequence[Tensor]):
+    """The process group of the first DTensor's mesh (None = the default group)."""
+    for p in params:
+        if is_sharded(p):
+            return p.device_mesh.get_group()
+    return None
+
+
+def _raise_if_any_failed(error: Exception | None, group, device, what: str) -> None:
+    """One tiny all-gather of "did my local checks pass?" before a collective: a rank whose
+    input is bad re-raises its own error, every other rank raises DistributedDPError,
+    instead of leaving them waiting in a collective the bad rank never joins."""
+    flags = torch.zeros(dist.get_world_size(group), dtype=torch.int64, device=device)
+    _all_gather_single(flags, torch.tensor([int(error is None)], dtype=torch.int64,
+                                           device=device), group=group)
+    failed = [r for r, ok in enumerate(flags.tolist()) if not ok]
+    if error is not None:
+        raise error
+    if failed:
+        raise DistributedDPError(f"{what}: ranks {failed} failed (see their error); "
+                                 "nothing was communicated or changed")
+
+
 def _rows(n_rows: int, world: int, rank: int) -> tuple[int, int]:
     """[first, end) rows of ``rank`` under FSDP2's torch.chunk layout of dim 0."""
     per_rank = -(-n_rows // world)
@@ -584,10 +622,29 @@ def shard_grad_samples(params: Sequence[Tensor], grad_samples: Sequence[Tensor])
             shape ``[B_r, *p.shape]`` (global shape; B_r may be 0), any float dtype (sent
             as the common dtype, float32 if they differ).
     Returns: B, the global number of samples (every rank gets the same).
-    Raises: ValueError (not DTensors, meshes differ, wrong count, shape or B_r), before
-        any communication -- but it is a collective: every rank must call it.
+    Raises: ValueError on a rank whose input is bad (not DTensors, meshes differ, wrong
+        count, shape or B_r) and DistributedDPError on the others: the ranks agree on
+        their inputs' validity first (a collective: every rank must call it).
     """
     params, grad_samples = list(params), list(grad_samples)
+    error, B_r = None, 0
+    try:
+        B_r = _check_grad_samples(params, grad_samples)
+    except ValueError as exc:
+        error = exc
+    _raise_if_any_failed(error, _mesh_group(params),
+                         params[0].device if params else torch.device("cpu"),
+                         "shard_grad_samples")
+    mesh = params[0].device_mesh
+    group, world, me = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+    dtypes = {g.dtype for g in grad_samples}
+    dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+    device = params[0].device
+    return _exchange_grad_samples(params, grad_samples, B_r, group, world, me, dtype, device)
+
+
+def _check_grad_samples(params, grad_samples) -> int:
+    """shard_grad_samples' local checks; returns B_r. Raises ValueError."""
     if len(params) != len(grad_samples):
         raise ValueError(f"shard_grad_samples: {len(grad_samples)} grad_samples for "
                          f"{len(params)} parameters")
@@ -608,11 +665,11 @@ def shard_grad_samples(params: Sequence[Tensor], grad_samples: Sequence[Tensor])
             B_r = g.shape[0]
         elif g.shape[0] != B_r:
             raise ValueError(f"grad_samples[{k}]: {g.shape[0]} rows, others {B_r}")
-    mesh = params[0].device_mesh
-    group, world, me = mesh.get_group(), mesh.size(), mesh.get_local_rank()
-    dtypes = {g.dtype for g in grad_samples}
-    dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
-    device = params[0].device
+    return B_r
+
+
+def _exchange_grad_samples(params, grad_samples, B_r, group, world, me, dtype, device) -> int:
+    """shard_grad_samples' communication (inputs checked on every rank)."""
     sizes = torch.zeros(world, dtype=torch.int64, device=device)
     _all_gather_single(sizes, torch.tensor([B_r], dtype=torch.int64, device=device),
                        group=group)
@@ -664,9 +721,23 @@ def reduce_scatter_clipped_sums(params: Sequence[Tensor], clipped_sums: Sequence
         clipped_sums: per parameter, a plain float tensor of the parameter's global shape,
             or None (unused on this rank: zeros, still communicated).
     Returns: list of float32 DTensors (Shard(0)), one per parameter.
-    Raises: ValueError (count, shapes, non-DTensor parameters) before communicating."""
-    from torch.distributed.tensor import DTensor
+    Raises: ValueError on a rank whose input is bad (count, shapes, non-DTensor
+        parameters), DistributedDPError on the others (the ranks agree on their inputs'
+        validity first; nothing is reduced)."""
     params, clipped_sums = list(params), list(clipped_sums)
+    error = None
+    try:
+        _check_clipped_sums(params, clipped_sums)
+    except ValueError as exc:
+        error = exc
+    _raise_if_any_failed(error, _mesh_group(params),
+                         params[0].device if params else torch.device("cpu"),
+                         "reduce_scatter_clipped_sums")
+    return _reduce_scatter(params, clipped_sums, bucket_numel)
+
+
+def _check_clipped_sums(params, clipped_sums) -> None:
+    """reduce_scatter_clipped_sums' local checks. Raises ValueError."""
     if len(params) != len(clipped_sums) or not params:
         raise ValueError(f"reduce_scatter_clipped_sums: {len(clipped_sums)} sums for "
                          f"{len(params)} parameters")
@@ -681,6 +752,11 @@ def reduce_scatter_clipped_sums(params: Sequence[Tensor], clipped_sums: Sequence
                               or not s.is_floating_point()):
             raise ValueError(f"clipped_sums[{k}]: expected None or a plain float tensor of "
                              f"shape {tuple(p.shape)} on {p.device}")
+
+
+def _reduce_scatter(params, clipped_sums, bucket_numel) -> list[Tensor]:
+    """reduce_scatter_clipped_sums' communication (inputs checked on every rank)."""
+    from torch.distributed.tensor import DTensor
     mesh = params[0].device_mesh
     group, world = mesh.get_group(), mesh.size()
     out: list[Tensor] = [None] * len(params)

@@ -226,6 +226,38 @@ def _run_fsdp_errors(rank, world, data):
         rooted(data["x"][:3])
     out["eval_then_ghost"] = _catch(lambda: GhostClipping(rooted, ropt))
     out["empty"] = _catch(lambda: GhostClipping(rooted, ropt).add_empty_batch())
+    # bad input on ONE rank: it raises its own error, the others DistributedDPError (the
+    # ranks agree on validity before communicating), nobody hangs
+    from dpkern.distributed import reduce_scatter_clipped_sums
+    last = rank == world - 1
+    rows = 3 if last else 2
+    bad_gs = [torch.zeros(rows if k == 1 else 2, *p.shape) for k, p in enumerate(params)]
+    out["one_gs"] = _catch(lambda: shard_grad_samples(params, bad_gs))
+    sums = [torch.zeros(p.shape) for p in params]
+    if last:
+        sums[0] = torch.zeros(1)
+    out["one_rs"] = _catch(lambda: reduce_scatter_clipped_sums(params, sums))
+    # ghost clipping: a non-finite sample on rank 0 only
+    gopt = DistributedDPOptimizer(_make_opt("adamw", params, seed=5))
+    before = [p.full_tensor().clone() for p in params]
+    x = data["x"][:3].clone()
+    if rank == 0:
+        x[1, 0] = float("inf")
+    with GhostClipping(model, gopt) as gc:
+        out["one_ghost"] = _catch(lambda: gc.backward(nn.functional.cross_entropy(
+            model(x), data["y"][:3], reduction="none")))
+    out["one_ghost_untouched"] = all(torch.equal(a, p.full_tensor())
+                                     for a, p in zip(before, params)) and not gopt._accum
+    # a state_dict that fits on all ranks but one: every rank keeps its old state
+    gopt.accumulate_clipped([None] * len(params))  # an empty batch: a noise-only step
+    gopt.step()  # gives every parameter a state
+    sd = gopt.state_dict()
+    if last:
+        first = next(iter(sd["state"]))
+        sd["state"][first] = {**sd["state"][first], "exp_avg": torch.zeros(7, 7)}
+    gopt.optimizer._dp_step = 5  # (a state that differs from sd, to see it restored)
+    out["one_load"] = _catch(lambda: gopt.load_state_dict(sd))
+    out["one_load_step"] = gopt.dp_step
     return out
 
 
@@ -489,6 +521,14 @@ def test_fsdp2_errors_are_clear_and_raised_on_every_rank(run):
         assert e["func"][0] == "ValueError" and "shard_grad_samples" in e["func"][1]
         assert e["eval_then_ghost"] is None
         assert e["empty"][0] == "RuntimeError" and "losses[:0]" in e["empty"][1]
+        assert e["one_ghost_untouched"] and e["one_load_step"] == 5
+    others = ["DistributedDPError"] * (world - 1)
+    assert [r["fsdp_errors"]["one_gs"][0] for r in results] == others + ["ValueError"]
+    assert [r["fsdp_errors"]["one_rs"][0] for r in results] == others + ["ValueError"]
+    assert [r["fsdp_errors"]["one_load"][0] for r in results] == others + ["ValueError"]
+    assert [r["fsdp_errors"]["one_ghost"][0] for r in results] == \
+        ["FloatingPointError"] + others
+    assert "ranks [0] failed" in results[-1]["fsdp_errors"]["one_ghost"][1]
     assert [r["fsdp_errors"]["shape_step"][0] for r in results] == \
         ["DistributedDPError"] * (world - 1) + ["ValueError"]
     assert "grad_sample has shape" in results[-1]["fsdp_errors"]["shape_step"][1]

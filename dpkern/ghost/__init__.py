@@ -233,8 +233,18 @@ class GhostClipping:
         ``optimizer.step()`` after the last micro-batch of the logical batch.
 
         Args: losses: float ``[B]`` per-sample losses. Raises: see :meth:`clipped_sums`;
-        nothing is added to the optimizer when it raises."""
-        sums, _ = self.clipped_sums(losses)
+        nothing is added to the optimizer when it raises. Under FSDP2 (a sharded
+        DistributedDPOptimizer) an error found after the backward (a non-finite sample,
+        a batch mismatch) is raised on every rank: the others get DistributedDPError."""
+        try:
+            sums, _ = self.clipped_sums(losses)
+        except (ValueError, FloatingPointError) as exc:
+            if self.sharded:  # the other ranks wait in the reduce-scatter's validity check:
+                from ..distributed import _mesh_group, _raise_if_any_failed  # fail them too
+                params = self.capture.params
+                _raise_if_any_failed(exc, _mesh_group(params), params[0].device,
+                                     "ghost clipping")
+            raise
         B, clipped, nonfinite = self._last
         self.optimizer.accumulate_clipped(sums, batch_size=B)
         self.optimizer.stats["clipped_samples"] += clipped
