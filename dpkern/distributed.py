@@ -340,9 +340,11 @@ class DistributedDPOptimizer:
         TypeError: ``optimizer`` is not a DPOptimizer.
         DistributedDPError: ranks disagree (at construction, or at any step: the
             lockstep check, one 48-byte all-gather, runs before each), or a rank failed
-            its local clipping (it re-raises its own error, the others
-            this one); the logical batch is then dropped on every rank and parameters and
-            optimizer state are untouched everywhere.
+            its local clipping in ``step()`` / ``accumulate()`` (it re-raises its own
+            error, the others this one); the logical batch is then dropped on every rank
+            and parameters and optimizer state are untouched everywhere. Errors raised by
+            ``GhostClipping.backward`` are local under DDP (catch them and still call
+            ``step()`` on every rank); under FSDP2 they are raised on every rank.
     """
 
     def __init__(self, optimizer: DPOptimizer, group=None, *,
@@ -620,7 +622,8 @@ def shard_grad_samples(params: Sequence[Tensor], grad_samples: Sequence[Tensor])
             DTensors sharded on dim 0, all on one 1-D device mesh.
         grad_samples: per parameter, this rank's per-sample gradients, a plain tensor of
             shape ``[B_r, *p.shape]`` (global shape; B_r may be 0), any float dtype (sent
-            as the common dtype, float32 if they differ).
+            as their common dtype; mixed dtypes are sent as float32, which rounds
+            float64 inputs).
     Returns: B, the global number of samples (every rank gets the same).
     Raises: ValueError on a rank whose input is bad (not DTensors, meshes differ, wrong
         count, shape or B_r) and DistributedDPError on the others: the ranks agree on

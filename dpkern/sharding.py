@@ -36,7 +36,7 @@ def local_shard(p: Tensor, name: str = "parameter") -> tuple[Tensor, int]:
 
     Args:
         p: a plain tensor (returned detached, start 0) or a DTensor sharded on dim 0 over a
-            1-D mesh (FSDP2's layout).
+            1-D mesh (FSDP2's layout; fully_shard never shards 0-dim parameters).
         name: how errors refer to ``p``.
     Returns: (local tensor -- a view sharing ``p``'s storage, so in-place updates reach the
         parameter --, start index: int).
