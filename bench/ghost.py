@@ -59,7 +59,6 @@ import copy
 import datetime as _dt
 import gc
 import json
-import os
 import statistics
 import sys
 import time
@@ -75,8 +74,9 @@ from dpkern.ghost.norms import outer_method, outer_norm_sq
 from dpkern.models import BYTE_VOCAB, CausalLMLogits, default_model, sample_loss, token_loss
 
 from . import MI
-from .report import (KEY, LR, RESULTS_DIR, WEIGHT_DECAY, Candidate, machine_info,
-                     peak_extra_bytes, pin_malloc_threshold, time_alternating, write_csv)
+from .report import (KEY, LR, RESULTS_DIR, WEIGHT_DECAY, Candidate, load_average,
+                     machine_info, peak_extra_bytes, pin_malloc_threshold, time_alternating,
+                     write_csv)
 
 #: Linear shapes ``(B, T, d, p)``: the default GPT-2's c_fc at block 64, GPT-2-small's
 #: attention projection at T = 128, its MLP c_fc at T = 512 (Gram and instantiation close),
@@ -510,7 +510,7 @@ def main(argv=None) -> dict:
     res = measure(args.device, layers=layers, blocks=args.blocks, batches=args.batches,
                   repeats=args.repeats, warmup=args.warmup, sigma=args.sigma, clip=args.clip,
                   memory=not args.no_memory, say=say)
-    info["loadavg_end"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    info["loadavg_end"] = load_average()[0]
     res["machine"] = info
     res["command"] = "python -m bench.ghost " + " ".join(
         map(str, argv if argv is not None else sys.argv[1:]))

@@ -502,6 +502,11 @@ def render_markdown(results: dict) -> str:
             + markdown_targets(results["targets"]) + ghost_md)
 
 
+def load_average() -> list[float]:
+    """The 1, 5 and 15 minute load averages (zeros where the OS has none)."""
+    return list(os.getloadavg()) if hasattr(os, "getloadavg") else [0.0] * 3
+
+
 def machine_info(device) -> dict:
     """CPU model, cores, threads, LLC, RAM, GPU, library versions, git commit, UTC date."""
     cpu = platform.processor() or platform.machine()
@@ -516,7 +521,7 @@ def machine_info(device) -> dict:
             "ram_bytes": (_meminfo_kib("MemTotal") or 0) * 1024,
             "device": str(device), "platform": platform.platform(terse=True),
             "python": platform.python_version(), "torch": torch.__version__,
-            "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else [0.0] * 3,
+            "loadavg": load_average(),
             "dpkern": dpkern.__version__}
     if backends.is_available("cpp"):
         info["cpp_threads"] = backends.resolve("cpp", "cpu").get_num_threads()
@@ -759,7 +764,7 @@ def main(argv=None) -> dict:
     if ghost_res is not None:
         results["ghost"] = ghost_res
         ghost.write(ghost_res, args.out)
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    load = load_average()[0]
     results["machine"]["loadavg_end"] = load
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")

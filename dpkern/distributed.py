@@ -125,7 +125,8 @@ from torch import Tensor
 
 from .optim import DPOptimizer, key_fingerprint, secure_key
 from .sampling import PoissonBatchSampler
-from .sharding import is_sharded, local_shard, shard_offsets
+from .sharding import (chunk_rows, common_mesh, is_sharded, local_shard, row_numel,
+                       shard_offsets)
 
 __all__ = ["DistributedDPError", "DistributedDPOptimizer", "DistributedPoissonSampler",
            "all_reduce_clipped_sums", "broadcast_key", "disable_gradient_allreduce",
@@ -377,16 +378,23 @@ class DistributedDPOptimizer:
                 self.optimizer._check_inputs()
             except ValueError as exc:
                 error = exc
-            table = _gather_checks(self.optimizer, self.group, ok=error is None,
-                                   per_sample=self._has_grad_sample())
-            failed = [r for r, ok in enumerate(table[:, _OK].tolist()) if not ok]
-            if error is not None:
-                raise error
-            if failed:
-                raise DistributedDPError(f"ranks {failed} have invalid per-sample gradients; "
-                                         "nothing was accumulated on any rank")
-            _raise_on_mismatch(self.optimizer, table, self.group, (_PER_SAMPLE,))
+            self._agree(error, self._has_grad_sample(), (_PER_SAMPLE,),
+                        "have invalid per-sample gradients; nothing was accumulated on any "
+                        "rank")
         self.optimizer.accumulate()
+
+    def _agree(self, error, per_sample: bool, columns, failure: str) -> None:
+        """The lockstep all-gather with this rank's outcome: re-raise this rank's
+        ``error``, else DistributedDPError if another rank failed (``failure`` says
+        what happened) or the ``columns`` of the check differ across ranks."""
+        table = _gather_checks(self.optimizer, self.group, ok=error is None,
+                               per_sample=per_sample)
+        failed = [r for r, ok in enumerate(table[:, _OK].tolist()) if not ok]
+        if error is not None:
+            raise error
+        if failed:
+            raise DistributedDPError(f"ranks {failed} {failure}")
+        _raise_on_mismatch(self.optimizer, table, self.group, columns)
 
     def accumulate_clipped(self, clipped_sums: Sequence[Tensor | None],
                            batch_size: int = 0) -> None:
@@ -419,19 +427,11 @@ class DistributedDPOptimizer:
                 (self.optimizer._check_inputs if self.sharded else self.optimizer.accumulate)()
             except (ValueError, FloatingPointError) as exc:
                 error = exc
-        table = _gather_checks(self.optimizer, self.group, ok=error is None,
-                               per_sample=per_sample)
         try:
-            failed = [r for r, ok in enumerate(table[:, _OK].tolist()) if not ok]
-            if error is not None:
-                raise error
-            if failed:
-                raise DistributedDPError(f"ranks {failed} failed to clip their local batch; "
-                                         "the logical batch was dropped on every rank, "
-                                         "nothing was updated")
-            _raise_on_mismatch(self.optimizer, table, self.group,
-                               (_SECURE, _CONFIG, _STEP, _KEY)
-                               + ((_PER_SAMPLE,) if self.sharded else ()))
+            self._agree(error, per_sample, (_SECURE, _CONFIG, _STEP, _KEY)
+                        + ((_PER_SAMPLE,) if self.sharded else ()),
+                        "failed to clip their local batch; the logical batch was dropped "
+                        "on every rank, nothing was updated")
             if per_sample and self.sharded:  # every rank: same rows, all-reduced norms,
                 self.optimizer.accumulate()  # so a non-finite row fails on every rank
         except Exception:
@@ -483,7 +483,7 @@ class DistributedDPOptimizer:
                 p, st = params[idx] if 0 <= idx < len(params) else None, dict(st)
                 if p is not None and is_sharded(p):
                     mesh = p.device_mesh
-                    first, end = _rows(p.shape[0], mesh.size(), mesh.get_local_rank())
+                    first, end = chunk_rows(p.shape[0], mesh.size(), mesh.get_local_rank())
                     for k, v in st.items():
                         if isinstance(v, Tensor) and v.dim() > 0 and v.shape == p.shape:
                             st[k] = v[first:end]
@@ -578,6 +578,15 @@ def _mesh_group(params: Sequence[Tensor]):
     return None
 
 
+def _check_fsdp_params(params: Sequence[Tensor], what: str) -> None:
+    """Every parameter a DTensor in FSDP2's layout, all on one mesh. Raises ValueError."""
+    if common_mesh(params, what) is None:
+        raise ValueError(f"{what}: every parameter must be a DTensor on one device mesh "
+                         "(FSDP2 fully_shard)")
+    for k, p in enumerate(params):
+        local_shard(p, f"params[{k}]")  # validates the layout
+
+
 def _raise_if_any_failed(error: Exception | None, group, device, what: str) -> None:
     """One tiny all-gather of "did my local checks pass?" before a collective: a rank whose
     input is bad re-raises its own error, every other rank raises DistributedDPError,
@@ -591,13 +600,6 @@ def _raise_if_any_failed(error: Exception | None, group, device, what: str) -> N
     if failed:
         raise DistributedDPError(f"{what}: ranks {failed} failed (see their error); "
                                  "nothing was communicated or changed")
-
-
-def _rows(n_rows: int, world: int, rank: int) -> tuple[int, int]:
-    """[first, end) rows of ``rank`` under FSDP2's torch.chunk layout of dim 0."""
-    per_rank = -(-n_rows // world)
-    first = min(rank * per_rank, n_rows)
-    return first, min(first + per_rank, n_rows)
 
 
 @torch.no_grad()
@@ -653,13 +655,9 @@ def _check_grad_samples(params, grad_samples) -> int:
                          f"{len(params)} parameters")
     if not params:
         raise ValueError("shard_grad_samples: no parameters")
-    if not all(is_sharded(p) for p in params) \
-            or len({id(p.device_mesh) for p in params}) != 1:
-        raise ValueError("shard_grad_samples: every parameter must be a DTensor on one "
-                         "device mesh (FSDP2 fully_shard)")
+    _check_fsdp_params(params, "shard_grad_samples")
     B_r = None
     for k, (p, g) in enumerate(zip(params, grad_samples)):
-        local_shard(p, f"params[{k}]")  # validates the layout
         if not isinstance(g, Tensor) or is_sharded(g) or not g.is_floating_point() \
                 or tuple(g.shape[1:]) != tuple(p.shape) or g.device != p.device:
             raise ValueError(f"grad_samples[{k}]: expected a plain float tensor "
@@ -681,14 +679,14 @@ def _exchange_grad_samples(params, grad_samples, B_r, group, world, me, dtype, d
     def cols(rank):  # elements per sample that rank owns, param by param
         out = []
         for p in params:
-            first, end = _rows(p.shape[0], world, rank)
-            out.append((end - first) * (p.numel() // p.shape[0] if p.shape[0] else 0))
+            first, end = chunk_rows(p.shape[0], world, rank)
+            out.append((end - first) * row_numel(p))
         return out
 
     def block(rank):  # a [B_r, n_rank] block (the params' slices side by side), flattened
         if not B_r:
             return torch.zeros(0, dtype=dtype, device=device)
-        return torch.cat([g[:, slice(*_rows(p.shape[0], world, rank))].reshape(B_r, -1)
+        return torch.cat([g[:, slice(*chunk_rows(p.shape[0], world, rank))].reshape(B_r, -1)
                           .to(dtype) for p, g in zip(params, grad_samples)], dim=1).reshape(-1)
 
     mine = cols(me)
@@ -744,12 +742,8 @@ def _check_clipped_sums(params, clipped_sums) -> None:
     if len(params) != len(clipped_sums) or not params:
         raise ValueError(f"reduce_scatter_clipped_sums: {len(clipped_sums)} sums for "
                          f"{len(params)} parameters")
-    if not all(is_sharded(p) for p in params) \
-            or len({id(p.device_mesh) for p in params}) != 1:
-        raise ValueError("reduce_scatter_clipped_sums: every parameter must be a DTensor on "
-                         "one device mesh (FSDP2 fully_shard)")
+    _check_fsdp_params(params, "reduce_scatter_clipped_sums")
     for k, (p, s) in enumerate(zip(params, clipped_sums)):
-        local_shard(p, f"params[{k}]")
         if s is not None and (not isinstance(s, Tensor) or is_sharded(s)
                               or tuple(s.shape) != tuple(p.shape) or s.device != p.device
                               or not s.is_floating_point()):
@@ -772,7 +766,7 @@ def _reduce_scatter(params, clipped_sums, bucket_numel) -> list[Tensor]:
         for rank in range(world):
             for k in idx:
                 p, s = params[k], clipped_sums[k]
-                first, end = _rows(p.shape[0], world, rank)
+                first, end = chunk_rows(p.shape[0], world, rank)
                 block = torch.zeros((padded_rows(p), *p.shape[1:]), dtype=torch.float32,
                                     device=p.device)
                 if s is not None:
@@ -785,7 +779,7 @@ def _reduce_scatter(params, clipped_sums, bucket_numel) -> list[Tensor]:
         for k in idx:
             p = params[k]
             local = local_shard(p)[0]
-            n = padded_rows(p) * (p.numel() // p.shape[0] if p.shape[0] else 0)
+            n = padded_rows(p) * row_numel(p)
             shard = mine[pos:pos + n].view(padded_rows(p), *p.shape[1:])[:local.shape[0]]
             out[k] = DTensor.from_local(shard.contiguous(), mesh, p.placements,
                                         run_check=False, shape=p.shape, stride=p.stride())
@@ -793,7 +787,7 @@ def _reduce_scatter(params, clipped_sums, bucket_numel) -> list[Tensor]:
 
     idx, size = [], 0
     for k, p in enumerate(params):
-        n = padded_rows(p) * world * (p.numel() // p.shape[0] if p.shape[0] else 0)
+        n = padded_rows(p) * world * row_numel(p)
         if idx and size + n > bucket_numel:
             flush(idx)
             idx, size = [], 0

@@ -38,7 +38,7 @@ from . import functional as F
 from .hyper import (AdamBCHyper, AdamHyper, AdamWBCHyper, AdamWHyper, Hyper, MacAdamHyper,
                     SGDHyper, check_betas, check_nonnegative, check_positive)
 from .backends.reference import STATE_NAMES
-from .sharding import is_sharded, local_shard
+from .sharding import common_mesh, is_sharded, local_shard
 
 __all__ = ["DPOptimizer", "DPSGD", "DPAdam", "DPAdamBC", "DPAdamW", "DPAdamWBC", "DPMacAdam"]
 
@@ -241,18 +241,11 @@ class DPOptimizer(torch.optim.Optimizer):
 
         Raises ValueError if plain and sharded parameters are mixed (the partial norms of
         a replicated parameter would be counted once per rank) or meshes differ."""
-        params = self.trainable_params()
-        sharded = [p for p in params if is_sharded(p)]
-        if not sharded:
+        mesh = common_mesh(self.trainable_params(), "sharded parameters (trainable)")
+        if mesh is None:
             return None
-        meshes = {id(p.device_mesh) for p in sharded}
-        if len(sharded) != len(params) or len(meshes) > 1:
-            raise ValueError("sharded parameters: every trainable parameter must be a DTensor "
-                             "on one device mesh (apply fully_shard to the root module too); "
-                             f"got {len(sharded)} DTensors among {len(params)} parameters "
-                             f"on {len(meshes)} meshes")
         import torch.distributed as dist
-        group = sharded[0].device_mesh.get_group()
+        group = mesh.get_group()
         if dist.get_world_size(group) == 1:
             return None
         return lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
@@ -261,7 +254,7 @@ class DPOptimizer(torch.optim.Optimizer):
         """Validate this micro-batch's grad_sample and the parameters as ``accumulate()``
         would, without computing or modifying anything (no collective: sharded callers
         run it on every rank before the norms' all-reduce). Raises ValueError."""
-        groups, _, _ = self._groups(for_accumulate=True)
+        groups, _, _ = self._groups()  # (no accumulation buffers: accumulate() makes them)
         F.check_params(groups)
         self._reduce()
 

@@ -19,7 +19,8 @@ from typing import Sequence
 
 from torch import Tensor
 
-__all__ = ["is_sharded", "local_shard", "shard_offsets"]
+__all__ = ["chunk_rows", "common_mesh", "is_sharded", "local_shard", "row_numel",
+           "shard_offsets"]
 
 
 def is_sharded(p: Tensor) -> bool:
@@ -29,6 +30,36 @@ def is_sharded(p: Tensor) -> bool:
     except ImportError:  # torch built without distributed
         return False
     return isinstance(p, DTensor)
+
+
+def common_mesh(params: Sequence[Tensor], what: str):
+    """The one device mesh of ``params`` if they are all DTensors, None if none is.
+
+    Raises: ValueError (``what`` names the caller) if plain tensors and DTensors are mixed
+    (a replicated tensor's partial norms would be counted once per rank) or meshes differ."""
+    sharded = [p for p in params if is_sharded(p)]
+    if not sharded:
+        return None
+    meshes = {id(p.device_mesh) for p in sharded}
+    if len(sharded) != len(params) or len(meshes) > 1:
+        raise ValueError(f"{what}: every parameter must be a DTensor on one device mesh "
+                         "(FSDP2 fully_shard; apply it to the root module too); got "
+                         f"{len(sharded)} DTensors among {len(params)} parameters on "
+                         f"{len(meshes)} meshes")
+    return sharded[0].device_mesh
+
+
+def chunk_rows(n_rows: int, world: int, rank: int) -> tuple[int, int]:
+    """[first, end) of the dim-0 rows ``rank`` holds under FSDP2's torch.chunk layout:
+    ceil(n_rows / world) rows per rank, the last ranks possibly short or empty."""
+    per_rank = -(-n_rows // world)
+    first = min(rank * per_rank, n_rows)
+    return first, min(first + per_rank, n_rows)
+
+
+def row_numel(p: Tensor) -> int:
+    """Elements per dim-0 row of ``p`` (0 for a tensor with no rows)."""
+    return p.numel() // p.shape[0] if p.shape[0] else 0
 
 
 def local_shard(p: Tensor, name: str = "parameter") -> tuple[Tensor, int]:
@@ -48,16 +79,12 @@ def local_shard(p: Tensor, name: str = "parameter") -> tuple[Tensor, int]:
     if len(p.placements) != 1 or p.placements[0] != Shard(0):
         raise ValueError(f"{name}: placements {p.placements} are not supported (dpkern "
                          "handles FSDP2's Shard(0) on a 1-D mesh)")
-    local, n_rows = p.to_local(), p.shape[0]
-    world, rank = p.device_mesh.size(), p.device_mesh.get_local_rank()
-    per_rank = -(-n_rows // world)
-    first = min(rank * per_rank, n_rows)
-    if local.shape[0] != min(per_rank, n_rows - first) \
-            or tuple(local.shape[1:]) != tuple(p.shape[1:]):
+    local, rank = p.to_local(), p.device_mesh.get_local_rank()
+    first, end = chunk_rows(p.shape[0], p.device_mesh.size(), rank)
+    if local.shape[0] != end - first or tuple(local.shape[1:]) != tuple(p.shape[1:]):
         raise ValueError(f"{name}: local shard {tuple(local.shape)} does not match "
                          f"torch.chunk rows of {tuple(p.shape)} on rank {rank}")
-    row_numel = p.numel() // n_rows if n_rows else 0
-    return local.detach(), first * row_numel
+    return local.detach(), first * row_numel(p)
 
 
 def shard_offsets(params: Sequence[Tensor]) -> list[tuple[Tensor, int]]:
