@@ -293,11 +293,17 @@ def test_seed_makes_a_model_with_dropout_reproducible(text_file, tmp_path):
 def test_nproc_2_fsdp_equals_ddp_and_resumes(text_file, tmp_path):
     """--fsdp shards the model (one FSDP2 unit per block): with a seed, the same run as DDP
     (no dropout: its masks are not seeded per rank), and the checkpoint holds the FULL
-    model and optimizer state, so it resumes with or without --fsdp."""
+    model, so it resumes with or without --fsdp.
+
+    DP-SGD, not an Adam-type rule: the two runs differ by float rounding (~1e-8: FSDP's
+    gathered parameters feed the GEMMs from other buffers), which Adam's normalised first
+    update lr * g / (|g| + eps) turns into lr-sized flips wherever the noisy g ~ 0 (about
+    one run in eight failed a 1e-6 comparison). Gathered Adam states are compared with
+    the single process in test_distributed.py (state_dict(full=True))."""
     from safetensors.torch import load_file
     model = _tiny_gpt2_dir(tmp_path / "tiny", n_layer=2, resid_pdrop=0.0, embd_pdrop=0.0,
                            attn_pdrop=0.0)
-    common = ("--data", text_file, "--nproc", 2, *TINY)
+    common = ("--data", text_file, "--nproc", 2, *TINY, "--optimizer", "dp-sgd", "--lr", 0.5)
     runs = {}
     for name, extra in (("ddp", ()), ("fsdp", ("--fsdp",))):
         runs[name] = tmp_path / name
@@ -314,11 +320,10 @@ def test_nproc_2_fsdp_equals_ddp_and_resumes(text_file, tmp_path):
     m_fsdp = read_metrics(runs["fsdp"])  # ... and so does the sharded one, the same way
     assert m_fsdp["fsdp"] and m_fsdp["step"] == 4 and m_fsdp["epsilon"] == m["epsilon"]
     assert m_fsdp["samples"] == m["samples"]
-    # rank 0 keeps half of the parameters and of the optimizer state under --fsdp
+    # rank 0 keeps half of the parameters under --fsdp (DP-SGD without momentum: no state)
     full, half = m["bytes_per_rank"], m_fsdp["bytes_per_rank"]
-    assert full["optimizer_state"] == 2 * full["params"]  # exp_avg, exp_avg_sq (fp32)
-    for k in full:
-        assert 0.4 * full[k] < half[k] < 0.6 * full[k], (k, full, half)
+    assert full["optimizer_state"] == half["optimizer_state"] == 0
+    assert 0.4 * full["params"] < half["params"] < 0.6 * full["params"], (full, half)
     for mm in (m, m_fsdp):  # statistics over both ranks, not rank 0's share
         assert mm["optimizer_stats"]["samples"] == mm["samples"]
         assert mm["optimizer_stats"]["steps"] == 4
@@ -331,9 +336,8 @@ def test_nproc_2_fsdp_equals_ddp_and_resumes(text_file, tmp_path):
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0, msg=k)
     sa, sb = (torch.load(runs[n] / "trainer_state.pt", weights_only=True)["optimizer"]
               for n in ("fsdp", "ddp"))
-    for i, st in sb["state"].items():  # full shapes, the DDP values
-        for k, v in st.items():
-            torch.testing.assert_close(sa["state"][i][k], v, atol=1e-6, rtol=1e-6)
+    assert sa["state"] == sb["state"] and not any(sb["state"].values())  # no momentum
+    assert sa["dp"] == sb["dp"]
     # resume the sharded run's checkpoint without --fsdp, and the DDP one with it
     for name, extra in (("fsdp", ()), ("ddp", ("--fsdp",))):
         assert finetune(*common, "--steps", 6, "--resume", runs[name], *extra) == 0
