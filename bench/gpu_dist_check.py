@@ -7,8 +7,8 @@ For W = number of GPUs (at least 1), three steps of a tiny GPT-2 (transformers, 
 from a config, no dropout) are taken four ways and compared with the same steps in one
 process on the first device:
 
-- DDP + per-sample gradients (torch.func) + DP-AdamW;
-- FSDP2 + ghost clipping (reduce-scattered book-kept sums) + DP-AdamW;
+- DDP + per-sample gradients (torch.func) + DP-SGD with momentum;
+- FSDP2 + ghost clipping (reduce-scattered book-kept sums) + DP-SGD with momentum;
 - FSDP2 + per-sample gradients of an unsharded replica through ``shard_grad_samples``
   + DP-MacAdam (per-sample norms and the global scale sum all-reduced);
 - and the noise alone (sigma > 0, no sample), which must be sigma C / B_e times the
@@ -54,8 +54,11 @@ def _opt(name, params):
     if name == "macadam":
         return dpkern.DPMacAdam(params, lr=1e-2, noise_multiplier=0.7, expected_batch_size=B,
                                 seed=11, backend="auto")
-    return dpkern.DPAdamW(params, lr=1e-2, max_grad_norm=0.5, noise_multiplier=0.7,
-                          expected_batch_size=B, seed=11, backend="auto")
+    # DP-SGD, not AdamW: the ways differ from one process by float rounding (other GEMM
+    # buffers, summation orders), which Adam's normalised first step can turn into
+    # lr-sized flips where the noisy gradient is ~0; SGD keeps them at rounding size
+    return dpkern.DPSGD(params, lr=0.5, momentum=0.9, max_grad_norm=0.5,
+                        noise_multiplier=0.7, expected_batch_size=B, seed=11, backend="auto")
 
 
 def _single(device, way):
@@ -64,7 +67,7 @@ def _single(device, way):
     from dpkern.grad_sample import compute_grad_sample
     model = _model(device)
     net = models.CausalLMLogits(model)
-    opt = _opt("macadam" if way == "fsdp_macadam" else "adamw", list(model.parameters()))
+    opt = _opt("macadam" if way == "fsdp_macadam" else "sgd", list(model.parameters()))
     for ids in _batches():
         ids = ids.to(device)
         compute_grad_sample(net, models.sample_loss, ids, ids)
@@ -102,7 +105,7 @@ def _worker(rank, world, tmp, device_type, way):
             ddp = DistributedDataParallel(model, device_ids=[rank] if device.type == "cuda"
                                           else None)
             disable_gradient_allreduce(ddp)
-            opt = DistributedDPOptimizer(_opt("adamw", list(model.parameters())))
+            opt = DistributedDPOptimizer(_opt("sgd", list(model.parameters())))
             for ids in _batches():
                 local = ids[rank::world].to(device)
                 if local.shape[0]:
@@ -119,7 +122,7 @@ def _worker(rank, world, tmp, device_type, way):
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)
             params = list(model.parameters())
-            opt = DistributedDPOptimizer(_opt("macadam" if way == "fsdp_macadam" else "adamw",
+            opt = DistributedDPOptimizer(_opt("macadam" if way == "fsdp_macadam" else "sgd",
                                               params))
             if way == "fsdp_ghost":
                 from dpkern.ghost import GhostClipping
