@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,20 @@ from dpkern.backends import is_available, triton_interpret
 
 VECTORS = Path(__file__).resolve().parent.parent.parent / "shared" / "vectors" / "noise_v1.json"
 _LOCAL_VECTORS = Path(__file__).resolve().parent / "data" / "noise_v1.json"
+
+
+#: Salt of the random test inputs: fresh each run (a case's inputs are
+#: ``manual_seed(case_seed(k))``), fixed with DPKERN_TEST_SEED=<int> to replay a failure.
+RUN_SEED = int(os.environ.get("DPKERN_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
+
+
+def case_seed(k: int) -> int:
+    """Seed of random test case ``k`` in this run (mixes in :data:`RUN_SEED`)."""
+    return (int(k) * 1_000_003 + RUN_SEED) % 2**63
+
+
+def pytest_report_header(config):
+    return f"dpkern random test inputs: DPKERN_TEST_SEED={RUN_SEED}"
 
 
 def load_vectors() -> dict:

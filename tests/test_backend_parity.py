@@ -16,7 +16,7 @@ from dpkern.backends import resolve
 from dpkern.hyper import (AdamBCHyper, AdamHyper, AdamWBCHyper, AdamWHyper, DPStep,
                           MacAdamHyper, SGDHyper)
 
-from conftest import backend_device, load_vectors, run_step
+from conftest import backend_device, case_seed, load_vectors, run_step
 
 SHAPES = [(), (1,), (7,), (3, 5), (33, 17), (1031,), (4, 16)]  # (4, 16): aligned vector path
 # Well-conditioned hyper-parameters: with gamma or h1 near 1e-6 the clamps in
@@ -50,7 +50,7 @@ def assert_close(actual, expected, dtype=torch.float32, what=""):
 
 def make_case(rule, B, dtype, device, seed, *, t=3, with_summed=True, gs_dtype=None):
     """Random params, grad_samples (some None), clip factors (one row zeroed), states."""
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(case_seed(seed))  # fresh each run (conftest)
     rnd = lambda *s: torch.randn(s, generator=g)
     params = [rnd(*s).to(dtype).to(device) for s in SHAPES]
     gs_dtype = gs_dtype or dtype

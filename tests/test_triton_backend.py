@@ -20,7 +20,7 @@ from dpkern.backends import reference as ref
 from dpkern.backends import triton_interpret
 from dpkern.hyper import AdamWHyper, DPStep, MacAdamHyper, SGDHyper
 
-from conftest import backend_device, load_vectors
+from conftest import backend_device, case_seed, load_vectors
 from conftest import run_step as _run
 from test_backend_parity import HYPERS, KEY, assert_close, make_case
 
@@ -50,7 +50,7 @@ def dev():
 
 def _case(rule, B, dtype, device, seed, shapes, offset0, t=3):
     """A make_case-like step case over ``shapes`` starting at noise offset ``offset0``."""
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(case_seed(seed))  # fresh each run (conftest)
     params = [torch.randn(s, generator=g).to(dtype).to(device) for s in shapes]
     gs = [(2 * torch.randn((B, *s), generator=g)).to(dtype).to(device) for s in shapes]
     gs[1] = None
