@@ -260,8 +260,10 @@ def test_torch_optim_twin_on_mean_gradient(name):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"{name} seed={seed} t={t} param {k}\n{m}")
             for sname, val in tw.state[q].items():
-                if sname != "step":
-                    torch.testing.assert_close(dp.state[p][sname], val, rtol=1e-5, atol=1e-7)
+                if sname != "step":  # momentum buffers are sums of O(1) gradients that can
+                    # cancel to ~1e-3: allow a few float32 ulps of O(1), as for the params
+                    # (1 ulp of 1.0 = 1.2e-7 flaked at atol 1e-7)
+                    torch.testing.assert_close(dp.state[p][sname], val, rtol=1e-5, atol=1e-6)
 
 
 def test_sgd_without_momentum_keeps_no_buffer_then_momentum_switched_on():
