@@ -15,6 +15,7 @@ import sys
 from glob import glob
 
 from setuptools import setup
+from setuptools.command.build_py import build_py as _build_py
 
 try:
     from pybind11.setup_helpers import Pybind11Extension, ParallelCompile
@@ -81,4 +82,18 @@ else:
     _warn("pybind11 is not installed: skipping the C++ CPU backend dpkern._C")
     ext_modules, cmdclass = [], {}
 
+
+
+class BuildPyWithSpec(_build_py):
+    """Also copies docs/SPEC.md into the package (dpkern/SPEC.md), so that the contract the
+    docstrings cite is installed with it (``python -m dpkern.spec`` prints it)."""
+
+    def run(self):
+        super().run()
+        spec = os.path.join(HERE, "docs", "SPEC.md")
+        if os.path.isfile(spec) and not self.editable_mode:
+            self.copy_file(spec, os.path.join(self.build_lib, "dpkern", "SPEC.md"))
+
+
+cmdclass["build_py"] = BuildPyWithSpec
 setup(ext_modules=ext_modules, cmdclass=cmdclass)

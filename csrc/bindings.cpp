@@ -47,12 +47,13 @@ Hyper to_hyper(const py::dict& d) {
   return h;
 }
 
-// (key, step, stream, noise_std, expected_batch_size, noise_var_avg)
-using DPTuple = std::tuple<uint64_t, uint64_t, uint32_t, double, double, double>;
+// (key, step, stream, noise_std, expected_batch_size, noise_var_avg, noise_step)
+using DPTuple = std::tuple<uint64_t, uint64_t, uint32_t, double, double, double, uint64_t>;
 
 DP to_dp(const DPTuple& t) {
   DP dp;
-  std::tie(dp.key, dp.step, dp.stream, dp.noise_std, dp.expected_batch_size, dp.noise_var_avg) = t;
+  std::tie(dp.key, dp.step, dp.stream, dp.noise_std, dp.expected_batch_size, dp.noise_var_avg,
+           dp.noise_step) = t;
   return dp;
 }
 

@@ -27,7 +27,8 @@ struct Hyper {
 
 // dpkern.hyper.DPStep.
 struct DP {
-  uint64_t key = 0, step = 1;
+  uint64_t key = 0, step = 1;  // step: the rule's t (bias corrections, first-step cases)
+  uint64_t noise_step = 1;     // the noise stream's counter (the optimizer's global step)
   uint32_t stream = 0;
   double noise_std = 0, expected_batch_size = 1, noise_var_avg = 0;
 };

@@ -243,7 +243,7 @@ DPK_CLONES double step_block(const Consts& c, const DP& dp, const Param& p, int6
     for (int64_t j = 0; j < len; ++j) S[j] = summed[j] + S[j];
   }
   if (c.noise_std != 0.0f) {
-    noise_range(dp.key, dp.step, dp.stream, p.offset + uint64_t(begin), len, z);
+    noise_range(dp.key, dp.noise_step, dp.stream, p.offset + uint64_t(begin), len, z);
   } else {  // 0 * z == 0 for every (finite) z: skip generating it
     for (int64_t j = 0; j < len; ++j) z[j] = 0.0f;
   }

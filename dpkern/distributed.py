@@ -123,7 +123,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .optim import DPOptimizer, key_fingerprint, secure_key
+from .keys import NoiseKey, as_key, key_fingerprint, reveal, secure_key
+from .optim import DPOptimizer
 from .sampling import PoissonBatchSampler
 from .sharding import (chunk_rows, common_mesh, is_sharded, local_shard, row_numel,
                        shard_offsets)
@@ -249,20 +250,19 @@ def sync_key(optimizer: DPOptimizer, group=None) -> None:
     verify_lockstep(optimizer, group)
 
 
-def broadcast_key(key: int | None = None, group=None, device=None) -> int:
+def broadcast_key(key=None, group=None, device=None) -> NoiseKey:
     """Rank 0's 64-bit noise key, on every rank of ``group`` (a collective).
 
     Args:
         key: this rank's candidate (only rank 0's is used); None = draw from os.urandom.
         device: where the 8-byte tensor travels (the parameters' device: CPU for gloo,
             CUDA for NCCL); default CPU.
-    Returns: the key, an int in [0, 2**64). Never log it."""
-    if key is None:
-        key = secure_key()
-    buf = torch.tensor(list(int(key).to_bytes(8, "little")), dtype=torch.uint8,
+    Returns: the key, a :class:`dpkern.keys.NoiseKey` (never printed)."""
+    key = secure_key() if key is None else as_key(key)
+    buf = torch.tensor(list(reveal(key).to_bytes(8, "little")), dtype=torch.uint8,
                        device=device if device is not None else "cpu")
     dist.broadcast(buf, group=group, group_src=0)
-    return int.from_bytes(bytes(buf.cpu().tolist()), "little")
+    return NoiseKey(int.from_bytes(bytes(buf.cpu().tolist()), "little"))
 
 
 def all_reduce_clipped_sums(optimizer: DPOptimizer, group=None,

@@ -123,7 +123,9 @@ class Group:
     """One parameter group's share of a DP step (lists aligned with ``params``).
 
     ``names[k]`` is how errors refer to parameter k, e.g. "param_groups[0][3] (shape (7,))".
-    ``noise_var_avg``: phi_t for the BC rules (already updated for this step)."""
+    ``noise_var_avg``: phi_t for the BC rules (already updated for this step).
+    ``step``: the update rule's t for these parameters (their own step count, as
+    torch.optim's ``state["step"]``); ``None``: the step's global t."""
     hyper: Hyper
     params: list[Tensor]
     grad_samples: list[Tensor | None]
@@ -132,6 +134,7 @@ class Group:
     offsets: list[int]
     names: list[str]
     noise_var_avg: float = 0.0
+    step: int | None = None
 
 
 @dataclass
@@ -236,7 +239,7 @@ def clip_and_check(groups: list[Group], *, backend, device, step: int, max_grad_
                       clip_factors=c)
 
 
-def dp_step_groups(groups: list[Group], *, key: int, step: int, max_grad_norm: float,
+def dp_step_groups(groups: list[Group], *, key, step: int, max_grad_norm: float,
                    noise_multiplier: float, expected_batch_size: float,
                    backend: str = "auto", nonfinite: str = "error",
                    reduce: Reduce | None = None) -> StepResult:
@@ -244,7 +247,9 @@ def dp_step_groups(groups: list[Group], *, key: int, step: int, max_grad_norm: f
 
     Validates everything first (nothing is modified on error), then runs pass 1 over all
     groups, pass 2 per group, and DP-MacAdam's global scale update. ``max_grad_norm`` is
-    ignored by DP-MacAdam (its bound is 1 in the whitened space).
+    ignored by DP-MacAdam (its bound is 1 in the whitened space). ``key`` is a
+    :class:`dpkern.keys.NoiseKey` or an int; ``step`` the noise stream's step (each
+    group's update rule uses ``Group.step`` when set).
 
     Coordinate-sharded parameters (each rank holds a slice of every parameter, e.g. FSDP2
     shards or tensor-parallel slices): give each rank's local slices with their GLOBAL
@@ -254,16 +259,42 @@ def dp_step_groups(groups: list[Group], *, key: int, step: int, max_grad_norm: f
     B samples on every rank) and, for DP-MacAdam, on the one-element sum
     sum_j sqrt(S_hat_j) (SPEC section 7): the only two global reductions of a step. Every
     rank must then call this function (a collective)."""
+    be, pass1 = prepare_step(groups, step=step, max_grad_norm=max_grad_norm, backend=backend,
+                             nonfinite=nonfinite, reduce=reduce)
+    apply_step(groups, be, pass1, key=key, step=step, max_grad_norm=max_grad_norm,
+               noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size,
+               reduce=reduce)
+    return pass1
+
+
+def prepare_step(groups: list[Group], *, step: int, max_grad_norm: float,
+                 backend: str = "auto", nonfinite: str = "error",
+                 reduce: Reduce | None = None):
+    """The first half of :func:`dp_step_groups`: validation, pass 1 and the clip factors.
+
+    Returns (backend module, StepResult). Modifies nothing; raises ValueError /
+    FloatingPointError as :func:`dp_step_groups`."""
     device = check_params(groups)
     be = backends.resolve(backends.check_name(backend), device)
     pass1 = clip_and_check(groups, backend=be, device=device, step=step,
                            max_grad_norm=max_grad_norm, nonfinite=nonfinite, reduce=reduce)
+    return be, pass1
+
+
+def apply_step(groups: list[Group], be, pass1: StepResult, *, key, step: int,
+               max_grad_norm: float, noise_multiplier: float, expected_batch_size: float,
+               reduce: Reduce | None = None) -> None:
+    """The second half of :func:`dp_step_groups`: pass 2 (noise at ``step``) and
+    DP-MacAdam's scale update, in place. Only errors of the machine (out of memory) can
+    stop it midway; callers that must stay consistent treat that as a failed step."""
+    device = next((p.device for grp in groups for p in grp.params), torch.device("cpu"))
     macadam = groups[0].hyper.rule == "macadam"
     noise_std = noise_multiplier * (1.0 if macadam else max_grad_norm)
     sqrt_sum = 0.0
     steps = []
     for grp in groups:
-        dp = DPStep(key=key, step=step, noise_std=noise_std,
+        dp = DPStep(key=key, step=grp.step if grp.step is not None else step,
+                    noise_step=step, noise_std=noise_std,
                     expected_batch_size=expected_batch_size, noise_var_avg=grp.noise_var_avg)
         steps.append(dp)
         sqrt_sum += be.step(grp.hyper, dp, grp.params, grp.grad_samples, pass1.clip_factors,
@@ -276,7 +307,6 @@ def dp_step_groups(groups: list[Group], *, key: int, step: int, max_grad_norm: f
         for grp, dp in zip(groups, steps):
             be.macadam_update_scale(grp.hyper, dp, grp.states["exp_var"],
                                     grp.states["scale"], sqrt_sum)
-    return pass1
 
 
 def check_privacy(max_grad_norm, noise_multiplier, expected_batch_size) -> None:

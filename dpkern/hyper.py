@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, field
 from typing import ClassVar, Union
 
+from .keys import NoiseKey, as_key
+
 RULES = ("sgd", "adam", "adam_bc", "adamw", "adamw_bc", "macadam")
 VARIANCE_ESTIMATES = ("unbiased", "paper", "code")
 
@@ -159,8 +161,13 @@ HYPER_CLASSES = {cls.rule: cls for cls in
 class DPStep:
     """What one DP step needs besides the update rule's hyper-parameters.
 
-    key: 64-bit noise key (secret in secure mode: excluded from repr).
-    step: t, counted from 1, shared by all parameter groups.
+    key: the noise key, a :class:`dpkern.keys.NoiseKey` (an int is wrapped in one);
+        backends unwrap it with :func:`dpkern.keys.reveal` at the kernel call only.
+    step: t of the update rule, counted from 1: the parameters' own step count
+        (``state["step"]``, as in torch.optim), which drives bias corrections and the
+        first-step cases (momentum buffer, MacAdam's m_hat_0).
+    noise_step: the optimizer's global step, the noise stream's counter (SPEC section 3);
+        ``None`` means equal to ``step``. A (key, noise_step) pair serves one release.
     noise_std: standard deviation of the noise added to the clipped sum, sigma * C
         (sigma for DP-MacAdam, whose clip bound is 1 in the whitened space).
     expected_batch_size: B_e, the normaliser (SPEC section 4).
@@ -168,18 +175,22 @@ class DPStep:
     noise_var_avg: phi_t, the EMA of Phi = (sigma C / B_e)^2 including this step
         (DP-AdamBC / DP-AdamW-BC, SPEC 5.3); unused by the other rules.
     """
-    key: int = field(repr=False)
+    key: NoiseKey = field(repr=False)
     step: int
     noise_std: float
     expected_batch_size: float
     stream: int = 0
     noise_var_avg: float = 0.0
+    noise_step: int | None = None
 
     def __post_init__(self):
-        if not (isinstance(self.key, int) and 0 <= self.key < 2**64):
-            raise ValueError("invalid key: expected an int in [0, 2**64)")
-        if not (isinstance(self.step, int) and 1 <= self.step < 2**48):
-            raise _bad("step", self.step, "expected an int in [1, 2**48)")
+        object.__setattr__(self, "key", as_key(self.key))
+        for name in ("step", "noise_step"):
+            value = getattr(self, name)
+            if value is None and name == "noise_step":
+                object.__setattr__(self, name, self.step)
+            elif isinstance(value, bool) or not (isinstance(value, int) and 1 <= value < 2**48):
+                raise _bad(name, value, "expected an int in [1, 2**48)")
         if not (isinstance(self.stream, int) and 0 <= self.stream < 2**16):
             raise _bad("stream", self.stream, "expected an int in [0, 2**16)")
         check_nonnegative("noise_std", self.noise_std)

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from .. import _C  # ImportError when the extension was not built
 from ..hyper import RULES, VARIANCE_ESTIMATES, DPStep, Hyper
+from ..keys import reveal
 from .reference import STATE_NAMES
 
 __all__ = ["philox_words", "gaussian_noise", "per_sample_norms", "whitened_norms",
@@ -127,8 +128,8 @@ def _hyper_dict(hyper: Hyper) -> dict:
 
 
 def _dp_tuple(dp: DPStep) -> tuple:
-    return (dp.key, dp.step, dp.stream, float(dp.noise_std), float(dp.expected_batch_size),
-            float(dp.noise_var_avg))
+    return (reveal(dp.key), dp.step, dp.stream, float(dp.noise_std),
+            float(dp.expected_batch_size), float(dp.noise_var_avg), dp.noise_step)
 
 
 def _states(hyper: Hyper, states: dict, params) -> list[list[Tensor | None]]:
@@ -168,7 +169,7 @@ def philox_words(index: Tensor, *, key: int, step: int, stream: int = 0) -> Tens
     if index.numel() and int(index.min()) < 0:
         raise ValueError("index: global element indices must be >= 0")
     out = torch.empty((index.numel(), 4), dtype=torch.int64)
-    _C.philox_words(_ptr(index), index.numel(), key, step, stream, _ptr(out))
+    _C.philox_words(_ptr(index), index.numel(), reveal(key), step, stream, _ptr(out))
     return out
 
 
@@ -180,7 +181,7 @@ def gaussian_noise(numel: int, *, key: int, step: int, offset: int = 0, stream: 
     if numel < 0 or offset < 0 or offset + numel > 2**64:
         raise ValueError(f"invalid numel={numel} / offset={offset}")
     out = torch.empty(numel, dtype=torch.float32)
-    _C.gaussian_noise(_ptr(out), numel, key, step, offset, stream)
+    _C.gaussian_noise(_ptr(out), numel, reveal(key), step, offset, stream)
     return out
 
 

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from ..hyper import DPStep, Hyper
+from ..keys import reveal
 
 # Names of the per-parameter optimizer states of each update rule (torch.optim's names
 # where a torch.optim twin exists). The order is the order backends receive them in.
@@ -78,6 +79,7 @@ def philox4x32_10(c0: Tensor, c1: Tensor, c2: Tensor, c3: Tensor, key: int) -> t
     Counter words are int64 tensors holding values in [0, 2**32); ``key`` is a 64-bit int.
     Returns (r0, r1, r2, r3) as int64 tensors in [0, 2**32). Bit-identical to
     ``triton.language.philox(key, c0, c1, c2, c3)`` and to Random123's philox4x32_10."""
+    key = reveal(key)
     k0, k1 = key & _MASK32, (key >> 32) & _MASK32
     for _ in range(10):
         hi0, lo0 = _mulhilo32(PHILOX_M0, c0)
@@ -247,7 +249,7 @@ def step(
             c = _contribution(k, grad_samples, clip_factors, hyper, states, bc1_prev)
             if c is not None:
                 S += c
-        z = gaussian_noise(p.numel(), key=dp.key, step=t, offset=offsets[k], stream=dp.stream,
+        z = gaussian_noise(p.numel(), key=dp.key, step=dp.noise_step, offset=offsets[k], stream=dp.stream,
                            device=p.device).reshape(p.shape)
         g_hat = (S + dp.noise_std * z) / dp.expected_batch_size
         state = {name: states[name][k] for name in STATE_NAMES[hyper.rule]}

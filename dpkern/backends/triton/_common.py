@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from .. import triton_interpret
+from ...keys import reveal
 
 
 # --------------------------------------------------------------------------------------
@@ -309,6 +310,7 @@ def plan(entries: list[Entry], typed: tuple[int, ...], chunk: int, device) -> li
 
 def key_words(key: int) -> tuple[int, int]:
     """(K mod 2**32, K >> 32): passed separately so that no kernel argument needs uint64."""
+    key = reveal(key)
     return key & 0xFFFFFFFF, (key >> 32) & 0xFFFFFFFF
 
 

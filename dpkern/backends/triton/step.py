@@ -265,7 +265,7 @@ def _launch(hyper, dp, params, grad_samples, clip_factors, summed, states, offse
     for l in launches:
         _step_kernel[(l.n_chunks,)](
             l.table, l.chunks, clip if has_gs else l.table, partial if partial is not None
-            else l.table, B, slot0, *C.key_words(dp.key), *C.step_words(dp.step, dp.stream),
+            else l.table, B, slot0, *C.key_words(dp.key), *C.step_words(dp.noise_step, dp.stream),
             **scalars, P_DTYPE=C.tl_dtype(l.dtypes[0]), G_DTYPE=C.tl_dtype(l.dtypes[1]),
             HAS_GS=has_gs, HAS_NOISE=dp.noise_std != 0, ALIGNED=l.aligned,
             ROWS=cfg.rows_unroll, BLOCK=block, LIBDEVICE=C.LIBDEVICE,

@@ -1,0 +1,110 @@
+"""Safety nets of the optimizer front-ends: what dpkern refuses rather than approximate.
+
+- :func:`check_group_options`: a param-group option that the class does not implement
+  (``maximize``, ``amsgrad``, per-group privacy arguments, ...) is refused, never ignored;
+- :func:`deferred_signals`: SIGINT / SIGTERM that arrive while a step mutates tensors are
+  delivered once the step is committed, so an interrupted step is all-or-nothing;
+- the messages that say where dpkern differs from Opacus and torch.optim.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import signal
+import threading
+from contextlib import contextmanager
+
+import torch
+
+#: Privacy arguments: one value per optimizer (the accountant is told one sigma per step).
+PRIVACY_OPTIONS = frozenset({"max_grad_norm", "noise_multiplier", "expected_batch_size",
+                             "seed", "backend", "nonfinite"})
+#: dpkern hyper-parameters that only some classes have.
+DPKERN_OPTIONS = frozenset({"gamma", "h1", "h2", "variance_estimate", "b_init",
+                            "noise_bias_correction"})
+
+
+def _torch_optim_options() -> frozenset:
+    names = set()
+    for name in getattr(torch.optim, "__all__", ()):
+        cls = getattr(torch.optim, name, None)
+        if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer):
+            names |= set(inspect.signature(cls.__init__).parameters)
+    return frozenset(names - {"self", "params", "defaults"})
+
+
+#: Every option name a torch.optim optimizer, or a dpkern one, understands.
+KNOWN_OPTIONS = _torch_optim_options() | PRIVACY_OPTIONS | DPKERN_OPTIONS
+
+
+def check_group_options(cls_name: str, group: dict, defaults: dict) -> None:
+    """Refuse an optimizer option in a param group that ``cls_name`` does not implement.
+
+    Keys that are no optimizer option (``params``, ``param_names``, ``initial_lr`` of the
+    LR schedulers, a user's ``name``) pass. Raises ValueError naming the option."""
+    for key in group:
+        if key in KNOWN_OPTIONS and key not in defaults:
+            where = ("one value per optimizer: pass it to the constructor"
+                     if key in PRIVACY_OPTIONS else
+                     "dpkern refuses it rather than ignore it (torch.optim would apply it)")
+            raise ValueError(f"param group option {key!r} is not supported by {cls_name}: "
+                             f"{where}; its options are {sorted(defaults)}")
+
+
+DPOPTIMIZER_IS_A_BASE = (
+    "dpkern.DPOptimizer is the base class of dpkern's optimizers, not a wrapper like "
+    "opacus.optimizers.DPOptimizer(optimizer, ...): construct the DP optimizer over the "
+    "parameters directly, e.g. dpkern.DPAdamW(model.parameters(), lr=1e-3, "
+    "max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=256) (also DPSGD, DPAdam, "
+    "DPAdamBC, DPAdamWBC, DPMacAdam)")
+
+NO_FRESH_GRAD_SAMPLE = (
+    "no fresh per-sample gradients: step() consumed (and released) the p.grad_sample of "
+    "the last step, and no backward, accumulate() or accumulate_clipped() has happened "
+    "since; a second step would release the same samples again. Run a backward on a new "
+    "batch first (did you forget zero_grad() or the backward?). Opacus raises here too; "
+    "torch.optim would silently reuse p.grad. (If per-sample gradients were never computed: "
+    "wrap the model with opacus.GradSampleModule or call "
+    "dpkern.grad_sample.compute_grad_sample.)")
+
+ALREADY_RELEASED = (
+    "{name}: this grad_sample tensor was already used by an earlier step() or "
+    "accumulate(); releasing it again would spend the same samples twice. Compute fresh "
+    "per-sample gradients (a new backward) for each step")
+
+
+class StepInterrupted(RuntimeError):
+    """A step failed after it began to modify tensors (out of memory, an error in a
+    kernel): the optimizer refuses to continue or to save until it is reloaded."""
+
+
+@contextmanager
+def deferred_signals(signals=(signal.SIGINT, signal.SIGTERM)):
+    """Hold SIGINT / SIGTERM while the block runs; deliver them (once, to the handlers that
+    were installed) when it exits. Only in the main thread, where Python runs signal
+    handlers; elsewhere (and for handlers set outside Python) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = {}
+    try:
+        for sig in signals:
+            old = signal.getsignal(sig)
+            if old is None:  # installed from C: leave it alone
+                continue
+            previous[sig] = old
+            signal.signal(sig, lambda signum, frame: caught.append(signum))
+    except (ValueError, OSError):  # pragma: no cover - no signal support here
+        pass
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+        for sig in dict.fromkeys(caught):  # each signal once, in arrival order
+            handler = previous.get(sig)
+            if callable(handler):
+                handler(sig, None)
+            elif handler == signal.SIG_DFL:
+                os.kill(os.getpid(), sig)  # the default action (terminate) now

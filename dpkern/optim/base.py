@@ -1,0 +1,597 @@
+"""DPOptimizer: state, the noise key, validation and step counting for every DP optimizer.
+
+The classes (:mod:`dpkern.optim.optimizers`) add one update rule each; the math lives in
+:mod:`dpkern.functional` and the backends. What this layer guarantees (README, "what
+dpkern refuses, and why"):
+
+- ``step()`` and ``accumulate()`` consume ``p.grad_sample``: a sample's gradient is
+  released once; a step with no fresh per-sample gradients or clipped sums raises;
+- the noise key is a :class:`dpkern.keys.NoiseKey` (never printed, pickled or saved in
+  secure mode); a (key, step) pair serves one release, across failures and resumes;
+- a step is all-or-nothing: validation precedes every change; SIGINT / SIGTERM during
+  the update are delivered after it; a failure midway (out of memory) counts the step,
+  and the optimizer refuses to step or save until it is reloaded;
+- ``state_dict()`` holds no data-dependent statistic (``stats`` stays in memory) and no
+  secure key; ``load_state_dict`` keeps the constructor's privacy arguments and refuses
+  checkpoints that are not dpkern's;
+- each parameter keeps its own ``state["step"]`` for bias corrections (as torch.optim);
+  the noise step is global.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from copy import deepcopy
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .. import backends
+from .. import functional as F
+from ..backends.reference import STATE_NAMES
+from ..guards import (ALREADY_RELEASED, DPOPTIMIZER_IS_A_BASE, NO_FRESH_GRAD_SAMPLE,
+                      StepInterrupted, check_group_options, deferred_signals)
+from ..hyper import Hyper, check_nonnegative, check_positive
+from ..keys import NoiseKey, key_fingerprint, secure_key
+from ..sharding import common_mesh, is_sharded, local_shard
+
+__all__ = ["DPOptimizer", "key_fingerprint", "secure_key"]
+
+_RELEASED = "_dpkern_released"  # attribute marking a grad_sample tensor already used
+
+
+def _check_seed(seed) -> int | None:
+    if seed is None:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ValueError(f"invalid seed={seed!r}: expected None or an int in [0, 2**64)")
+    return seed
+
+
+class _Checked:
+    """An attribute validated on every assignment (``check(name, value)`` -> value)."""
+
+    def __init__(self, check):
+        self.check = check
+
+    def __set_name__(self, owner, name):
+        self.name, self.private = name, "_" + name
+
+    def __get__(self, obj, objtype=None):
+        return self if obj is None else getattr(obj, self.private)
+
+    def __set__(self, obj, value):
+        setattr(obj, self.private, self.check(self.name, value))
+
+
+def _step_of(state: dict) -> int:
+    """A parameter's own step count (0 before its first step)."""
+    step = state.get("step")
+    return 0 if step is None else int(step)
+
+
+class DPOptimizer(torch.optim.Optimizer):
+    """Base class of dpkern's optimizers (not a wrapper: see :class:`dpkern.DPAdamW`).
+
+    Subclasses set ``hyper_class`` and implement ``_hyper(group)`` (group dict -> frozen
+    hyper-parameter dataclass). Constructing this class itself, or passing an optimizer
+    in place of parameters (Opacus' wrapper style), raises TypeError."""
+
+    hyper_class: type = None
+
+    def __new__(cls, *args, **kwargs):
+        if cls is DPOptimizer:
+            raise TypeError(DPOPTIMIZER_IS_A_BASE)
+        return super().__new__(cls)
+
+    def __init__(self, params, defaults: dict, *, max_grad_norm: float,
+                 noise_multiplier: float, expected_batch_size: float, seed=None,
+                 backend: str = "auto", nonfinite: str = "error"):
+        if isinstance(params, torch.optim.Optimizer):
+            raise TypeError(DPOPTIMIZER_IS_A_BASE)
+        self.max_grad_norm = max_grad_norm
+        self.noise_multiplier = noise_multiplier
+        self.expected_batch_size = expected_batch_size
+        self._seed = _check_seed(seed)
+        self.backend = backends.check_name(backend)
+        self.nonfinite = F.check_nonfinite(nonfinite)
+        self._key = NoiseKey(self._seed) if self._seed is not None else secure_key()
+        self._dp_step = 0
+        self._failed: str | None = None  # why a step failed midway (see step())
+        self._accum: dict[Tensor, Tensor] = {}  # never saved: un-noised private sums
+        #: In-memory counters (exact and data-dependent: never saved, never logged by
+        #: dpkern): steps, samples, clipped_samples, nonfinite_samples.
+        self.stats = {"steps": 0, "samples": 0, "clipped_samples": 0, "nonfinite_samples": 0}
+        super().__init__(params, defaults)
+
+    # -- privacy attributes, validated on every assignment (noise schedules set them) --
+    max_grad_norm = _Checked(check_positive)
+    noise_multiplier = _Checked(check_nonnegative)
+    expected_batch_size = _Checked(check_positive)
+
+    @property
+    def dp_step(self) -> int:
+        """Number of DP steps taken (t of the last step; 0 before the first): the noise
+        stream's step counter, shared by all parameters."""
+        return self._dp_step
+
+    @property
+    def secure(self) -> bool:
+        """True when the noise key is secret (no ``seed=`` given). With a seed the noise
+        key is known: the run is reproducible, and not private."""
+        return self._seed is None
+
+    _PICKLED = ("_seed", "_dp_step", "_max_grad_norm", "_noise_multiplier", "_failed",
+                "_expected_batch_size", "backend", "nonfinite", "b_init")  # never stats
+
+    def key_fingerprint(self) -> int:
+        """:func:`dpkern.keys.key_fingerprint` of this optimizer's noise key (never the key
+        itself)."""
+        return key_fingerprint(self._key)
+
+    def _adopt_key(self, key) -> None:
+        """Take a secure key drawn elsewhere (rank 0 of a data-parallel group). Secure mode
+        only: a seeded optimizer's key is its seed."""
+        if not self.secure:
+            raise ValueError("_adopt_key: this optimizer is in reproducible mode (seed=)")
+        self._key = key if isinstance(key, NoiseKey) else NoiseKey(key)
+
+    def __getstate__(self):
+        # Pickling would carry the key: refused in secure mode (use state_dict()).
+        if self.secure:
+            raise TypeError(f"{type(self).__name__} in secure mode cannot be pickled or "
+                            "deep-copied: the noise key must not leave the process; "
+                            "use state_dict() / load_state_dict()")
+        state = super().__getstate__()
+        state.update({k: v for k, v in self.__dict__.items() if k in self._PICKLED})
+        state["_accum"] = {}
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.stats = {"steps": 0, "samples": 0, "clipped_samples": 0, "nonfinite_samples": 0}
+        if getattr(self, "_seed", None) is not None:
+            self._key = NoiseKey(self._seed)  # (the key itself is never pickled)
+
+    @torch._disable_dynamo
+    def add_param_group(self, param_group: dict) -> None:
+        """torch.optim's add_param_group; refuses options this class does not implement
+        (``maximize``, ``amsgrad``, per-group privacy arguments...) with ValueError."""
+        if isinstance(param_group, dict):
+            check_group_options(type(self).__name__, param_group, self.defaults)
+        super().add_param_group(param_group)
+        try:
+            self._hyper(self.param_groups[-1])  # validate (ValueError names the value)
+        except ValueError:
+            self.param_groups.pop()
+            raise
+
+    def _hyper(self, group: dict) -> Hyper:
+        raise NotImplementedError
+
+    def _group_hyper(self, group: dict) -> Hyper:
+        check_group_options(type(self).__name__, group, self.defaults)
+        return self._hyper(group)
+
+    # -- collecting the step's tensors ------------------------------------------------
+    def _rule(self) -> str:
+        return self.hyper_class.rule
+
+    def _fresh_state(self, p: Tensor, n_total: int) -> dict[str, Tensor]:
+        st = {name: torch.zeros_like(p, dtype=torch.float32,
+                                     memory_format=torch.contiguous_format)
+              for name in STATE_NAMES[self._rule()]}
+        st["step"] = torch.tensor(0.0, dtype=torch.float32)  # torch.optim's convention
+        return st
+
+    def _rule_step(self, hyper: Hyper, state: dict, new: dict) -> int:
+        """The update rule's t for a parameter: its own step count + 1."""
+        return _step_of(state) + 1
+
+    def _groups(self, for_accumulate: bool = False):
+        """Build functional Groups over trainable params; validate the grad_sample rules.
+
+        Each param group becomes one functional Group per distinct (own step, phi) of its
+        parameters (parameters added or unfrozen later have their own bias corrections).
+
+        Returns (groups, owners, new_states, new_buffers): ``owners[k]`` the parameters of
+        ``groups[k]``; tensors created for params seen for the first time, to commit into
+        ``self.state`` / ``self._accum`` on success only."""
+        trainable = [(gi, pi, p) for gi, g in enumerate(self.param_groups)
+                     for pi, p in enumerate(g["params"]) if p.requires_grad]
+        n_total = sum(p.numel() for _, _, p in trainable)  # global numel for DTensors
+        any_gs = any(getattr(p, "grad_sample", None) is not None for _, _, p in trainable)
+        if not any_gs and (for_accumulate or not self._accum):
+            if self._dp_step > 0:
+                raise ValueError(NO_FRESH_GRAD_SAMPLE)
+            raise ValueError("no parameter has a grad_sample: per-sample gradients were "
+                             "never computed (wrap the model with opacus.GradSampleModule "
+                             "or call dpkern.grad_sample.compute_grad_sample); an empty batch "
+                             "is grad_sample tensors with B = 0, not their absence")
+        new_states, new_buffers = {}, {}
+        groups, owners, offset = [], [], 0
+        for gi, group in enumerate(self.param_groups):
+            hyper = self._group_hyper(group)
+            unused = self._unused_states(hyper)
+            buckets: dict[tuple, dict] = {}
+            for pi, p in enumerate(group["params"]):
+                if not p.requires_grad:
+                    continue
+                name = f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)})"
+                local, start = local_shard(p, name)
+                if local.shape != p.shape:
+                    name = f"{name[:-1]}, local shard {tuple(local.shape)})"
+                gs = self._grad_sample(p, name)
+                if gs is None and any_gs and p.grad is not None:
+                    raise ValueError(f"{name}: has .grad but no grad_sample (was it created "
+                                     "outside the module wrapped for per-sample gradients?)")
+                state = self.state.get(p)
+                new = {}
+                if not state:
+                    new = {k: v for k, v in self._fresh_state(local, n_total).items()
+                           if k not in unused}
+                    state = new
+                elif any(k not in state and k not in unused
+                         for k in STATE_NAMES[self._rule()]):
+                    # a state needed from now on (e.g. momentum switched on): zeros
+                    fresh = self._fresh_state(local, n_total)
+                    new = {k: fresh[k] for k in STATE_NAMES[self._rule()]
+                           if k not in state and k not in unused}
+                    state = {**state, **new}
+                if new:
+                    new_states[p] = new
+                t_p = self._rule_step(hyper, state, new)
+                key = (t_p, self._param_noise_var(state))
+                b = buckets.get(key)
+                if b is None:
+                    b = buckets[key] = {"params": [], "gss": [], "summed": [], "offsets": [],
+                                        "names": [], "owners": [],
+                                        "states": {s: [] for s in STATE_NAMES[self._rule()]}}
+                for sname in b["states"]:
+                    b["states"][sname].append(state.get(sname))  # None: unused by the rule
+                buf = self._accum.get(p)
+                if buf is None and for_accumulate:
+                    buf = new_buffers[p] = torch.zeros_like(
+                        local, dtype=torch.float32, memory_format=torch.contiguous_format)
+                b["params"].append(local)
+                b["gss"].append(gs)
+                b["summed"].append(buf)
+                b["offsets"].append(offset + start)
+                b["names"].append(name)
+                b["owners"].append(p)
+                offset += p.numel()
+            for (t_p, phi_prev), b in buckets.items():
+                groups.append(F.Group(hyper, b["params"], b["gss"], b["summed"], b["states"],
+                                      b["offsets"], b["names"],
+                                      self._noise_var_avg(hyper, phi_prev), step=t_p))
+                owners.append(b["owners"])
+        if not groups:
+            raise ValueError("the optimizer owns no trainable parameter")
+        self._check_rule_steps(groups)
+        return groups, owners, new_states, new_buffers
+
+    def _check_rule_steps(self, groups) -> None:
+        """Hook: refuse parameters whose own step differs where the rule cannot have it."""
+
+    @staticmethod
+    def _grad_sample(p: Tensor, name: str) -> Tensor | None:
+        """``p.grad_sample`` as one tensor (Opacus' list of several forward passes is
+        concatenated); refuses a tensor that an earlier step or accumulate() consumed."""
+        gs = getattr(p, "grad_sample", None)
+        parts = list(gs) if isinstance(gs, (list, tuple)) else [gs]
+        for x in parts:
+            if x is not None and not isinstance(x, Tensor):
+                raise ValueError(f"{name}: grad_sample is a {type(x).__name__}, expected a "
+                                 "tensor (or Opacus' list of tensors)")
+            if x is not None and getattr(x, _RELEASED, False):
+                raise ValueError(ALREADY_RELEASED.format(name=name))
+        if p.grad is not None and p.grad.is_sparse:
+            raise ValueError(f"{name}: sparse gradients are not supported")
+        if isinstance(gs, (list, tuple)):
+            return torch.cat(parts, dim=0) if parts else None
+        return gs
+
+    def _consume_grad_samples(self) -> None:
+        """Mark every trainable parameter's grad_sample as released and detach it."""
+        for p in self.trainable_params():
+            gs = getattr(p, "grad_sample", None)
+            for x in (gs if isinstance(gs, (list, tuple)) else [gs]):
+                if isinstance(x, Tensor):
+                    setattr(x, _RELEASED, True)
+            if gs is not None:
+                p.grad_sample = None
+
+    def _reduce(self):
+        """None for ordinary parameters; for FSDP2 DTensor shards, an in-place SUM over the
+        device mesh's process group (per-sample squared norms, MacAdam's global sum).
+
+        Raises ValueError if plain and sharded parameters are mixed (the partial norms of
+        a replicated parameter would be counted once per rank) or meshes differ."""
+        mesh = common_mesh(self.trainable_params(), "sharded parameters (trainable)")
+        if mesh is None:
+            return None
+        import torch.distributed as dist
+        group = mesh.get_group()
+        if dist.get_world_size(group) == 1:
+            return None
+        return lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+
+    def _check_inputs(self) -> None:
+        """Validate this micro-batch's grad_sample and the parameters as ``accumulate()``
+        would, without computing or modifying anything (no collective: sharded callers
+        run it on every rank before the norms' all-reduce). Raises ValueError."""
+        self._check_usable()
+        groups = self._groups()[0]  # (no accumulation buffers: accumulate() makes them)
+        F.check_params(groups)
+        self._reduce()
+
+    def _unused_states(self, hyper: Hyper) -> set[str]:
+        """State names the update does not use with these hyper-parameters (never
+        allocated, passed to the backends as None)."""
+        return set()
+
+    def _param_noise_var(self, state: dict) -> float:
+        """The parameter's phi_{t-1} (BC rules; 0.0 for the others)."""
+        return 0.0
+
+    def _noise_var_avg(self, hyper: Hyper, prev: float) -> float:
+        return 0.0
+
+    def _commit(self, groups, owners, new_states) -> None:
+        """After a successful step: install new states and advance each parameter's own
+        step (and phi for the BC rules)."""
+        for p, st in new_states.items():
+            self.state[p].update(st)
+        for grp, params in zip(groups, owners):
+            for p in params:
+                self.state[p]["step"] = torch.tensor(float(grp.step), dtype=torch.float32)
+                if "noise_var_avg" in self.state[p]:
+                    self.state[p]["noise_var_avg"].fill_(grp.noise_var_avg)
+
+    def _check_usable(self) -> None:
+        if self._failed is not None:
+            raise StepInterrupted(self._failed)
+
+    # -- the public API --------------------------------------------------------------
+    @torch.no_grad()
+    @torch._disable_dynamo
+    def accumulate(self) -> None:
+        """Fold the current micro-batch's clipped per-sample gradients into the logical
+        batch (fp32 buffers) and consume ``p.grad_sample``. No noise is added here.
+
+        Raises: ValueError (no, stale or inconsistent grad_sample), FloatingPointError
+        (non-finite with nonfinite="error"); buffers and state are untouched when it
+        raises."""
+        self._check_usable()
+        groups, _, _, new_buffers = self._groups(for_accumulate=True)
+        result = F.accumulate_groups(groups, step=self._dp_step + 1,
+                                     max_grad_norm=self.max_grad_norm, backend=self.backend,
+                                     nonfinite=self.nonfinite, reduce=self._reduce())
+        self._accum.update(new_buffers)
+        self._record(result, step=False)
+        self._consume_grad_samples()
+
+    def trainable_params(self) -> list[Tensor]:
+        """Trainable parameters in noise-index order (param_groups order, frozen skipped)."""
+        return [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+
+    def clipped_sum_buffers(self) -> list[Tensor]:
+        """The logical batch's fp32 clipped-sum buffers, one per trainable parameter
+        (created as zeros where missing), e.g. for an all-reduce across data-parallel
+        ranks before ``step()``. Un-noised private sums: never log or save them."""
+        out = []
+        for p in self.trainable_params():
+            if p not in self._accum:
+                self._accum[p] = torch.zeros_like(local_shard(p)[0], dtype=torch.float32,
+                                                  memory_format=torch.contiguous_format)
+            out.append(self._accum[p])
+        return out
+
+    @torch.no_grad()
+    @torch._disable_dynamo
+    def accumulate_clipped(self, clipped_sums, batch_size: int = 0) -> None:
+        """Add clipped sums computed elsewhere (ghost clipping, book-keeping) to the
+        logical batch; the next ``step()`` adds noise once and updates.
+
+        Args:
+            clipped_sums: one entry per ``trainable_params()`` entry, ``None`` or a tensor
+                shaped like the parameter holding sum_i c_i g_i with every sample's
+                gradient clipped to norm <= max_grad_norm over all parameters (for
+                DP-MacAdam: the sum of clipped whitened rows). FSDP2: the DTensor
+                ``p.grad`` FSDP reduce-scattered (its local shard is used).
+            batch_size: samples in this micro-batch (for ``stats`` only).
+        Raises: ValueError (wrong count, shape, device, non-finite values); nothing is
+        modified when it raises."""
+        self._check_usable()
+        params = self.trainable_params()
+        clipped_sums = list(clipped_sums)
+        if len(clipped_sums) != len(params):
+            raise ValueError(f"accumulate_clipped: {len(clipped_sums)} sums for "
+                             f"{len(params)} trainable parameters")
+        for k, (s, p) in enumerate(zip(clipped_sums, params)):
+            if s is None:
+                continue
+            if not isinstance(s, Tensor) or s.shape != p.shape or s.device != p.device \
+                    or not s.is_floating_point() or s.is_sparse \
+                    or is_sharded(s) != is_sharded(p):
+                raise ValueError(f"clipped_sums[{k}]: expected a dense float "
+                                 f"{'DTensor' if is_sharded(p) else 'tensor'} of shape "
+                                 f"{tuple(p.shape)} on {p.device}")
+            clipped_sums[k] = s = local_shard(s, f"clipped_sums[{k}]")[0]
+            if not torch.isfinite(s).all():
+                raise ValueError(f"clipped_sums[{k}]: non-finite values")
+        for s, buf in zip(clipped_sums, self.clipped_sum_buffers()):
+            if s is not None:
+                buf += s.float()
+        self.stats["samples"] += int(batch_size)
+
+    @torch.no_grad()
+    @torch._disable_dynamo
+    def step(self, closure=None):
+        """One DP step: clip every per-sample gradient, sum (with accumulated micro-batches),
+        add Gaussian noise once, and apply the update rule (SPEC sections 2-7); consumes
+        ``p.grad_sample``.
+
+        Under ``torch.compile`` the step runs eagerly (a graph break): the noise step and
+        the bias corrections advance at every call, as without compiling.
+
+        Raises: ValueError (no fresh, stale or inconsistent grad_sample / parameters, SPEC
+        section 1), FloatingPointError (non-finite per-sample gradient with
+        nonfinite="error"): parameters, optimizer state and accumulation buffers are then
+        exactly as before, and a later valid step works. StepInterrupted: an earlier step
+        failed midway (see below).
+
+        Atomicity: SIGINT / SIGTERM arriving during the update are delivered after it (the
+        step completes). An error of the machine after the update began (out of memory)
+        cannot be undone without a copy of every tensor: the step is then counted (its
+        (key, step) pair is never used again), the error is raised, and ``step()``,
+        ``accumulate()`` and ``state_dict()`` raise StepInterrupted until a checkpoint is
+        loaded with ``load_state_dict`` (and the model's weights restored with it)."""
+        self._check_usable()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        groups, owners, new_states, _ = self._groups()
+        t = self._dp_step + 1
+        reduce = self._reduce()
+        be, result = F.prepare_step(groups, step=t, max_grad_norm=self.max_grad_norm,
+                                    backend=self.backend, nonfinite=self.nonfinite,
+                                    reduce=reduce)
+        with deferred_signals():
+            try:
+                F.apply_step(groups, be, result, key=self._key, step=t,
+                             max_grad_norm=self.max_grad_norm,
+                             noise_multiplier=self.noise_multiplier,
+                             expected_batch_size=self.expected_batch_size, reduce=reduce)
+            except BaseException as exc:
+                self._dp_step = t  # the pair (key, t) may have been used: never again
+                self._failed = (f"step {t} failed midway ({type(exc).__name__}: {exc}); "
+                                "parameters and states hold a partly applied step. Reload "
+                                "the last checkpoint (model weights and optimizer "
+                                "load_state_dict) before stepping or saving again")
+                self._accum.clear()
+                self._consume_grad_samples()
+                raise
+            self._commit(groups, owners, new_states)
+            self._dp_step = t
+            self._accum.clear()
+            self._record(result, step=True)
+            self._consume_grad_samples()
+        return loss
+
+    def _record(self, result: F.StepResult, step: bool) -> None:
+        self.stats["steps"] += int(step)
+        self.stats["samples"] += result.batch_size
+        self.stats["clipped_samples"] += result.clipped_samples
+        self.stats["nonfinite_samples"] += result.nonfinite_samples
+
+    @torch._disable_dynamo
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch.optim's zero_grad, and also clears ``p.grad_sample`` (Opacus convention).
+        Accumulated micro-batches are kept (they belong to the logical batch)."""
+        super().zero_grad(set_to_none=set_to_none)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if hasattr(p, "grad_sample"):
+                    p.grad_sample = None
+
+    # -- checkpoints -----------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim's state_dict plus a ``"dp"`` entry: the noise step count, the
+        privacy arguments (for information: loading keeps the constructor's) and, in
+        reproducible mode only, the seed. Never the secure key, the accumulation buffers
+        or ``stats`` (exact data-dependent counts).
+
+        Raises: StepInterrupted after a step failed midway."""
+        self._check_usable()
+        sd = super().state_dict()
+        dp = {"step": self._dp_step, "max_grad_norm": self.max_grad_norm,
+              "noise_multiplier": self.noise_multiplier,
+              "expected_batch_size": self.expected_batch_size, "format": 2}
+        if self._seed is not None:
+            dp["seed"] = self._seed
+        sd["dp"] = dp
+        return sd
+
+    @torch._disable_dynamo
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore states (kept float32 whatever the parameter dtype) and step counts.
+
+        Follows torch.optim's order: load-state-dict pre-hooks, then validation and
+        installation, then post-hooks (what they write stays). The constructor's
+        ``max_grad_norm``, ``noise_multiplier`` and ``expected_batch_size`` are kept (as
+        Opacus does): recalibrating sigma at a resume takes effect. Secure mode draws a
+        fresh noise key, so no (key, step) pair is ever used twice; reproducible mode
+        takes the checkpoint's seed.
+
+        Raises: ValueError (not a dpkern optimizer's state_dict -- e.g. torch.optim's or
+        Opacus' DPOptimizer's, whose step counts and moments cannot be mapped exactly --,
+        wrong groups, shapes or values). Validates before changing anything."""
+        if not isinstance(state_dict, dict):
+            raise ValueError(f"load_state_dict: expected a dict, got {type(state_dict).__name__}")
+        sd = dict(state_dict)  # shallow copy, as torch.optim
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            out = pre_hook(self, sd)
+            if out is not None:
+                sd = out
+        dp = sd.get("dp")
+        if not isinstance(dp, dict):
+            raise ValueError(
+                f"load_state_dict: not a dpkern optimizer's state_dict (no 'dp' entry): a "
+                f"torch.optim or Opacus DPOptimizer checkpoint cannot be loaded into "
+                f"{type(self).__name__} (its moments were built from other gradients and "
+                "its step counts do not map onto dpkern's noise steps); start the DP "
+                "optimizer fresh, or load a state_dict saved by a dpkern optimizer")
+        saved_state = sd.get("state", {})
+        saved_groups = deepcopy(sd.get("param_groups", []))
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        id_to_param = {}
+        for saved, group in zip(saved_groups, self.param_groups):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError("loaded state dict contains a parameter group that doesn't "
+                                 "match the size of optimizer's group")
+            self._group_hyper({**group, **{k: v for k, v in saved.items() if k != "params"}})
+            id_to_param.update(zip(saved["params"], group["params"]))
+        step = dp.get("step", 0)
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"invalid dp step {step!r} in state dict")
+        seed = _check_seed(dp.get("seed"))
+        new_state = {}
+        for pid, st in saved_state.items():
+            if pid not in id_to_param:
+                raise ValueError(f"state of parameter {pid!r} has no parameter in the groups")
+            p = id_to_param[pid]
+            shape = local_shard(p)[0].shape  # this rank's shard for FSDP2 DTensors
+            new_state[p] = {}
+            for name, value in st.items():
+                if isinstance(value, Tensor):
+                    if value.shape != shape and value.dim() != 0:
+                        raise ValueError(f"state {name!r} has shape {tuple(value.shape)}, "
+                                         f"parameter (shard) has {tuple(shape)}")
+                    device = "cpu" if name == "step" else p.device
+                    value = value.to(device=device, dtype=torch.float32).clone()
+                new_state[p][name] = value
+            if "step" not in new_state[p]:  # format 1: every parameter at the global step
+                new_state[p]["step"] = torch.tensor(float(step), dtype=torch.float32)
+            elif not 0 <= int(new_state[p]["step"]) <= step:
+                raise ValueError(f"state 'step' {int(new_state[p]['step'])} of parameter "
+                                 f"{pid!r} exceeds the dp step {step}")
+        # validated: now change things
+        for saved, group in zip(saved_groups, self.param_groups):
+            saved["params"] = group["params"]
+            if "param_names" in group and "param_names" not in saved:
+                saved["param_names"] = group["param_names"]
+        self.param_groups = saved_groups
+        self.state = defaultdict(dict, new_state)
+        self._dp_step = step
+        self._failed = None
+        self._accum.clear()
+        if self._seed is None:
+            self._key = secure_key()  # never reuse a (key, step) pair after a resume
+        elif seed is not None:
+            self._seed, self._key = seed, NoiseKey(seed)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
