@@ -180,7 +180,7 @@ def run(args) -> int:
         if not args.skip_reference:
             report("per-sample", B, "reference", timer(lambda: reference_per_sample(gs),
                                                        reps=args.ref_reps), floor, base)
-        del gs
+        gs = None  # free this size's tensors before the next
         if device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -512,7 +512,7 @@ def machine_info(device) -> dict:
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
     except (OSError, StopIteration):
         pass
     info = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

@@ -95,9 +95,9 @@ def test_measure_tiny_end_to_end(tmp_path):
         if "baseline:opacus-untied" in names:
             assert any("tying" in n for n in res["notes"])
     md = GB.markdown(res)
-    tables = [l for l in md.splitlines() if l.startswith("|")]
+    tables = [ln for ln in md.splitlines() if ln.startswith("|")]
     assert len(tables) == 2 + 2 + 2 + 1
-    assert all(l.count("|") == tables[0].count("|") for l in tables[:4])
+    assert all(ln.count("|") == tables[0].count("|") for ln in tables[:4])
     assert f"{row['ghost_ratio']:.2f}×" in md
     GB.write(res, tmp_path)
     assert json.loads((tmp_path / "ghost.json").read_text())["e2e"][0]["block"] == 8

@@ -82,7 +82,7 @@ def test_summary_ratios_are_baseline_over_dpkern():
     assert r["baseline_fused_peak_bytes"] == 7 * 2**20 and r["dpkern_peak_bytes"] is None
     table = R.markdown_table([r, rows["torch"]])
     lines = table.splitlines()
-    assert len(lines) == 4 and all(l.count("|") == lines[0].count("|") for l in lines)
+    assert len(lines) == 4 and all(ln.count("|") == lines[0].count("|") for ln in lines)
     assert f"{0.5 / t_cpp:.2f}×" in table
 
 

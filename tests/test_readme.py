@@ -21,10 +21,14 @@ def test_readme_python_example_runs(tmp_path, capsys):
     assert eps <= 3.0 + 1e-6 and acc > 0.75
 
 
-def test_docs_spec_is_the_shared_contract():
-    """docs/SPEC.md is the repository's copy of the project contract (shared/SPEC.md)."""
+def test_docs_spec_extends_the_shared_contract():
+    """docs/SPEC.md began as the project contract (shared/SPEC.md) and extends it: every
+    paragraph of the shared contract is still there, word for word; additions are marked
+    *dpkern extension*."""
     docs = README.parent / "docs" / "SPEC.md"
     shared = README.parent.parent / "shared" / "SPEC.md"
     assert docs.exists()
     if shared.exists():
-        assert docs.read_text() == shared.read_text(), "docs/SPEC.md is out of date"
+        text = docs.read_text()
+        for para in shared.read_text().split("\n\n"):
+            assert para.strip() in text, f"docs/SPEC.md lost: {para.strip()[:80]!r}"

@@ -85,18 +85,18 @@ def norms(grad_samples, batch_size: int, device, exp_avgs=None, scales=None,
         elif gs is not None:
             entries.append(C.Entry(k, gs[0].numel(), 0, (None, C.readonly(gs))))
     launches = C.plan(entries, typed=(1,), chunk=cfg.norm_block * cfg.norm_iters, device=dev)
-    n_slots = sum(l.n_chunks for l in launches) * cfg.norm_iters
+    n_slots = sum(ln.n_chunks for ln in launches) * cfg.norm_iters
     partial = C.empty((batch_size, max(n_slots, 1)), torch.float32, dev)
     if n_slots == 0:
         partial.zero_()
     slot0 = 0
-    for l in launches:
-        _sq_partial_kernel[(l.n_chunks,)](
-            l.table, l.chunks, partial, batch_size, n_slots, slot0, float(bias_correction1),
-            G_DTYPE=C.tl_dtype(l.dtypes[0]), WHITEN=whiten, HAS_PREV=bias_correction1 > 0,
-            ALIGNED=l.aligned, BLOCK=cfg.norm_block, ITERS=cfg.norm_iters, ROWS=cfg.rows_unroll,
+    for ln in launches:
+        _sq_partial_kernel[(ln.n_chunks,)](
+            ln.table, ln.chunks, partial, batch_size, n_slots, slot0, float(bias_correction1),
+            G_DTYPE=C.tl_dtype(ln.dtypes[0]), WHITEN=whiten, HAS_PREV=bias_correction1 > 0,
+            ALIGNED=ln.aligned, BLOCK=cfg.norm_block, ITERS=cfg.norm_iters, ROWS=cfg.rows_unroll,
             num_warps=cfg.num_warps)
-        slot0 += l.n_chunks * cfg.norm_iters
+        slot0 += ln.n_chunks * cfg.norm_iters
     _sum_rows_kernel[(batch_size,)](partial, out, max(n_slots, 1), BLOCK=cfg.reduce_block,
                                     num_warps=cfg.num_warps)
     return out

@@ -259,18 +259,18 @@ def _launch(hyper, dp, params, grad_samples, clip_factors, summed, states, offse
     scalars = _scalars(hyper, dp)
     clip = C.readonly(clip_factors.to(torch.float32)) if has_gs else None
     B = clip.shape[0] if has_gs else 0
-    n_total = sum(l.n_chunks for l in launches)
+    n_total = sum(ln.n_chunks for ln in launches)
     partial = C.empty((max(n_total, 1),), torch.float64, dev) if flags["RET_SUM"] else None
     slot0 = 0
-    for l in launches:
-        _step_kernel[(l.n_chunks,)](
-            l.table, l.chunks, clip if has_gs else l.table, partial if partial is not None
-            else l.table, B, slot0, *C.key_words(dp.key), *C.step_words(dp.noise_step, dp.stream),
-            **scalars, P_DTYPE=C.tl_dtype(l.dtypes[0]), G_DTYPE=C.tl_dtype(l.dtypes[1]),
-            HAS_GS=has_gs, HAS_NOISE=dp.noise_std != 0, ALIGNED=l.aligned,
+    for ln in launches:
+        _step_kernel[(ln.n_chunks,)](
+            ln.table, ln.chunks, clip if has_gs else ln.table, partial if partial is not None
+            else ln.table, B, slot0, *C.key_words(dp.key), *C.step_words(dp.noise_step, dp.stream),
+            **scalars, P_DTYPE=C.tl_dtype(ln.dtypes[0]), G_DTYPE=C.tl_dtype(ln.dtypes[1]),
+            HAS_GS=has_gs, HAS_NOISE=dp.noise_std != 0, ALIGNED=ln.aligned,
             ROWS=cfg.rows_unroll, BLOCK=block, LIBDEVICE=C.LIBDEVICE,
             num_warps=cfg.num_warps, **flags)
-        slot0 += l.n_chunks
+        slot0 += ln.n_chunks
     inplace.finish()
     if partial is None:
         return 0.0
@@ -303,8 +303,8 @@ def macadam_update_scale(hyper, dp, exp_vars, scales, sqrt_sum: float) -> None:
     entries = [C.Entry(k, b.numel(), 0, (None, None, None, None, None, C.readonly(S), inplace(b)))
                for k, (S, b) in enumerate(zip(exp_vars, scales))]
     s = _scalars(hyper, dp)
-    for l in C.plan(entries, typed=(), chunk=cfg.step_block, device=dev):
-        _scale_kernel[(l.n_chunks,)](l.table, l.chunks, s["kappa"], s["noise_var"], s["h1"],
-                                     s["h2"], math.sqrt(sqrt_sum), ALIGNED=l.aligned,
+    for ln in C.plan(entries, typed=(), chunk=cfg.step_block, device=dev):
+        _scale_kernel[(ln.n_chunks,)](ln.table, ln.chunks, s["kappa"], s["noise_var"], s["h1"],
+                                     s["h2"], math.sqrt(sqrt_sum), ALIGNED=ln.aligned,
                                      BLOCK=cfg.step_block, num_warps=cfg.num_warps)
     inplace.finish()
