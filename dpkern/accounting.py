@@ -19,6 +19,8 @@ still valid, epsilon); PLD is tighter.
 from __future__ import annotations
 
 import math
+import numbers
+from collections.abc import Mapping
 
 import dp_accounting
 from dp_accounting import pld, rdp
@@ -46,6 +48,12 @@ def _check_steps(steps) -> int:
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise ValueError(f"invalid steps={steps!r}: expected an int >= 0")
     return steps
+
+
+def _check_count(name, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"invalid {name}={value!r}: expected an int >= 0")
+    return int(value)
 
 
 def _check_accountant(accountant) -> str:
@@ -95,6 +103,10 @@ def get_noise_multiplier(target_epsilon: float, target_delta: float, sample_rate
     """The noise multiplier sigma such that ``steps`` steps at rate q spend at most
     ``target_epsilon`` at ``target_delta`` (and sigma - tol would spend more).
 
+    Args: target_epsilon > 0; target_delta in (0, 1); sample_rate q in [0, 1]; steps >= 0;
+    accountant "rdp" or "pld" (as :func:`get_epsilon`); tol > 0, the bracket width of
+    dp-accounting's ``calibrate_dp_mechanism`` (bisection over [0, 1e6]).
+    Returns: sigma (float >= 0; 0.0 when steps = 0 or q = 0).
     Raises: ValueError on arguments out of range, or when no sigma <= 1e6 reaches the
     target (budget too small for that many steps)."""
     check_positive("target_epsilon", target_epsilon)
@@ -115,18 +127,93 @@ def get_noise_multiplier(target_epsilon: float, target_delta: float, sample_rate
 
 
 def truncation_delta(steps: int, numel: int) -> float:
-    """delta cost of the noise stream's bounded tail: T * ceil(d / 2) * 2**-96 (SPEC 3)."""
-    return _check_steps(steps) * math.ceil(numel / 2) * 2.0**-96
+    """delta cost of the noise stream's bounded tail: T * ceil(d / 2) * 2**-96 (SPEC 3).
+
+    Args:
+        steps: optimizer steps T (int >= 0).
+        numel: noised coordinates d per step (int >= 0; the model's trainable numel).
+    Returns: the additive delta (float), e.g. < 1e-14 for 1e4 steps of a 7e10-parameter model.
+    Raises: ValueError if ``steps`` or ``numel`` is not an int >= 0."""
+    return _check_steps(steps) * math.ceil(_check_count("numel", numel) / 2) * 2.0**-96
+
+
+#: The keys of :meth:`PrivacyAccountant.state_dict`.
+STATE_KEYS = ("accountant", "history")
+
+
+def _check_run(k: int, run) -> list:
+    """``history[k]`` as ``[float sigma, float q, int steps]``, or ValueError naming it."""
+    where = f"history[{k}]"
+    if not isinstance(run, (list, tuple)) or len(run) != 3:
+        raise ValueError(f"invalid {where}={run!r}: expected [noise_multiplier, sample_rate, "
+                         "steps]")
+    sigma, q, T = run
+    for name, v in (("noise_multiplier", sigma), ("sample_rate", q)):
+        try:
+            finite = not isinstance(v, bool) and isinstance(v, numbers.Real) \
+                and math.isfinite(float(v))
+        except OverflowError:  # an int beyond float range
+            finite = False
+        if not finite:
+            raise ValueError(f"invalid {where} {name}={v!r}: expected a finite real number")
+    if sigma < 0:
+        raise ValueError(f"invalid {where} noise_multiplier={sigma!r}: must be >= 0")
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"invalid {where} sample_rate={q!r}: must be in [0, 1]")
+    if isinstance(T, bool) or not isinstance(T, numbers.Integral) or T < 0:
+        raise ValueError(f"invalid {where} steps={T!r}: expected an int >= 0")
+    return [float(sigma), float(q), int(T)]
 
 
 class PrivacyAccountant:
-    """A running DP-SGD privacy ledger: ``step(noise_multiplier, sample_rate)`` after each
-    optimizer step, ``get_epsilon(delta)`` at any time. History is a list of
-    ``[noise_multiplier, sample_rate, steps]`` runs (consecutive equal steps merged), so
-    noise schedules and resumed runs account exactly.
+    """A running privacy ledger of DP-SGD training: the (epsilon, delta) spent so far.
 
-    Like Opacus' accountants, it is separate from the optimizer: the training loop calls
-    ``step`` (Opacus' optimizer/accountant separation)."""
+    The mechanism accounted is DP-SGD's (Abadi et al. 2016): each step is one Poisson-
+    subsampled Gaussian mechanism, every sample is in the batch independently with
+    probability ``sample_rate`` q, and Gaussian noise of standard deviation
+    ``noise_multiplier * max_grad_norm`` is added to the sum of per-sample gradients
+    clipped to ``max_grad_norm`` (SPEC sections 2-4); neighbouring datasets differ by
+    adding or removing one example. Steps compose adaptively.
+
+    Call :meth:`step` once after each optimizer step (or once per run of equal steps)
+    and :meth:`get_epsilon` at any time. Like Opacus' accountants it is separate from the
+    optimizer: the training loop steps it, so noise schedules (a different sigma per
+    step), changing sample rates and resumed runs account exactly.
+
+    The epsilons are computed by Google's dp-accounting, never by dpkern itself:
+
+    - ``"rdp"``: Renyi DP (Mironov 2017, "Renyi differential privacy", arXiv 1702.07476)
+      of the sampled Gaussian (Mironov, Talwar & Zhang 2019, arXiv 1908.10530), summed
+      over the steps at each order of :data:`RDP_ORDERS` (Opacus' and TF Privacy's grid),
+      converted to (epsilon, delta) by the bound of Balle et al. 2020, "Hypothesis testing
+      interpretations and Renyi differential privacy" (arXiv 1905.09982, Theorem 21;
+      dp-accounting's ``RdpAccountant``). Agrees with Opacus' ``RDPAccountant``.
+    - ``"pld"``: privacy loss distributions (Meiser & Mohammadi 2018; Koskela et al. 2020;
+      Doroshenko et al. 2022, "Connect the dots", arXiv 2207.04380; dp-accounting's
+      ``PLDAccountant``, pessimistic discretisation at interval 1e-4): a tighter valid
+      epsilon than RDP.
+
+    Args:
+        accountant: ``"rdp"`` (default) or ``"pld"``; fixed for the ledger's life (a
+            checkpoint resumes only into an accountant of the same kind).
+    Raises:
+        ValueError: an unknown ``accountant``.
+
+    Attributes:
+        accountant (str): ``"rdp"`` or ``"pld"``.
+        history (list): the ledger, a list of runs ``[noise_multiplier, sample_rate,
+            steps]`` (float, float, int) in training order; consecutive steps with equal
+            sigma and q are merged into one run. Treat it as read-only: use :meth:`step`
+            and :meth:`load_state_dict` to change it.
+
+    Example::
+
+        acc = PrivacyAccountant("rdp")
+        for batch in loader:
+            ...; optimizer.step()
+            acc.step(noise_multiplier=optimizer.noise_multiplier, sample_rate=q)
+        eps, delta = acc.get_privacy_spent(1e-5, numel=n_trainable)
+    """
 
     def __init__(self, accountant: str = "rdp"):
         self.accountant = _check_accountant(accountant)
@@ -134,9 +221,21 @@ class PrivacyAccountant:
 
     @property
     def steps(self) -> int:
+        """Steps accounted so far (int >= 0): the sum of the runs' step counts."""
         return sum(run[2] for run in self.history)
 
     def step(self, noise_multiplier: float, sample_rate: float, num_steps: int = 1) -> None:
+        """Record ``num_steps`` DP-SGD steps at noise multiplier sigma and sample rate q.
+
+        Args:
+            noise_multiplier: sigma, the noise standard deviation divided by the clipping
+                bound ``max_grad_norm`` (dimensionless, finite, >= 0; 0 means no noise:
+                epsilon becomes infinite once q > 0).
+            sample_rate: q, each example's probability of being in the batch (Poisson
+                sampling; expected batch size / dataset size), in [0, 1].
+            num_steps: how many such steps (int >= 0; default 1).
+        Raises:
+            ValueError: an argument out of range; the ledger is then unchanged."""
         check_nonnegative("noise_multiplier", noise_multiplier)
         _check_rate(sample_rate)
         _check_steps(num_steps)
@@ -146,6 +245,19 @@ class PrivacyAccountant:
             self.history.append([float(noise_multiplier), float(sample_rate), num_steps])
 
     def get_epsilon(self, delta: float) -> float:
+        """The epsilon spent by every step recorded so far, at ``delta``.
+
+        The runs are composed as dp-accounting ``DpEvent``s (one
+        ``SelfComposedDpEvent(PoissonSampledDpEvent(q, GaussianDpEvent(sigma)), steps)``
+        per run) in this accountant's kind (see the class doc: RDP or PLD).
+
+        Args:
+            delta: target delta, in (0, 1) (commonly below 1 / dataset size).
+        Returns:
+            epsilon (float >= 0): 0.0 when no step with q > 0 was recorded; ``inf`` if a
+            step with sigma = 0 and q > 0 was.
+        Raises:
+            ValueError: ``delta`` outside (0, 1)."""
         _check_delta("delta", delta)
         runs = [r for r in self.history if r[1] > 0 and r[2] > 0]
         if not runs:
@@ -158,14 +270,71 @@ class PrivacyAccountant:
         return float(acc.get_epsilon(delta))
 
     def get_privacy_spent(self, delta: float, numel: int) -> tuple[float, float]:
-        """(epsilon, delta + truncation_delta(steps, numel)): what to report for a model of
-        ``numel`` noised coordinates (SPEC section 3)."""
-        return self.get_epsilon(delta), delta + truncation_delta(self.steps, numel)
+        """What to report: ``(epsilon, delta + truncation_delta(steps, numel))``.
+
+        dpkern's noise stream bounds each Gaussian draw at about 11.6 sigma (SPEC
+        section 3), which costs an additive ``T * ceil(d / 2) * 2**-96`` in delta
+        (:func:`truncation_delta`); this adds it to the target.
+
+        Args:
+            delta: target delta of the Gaussian mechanism, in (0, 1).
+            numel: noised coordinates per step (int >= 0: the trainable parameters' numel).
+        Returns:
+            ``(epsilon, total_delta)``: epsilon as :meth:`get_epsilon` at ``delta``.
+        Raises:
+            ValueError: ``delta`` outside (0, 1) or ``numel`` not an int >= 0."""
+        truncation = truncation_delta(self.steps, numel)
+        return self.get_epsilon(delta), delta + truncation
 
     def state_dict(self) -> dict:
+        """The ledger as a plain dict (picklable and JSON-serialisable), to checkpoint
+        next to the model and optimizer and restore with :meth:`load_state_dict`.
+
+        Returns:
+            ``{"accountant": "rdp" | "pld", "history": [[sigma, q, steps], ...]}``, a copy
+            (later steps do not change it)."""
         return {"accountant": self.accountant, "history": [list(r) for r in self.history]}
 
     def load_state_dict(self, state: dict) -> None:
-        acc = _check_accountant(state.get("accountant", "rdp"))
-        history = [[float(s), float(q), int(T)] for s, q, T in state.get("history", [])]
-        self.accountant, self.history = acc, history
+        """Replace the ledger by a checkpoint's (from :meth:`state_dict`).
+
+        The whole dict is validated before anything changes: when it raises, the ledger
+        is exactly as it was (losing the spent budget would under-report epsilon).
+
+        Args:
+            state: a dict with exactly the keys ``"accountant"`` (this accountant's kind)
+                and ``"history"`` (a list of ``[noise_multiplier, sample_rate, steps]``
+                runs: sigma a finite real >= 0, q a real in [0, 1], steps an int >= 0).
+        Raises:
+            ValueError: not a dict; a missing or unknown key; an invalid run (named by its
+                index); a checkpoint of the other accountant kind (construct
+                ``PrivacyAccountant(accountant=...)`` of the checkpoint's kind to resume
+                it)."""
+        if not isinstance(state, Mapping):
+            raise ValueError(f"PrivacyAccountant.load_state_dict: expected a dict with keys "
+                             f"{list(STATE_KEYS)} (from state_dict()), got "
+                             f"{type(state).__name__}")
+        missing = [k for k in STATE_KEYS if k not in state]
+        unknown = sorted(map(repr, set(state) - set(STATE_KEYS)))
+        if missing or unknown:
+            raise ValueError("PrivacyAccountant.load_state_dict: "
+                             + (f"missing key(s) {missing}" if missing else "")
+                             + ("; " if missing and unknown else "")
+                             + (f"unknown key(s) [{', '.join(unknown)}]" if unknown else "")
+                             + f" (expected exactly {list(STATE_KEYS)}, from state_dict())")
+        kind = state["accountant"]
+        if not isinstance(kind, str) or kind not in ACCOUNTANTS:
+            raise ValueError(f"PrivacyAccountant.load_state_dict: invalid accountant={kind!r}: "
+                             f"expected one of {ACCOUNTANTS}")
+        if kind != self.accountant:
+            raise ValueError(f"PrivacyAccountant.load_state_dict: the checkpoint is a "
+                             f"{kind!r} ledger, this is a {self.accountant!r} accountant; "
+                             f"construct PrivacyAccountant(accountant={kind!r}) to resume it "
+                             "(the accountant kind is fixed when it is constructed)")
+        runs = state["history"]
+        if not isinstance(runs, (list, tuple)):
+            raise ValueError(f"PrivacyAccountant.load_state_dict: invalid history of type "
+                             f"{type(runs).__name__}: expected a list of [noise_multiplier, "
+                             "sample_rate, steps] runs")
+        history = [_check_run(k, r) for k, r in enumerate(runs)]
+        self.history = history

@@ -77,3 +77,117 @@ def test_running_accountant_with_schedule_and_state_dict():
     eps, delta = acc.get_privacy_spent(1e-5, numel=124_000_000)
     assert delta == pytest.approx(1e-5 + 80 * 62_000_000 * 2.0**-96)
     assert A.truncation_delta(10**4, 70 * 10**9) < 1e-14  # SPEC section 3's claim
+
+
+# -- load_state_dict validates everything before it changes the ledger ----------------------
+def _spent_ledger(accountant="rdp"):
+    acc = A.PrivacyAccountant(accountant)
+    acc.step(1.1, 0.02, 300)
+    acc.step(0.8, 0.02, 100)
+    return acc
+
+
+@pytest.mark.parametrize("state,match", [
+    ({}, r"missing key\(s\) \['accountant', 'history'\]"),
+    ({"accountant": "rdp"}, r"missing key\(s\) \['history'\]"),
+    ({"history": []}, r"missing key\(s\) \['accountant'\]"),
+    ({"accountant": "rdp", "history": [], "steps": 5}, r"unknown key\(s\) \['steps'\]"),
+    ([["rdp"], []], "expected a dict"),
+    (None, "expected a dict"),
+    ({"accountant": "gdp", "history": []}, "invalid accountant='gdp'"),
+    ({"accountant": None, "history": []}, "invalid accountant=None"),
+    ({"accountant": "rdp", "history": "1.0,0.01,5"}, "invalid history of type str"),
+    ({"accountant": "rdp", "history": {"a": 1}}, "invalid history of type dict"),
+    ({"accountant": "rdp", "history": [[1.0, 0.01]]}, r"history\[0\]"),
+    ({"accountant": "rdp", "history": [[1.0, 0.01, 5], 7]}, r"history\[1\]"),
+    ({"accountant": "rdp", "history": [[-1.0, 0.01, 5]]}, r"noise_multiplier=-1.0: must be >= 0"),
+    ({"accountant": "rdp", "history": [[math.nan, 0.01, 5]]}, "noise_multiplier=nan"),
+    ({"accountant": "rdp", "history": [[math.inf, 0.01, 5]]}, "noise_multiplier=inf"),
+    ({"accountant": "rdp", "history": [["1.0", 0.01, 5]]}, "noise_multiplier='1.0'"),
+    ({"accountant": "rdp", "history": [[True, 0.01, 5]]}, "noise_multiplier=True"),
+    ({"accountant": "rdp", "history": [[1.0, 1.5, 5]]}, r"sample_rate=1.5: must be in \[0, 1\]"),
+    ({"accountant": "rdp", "history": [[1.0, -0.1, 5]]}, "sample_rate=-0.1"),
+    ({"accountant": "rdp", "history": [[1.0, math.nan, 5]]}, "sample_rate=nan"),
+    ({"accountant": "rdp", "history": [[1.0, 0.01, 2.5]]}, r"steps=2.5: expected an int >= 0"),
+    ({"accountant": "rdp", "history": [[1.0, 0.01, 5.0]]}, r"steps=5.0"),
+    ({"accountant": "rdp", "history": [[1.0, 0.01, -3]]}, r"steps=-3"),
+    ({"accountant": "rdp", "history": [[1.0, 0.01, "5"]]}, r"steps='5'"),
+    ({"accountant": "rdp", "history": [[1.0, 0.01, True]]}, r"steps=True"),
+    ({"accountant": "rdp", "history": [[1.0, 0.01, 5], [1.0, 0.01, None]]},
+     r"history\[1\] steps=None"),
+])
+def test_load_state_dict_refuses_bad_states_and_keeps_the_ledger(state, match):
+    """A junk state (``{}`` wiped a spent ledger to epsilon 0 before) is a ValueError, and
+    the ledger is unchanged: validation is complete before anything is assigned."""
+    acc = _spent_ledger()
+    before, eps = acc.state_dict(), acc.get_epsilon(1e-5)
+    assert eps > 1.0
+    with pytest.raises(ValueError, match=match):
+        acc.load_state_dict(state)
+    assert acc.state_dict() == before and acc.accountant == "rdp"
+    assert acc.get_epsilon(1e-5) == eps and acc.steps == 400
+
+
+@pytest.mark.parametrize("saved,mine", [("rdp", "pld"), ("pld", "rdp")])
+def test_load_state_dict_refuses_the_other_accountant_kind(saved, mine):
+    """An RDP checkpoint loaded into a PLD accountant switched its kind silently before."""
+    acc = A.PrivacyAccountant(mine)
+    acc.step(2.0, 0.01, 10)
+    before = acc.state_dict()
+    with pytest.raises(ValueError, match=rf"construct PrivacyAccountant\(accountant='{saved}'\)"):
+        acc.load_state_dict(_spent_ledger(saved).state_dict())
+    assert acc.accountant == mine and acc.state_dict() == before
+    resumed = A.PrivacyAccountant(saved)   # the way the message gives
+    resumed.load_state_dict(_spent_ledger(saved).state_dict())
+    assert resumed.get_epsilon(1e-5) == _spent_ledger(saved).get_epsilon(1e-5)
+
+
+def test_load_state_dict_accepts_valid_checkpoints():
+    """Round trips, JSON (tuples become lists, ints stay ints), tuples, int sigma, an empty
+    history, zero-step runs; the loaded ledger is a copy (later steps leave the dict)."""
+    import json
+
+    acc = _spent_ledger()
+    for state in [acc.state_dict(), json.loads(json.dumps(acc.state_dict())),
+                  {"accountant": "rdp", "history": ((1.1, 0.02, 300), (0.8, 0.02, 100))}]:
+        clone = A.PrivacyAccountant()
+        clone.load_state_dict(state)
+        assert clone.history == acc.history and clone.get_epsilon(1e-5) == acc.get_epsilon(1e-5)
+    state = {"accountant": "rdp", "history": [[2, 0, 0], [1, 1, 3]]}
+    clone = A.PrivacyAccountant()
+    clone.load_state_dict(state)
+    assert clone.history == [[2.0, 0.0, 0], [1.0, 1.0, 3]]
+    assert all(type(r[0]) is float and type(r[2]) is int for r in clone.history)
+    clone.step(1.0, 1.0)
+    assert state["history"][1] == [1, 1, 3] and clone.steps == 4
+    empty = _spent_ledger()
+    empty.load_state_dict({"accountant": "rdp", "history": []})  # explicit: a fresh ledger
+    assert empty.get_epsilon(1e-5) == 0.0
+
+
+def test_truncation_delta_and_privacy_spent_validate_numel():
+    acc = _spent_ledger()
+    for bad in (-1, 2.5, "10", None):
+        with pytest.raises(ValueError, match="numel"):
+            acc.get_privacy_spent(1e-5, numel=bad)
+    assert A.truncation_delta(0, 0) == 0.0
+
+
+def test_public_accountant_api_is_documented():
+    """Every public method and property of PrivacyAccountant says what it takes, returns
+    and raises (torch.optim's docstring standard)."""
+    import inspect
+
+    assert "Mironov" in A.PrivacyAccountant.__doc__ and "Balle" in A.PrivacyAccountant.__doc__
+    assert "PLD" in A.PrivacyAccountant.__doc__ or "privacy loss" in A.PrivacyAccountant.__doc__
+    for name, member in vars(A.PrivacyAccountant).items():
+        if name.startswith("_") and name != "__init__":
+            continue
+        doc = inspect.getdoc(member.fget if isinstance(member, property) else member)
+        if name == "__init__":
+            doc = A.PrivacyAccountant.__doc__  # constructor arguments: in the class doc
+        assert doc and len(doc) > 40, name
+        if callable(member) and name not in ("__init__", "state_dict"):
+            assert "Raises" in doc, name
+        if callable(member) and name in ("get_epsilon", "get_privacy_spent", "state_dict"):
+            assert "Returns" in doc, name

@@ -435,3 +435,120 @@ def test_non_reentrant_gradient_checkpointing():
             return self.c(torch.tanh(checkpoint(self.block, x, use_reentrant=False)))
 
     assert_norms_match(Net(), lambda m, x: m(x).square().sum((1, 2)), torch.randn(3, 5, 4))
+
+
+# -- rounding: a squared norm that cancels to ~0 is clamped at 0, never a NaN ------------------
+def _cancelling_linear_batch(B=64, d=64, p=64, seed=0):
+    """Two tokens per sample with inputs a, a + 1e-3 e and output gradients v, -v: the
+    per-sample weight gradient v (x) (-1e-3 e) is ~0, but the Gram terms are ~|a|^2 |v|^2."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(B, 1, d, generator=g) * 30
+    x = torch.cat([a, a + 1e-3 * torch.randn(B, 1, d, generator=g)], 1)
+    v = torch.randn(B, p, generator=g)
+    return x, v
+
+
+def test_gram_rounding_negative_is_clamped_in_reference():
+    x, v = _cancelling_linear_batch()
+    G = torch.stack([v, -v], 1)
+    # the unclamped float32 Gram sum of this case is negative for some samples:
+    raw = (torch.bmm(G, G.transpose(1, 2)) * torch.bmm(x, x.transpose(1, 2))).sum((1, 2))
+    assert (raw < 0).any()
+    got = outer_norm_sq(G, x, method="gram")
+    assert got.dtype == torch.float32 and (got >= 0).all()
+    torch.testing.assert_close(got, raw.clamp_min(0))
+
+
+@pytest.mark.parametrize("nonfinite", ["error", "zero"])
+def test_ghost_rounding_negative_norm_is_not_a_nonfinite_sample(nonfinite):
+    """A Gram-path squared norm that float32 rounding makes slightly negative was a NaN
+    after sqrt: FloatingPointError (nonfinite="error") or the sample silently dropped
+    (nonfinite="zero"). Clamped at 0 it is a finite sample, clipped and summed."""
+    x, v = _cancelling_linear_batch()
+    B = x.shape[0]
+    model = nn.Linear(64, 64, bias=False)
+    assert outer_method(2, 64, 64) == "gram"
+
+    def losses(m):
+        out = m(x)                                   # [B, 2, p]
+        return ((out[:, 0] - out[:, 1]) * v).sum(1)  # output gradients v and -v
+
+    opt = dpkern.DPSGD(model.parameters(), lr=0.1, max_grad_norm=1.0, noise_multiplier=0.0,
+                       expected_batch_size=B, seed=0, nonfinite=nonfinite, backend="torch")
+    with GhostClipping(model, opt, backend="torch") as gc:
+        _, norms = gc.clipped_sums(losses(model))
+        assert torch.isfinite(norms).all() and (norms >= 0).all()
+        gc.backward(losses(model))
+    assert opt.stats["nonfinite_samples"] == 0 and opt.stats["samples"] == B
+    assert all(torch.isfinite(b).all() for b in opt.clipped_sum_buffers())
+
+
+def test_tied_cross_term_rounding_negative_is_clamped():
+    """Tied embedding + output layer whose uses cancel (E_i = -L_i up to 1e-4): the norm
+    ||E||^2 + ||L||^2 + 2 <E, L> rounds below 0 in float32 for some samples."""
+    from dpkern.ghost.norms import IndexUse, OuterUse, index_outer_cross
+    gen = torch.Generator().manual_seed(0)
+    B, V, d = 128, 10, 64
+    ids = torch.randint(0, V, (B, 1), generator=gen)
+    x = torch.randn(B, 1, d, generator=gen) * 30
+    out = -nn.functional.one_hot(ids[:, 0], V).float().unsqueeze(1)   # [B, 1, V]
+    inp = x + 1e-4 * torch.randn(B, 1, d, generator=gen)
+    raw = (index_norm_sq(ids, x, V) + outer_norm_sq(out, inp)
+           + 2.0 * index_outer_cross(ids, x, out, inp))
+    assert (raw < 0).any()
+    got = param_norm_sq([IndexUse(ids, x, V), OuterUse(out, inp)], (V, d), B)
+    assert (got >= 0).all() and torch.isfinite(got).all()
+    torch.testing.assert_close(got, raw.clamp_min(0))
+
+
+def test_clamp_keeps_nonfinite_squared_norms():
+    from dpkern.ghost.norms import clamp_norm_sq
+    x = torch.tensor([-1e-3, 0.0, 2.0, float("nan"), float("inf"), float("-inf")])
+    got = clamp_norm_sq(x)
+    assert got[:3].tolist() == [0.0, 0.0, 2.0]
+    assert got[3].isnan() and got[4] == float("inf") and got[5] == float("-inf")
+    assert not torch.isfinite(got[3:].sqrt()).any()   # still non-finite after sqrt
+
+
+# -- float64 models: norms in float64 -----------------------------------------------------------
+F64_RTOL = 1e-12
+
+
+def assert_float64_norms_match(model, loss_of, inputs):
+    params, ref = loop_grads(model, loss_of, inputs)
+    ghost = ghost_param_norms(model, params, loss_of, inputs)
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, r, g in zip(params, ref, ghost):
+        assert g.dtype == torch.float64, names[id(p)]
+        want = r.reshape(r.shape[0], -1).square().sum(1)
+        torch.testing.assert_close(g, want, rtol=F64_RTOL, atol=1e-300,
+                                   msg=lambda m: f"{names[id(p)]}: {m}")
+    return params, ref
+
+
+def test_float64_gpt2_ghost_norms_match_float64_loop():
+    """Every per-parameter norm of a float64 GPT-2 (Conv1D, tied wte <-> lm_head, LayerNorm,
+    position embedding) equals the float64 per-example loop to 1e-12 relative (float32
+    accumulation gave ~1e-7)."""
+    model = tiny_gpt2(vocab=17, T=10, d=16, layers=1, seed=3).double()
+    ids = torch.randint(0, 17, (3, 10))
+    assert_float64_norms_match(model, gpt2_loss, ids)
+
+
+def test_float64_layer_types_and_ghost_clipping_norms():
+    """Embedding, Linear (sequence and 2-D), LayerNorm, RMSNorm and a Linear used twice in
+    float64; GhostClipping's total norms are float64 and match the loop's."""
+    torch.manual_seed(4)
+    model = Seq().double()
+    with torch.no_grad():
+        for m in (model.ln, model.rms):
+            m.weight.normal_()
+    ids = torch.randint(0, 11, (5, 7))
+    params, ref = assert_float64_norms_match(model, seq_loss, ids)
+    want = sum(r.reshape(r.shape[0], -1).square().sum(1) for r in ref).sqrt()
+    opt = dpkern.DPSGD(params, lr=0.1, max_grad_norm=1.0, noise_multiplier=0.0,
+                       expected_batch_size=5, seed=0, backend="torch")
+    with GhostClipping(model, opt, backend="torch") as gc:
+        _, norms = gc.clipped_sums(seq_loss(model, ids))
+    assert norms.dtype == torch.float64
+    torch.testing.assert_close(norms, want, rtol=F64_RTOL, atol=0)

@@ -91,3 +91,46 @@ def test_ghost_clipping_uses_kernel(device, monkeypatch):
     torch.testing.assert_close(n_tri, n_ref, rtol=1e-5, atol=0)
     for a, b in zip(s_tri, s_ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _raw_kernel(out, inp, block_t=32, block_k=32):
+    """The kernel's unclamped per-sample sums (gram_norm_sq's two launches, no clamp)."""
+    B, T, P0 = out.shape
+    n_tiles = triton_norms.triton.cdiv(T, block_t)
+    partial = torch.empty(B, n_tiles, dtype=torch.float32, device=out.device)
+    res = torch.zeros(B, dtype=torch.float32, device=out.device)
+    triton_norms._ghost_norm_kernel[(B, n_tiles)](out, inp, partial, T, P0, inp.shape[2],
+                                                  *out.stride(), *inp.stride(), n_tiles,
+                                                  BLOCK_T=block_t, BLOCK_K=block_k)
+    triton_norms._sum_rows_kernel[(B,)](partial, res, n_tiles, BLOCK=16)
+    return res
+
+
+def test_kernel_rounding_negative_is_clamped(device):
+    """Two tokens with inputs a, a + 1e-3 e and output gradients v, -v: the per-sample
+    gradient is ~0 but the Gram terms ~|a|^2 |v|^2 cancel, and float32 rounding makes the
+    sum negative for some samples; sqrt of it was a NaN (a finite sample reported
+    non-finite). The kernel's result is clamped at 0."""
+    g = torch.Generator().manual_seed(0)
+    B, d, p = 64, 64, 64
+    a = torch.randn(B, 1, d, generator=g) * 30
+    inp = torch.cat([a, a + 1e-3 * torch.randn(B, 1, d, generator=g)], 1).to(device)
+    v = torch.randn(B, 1, p, generator=g)
+    out = torch.cat([v, -v], 1).to(device)
+    raw = _raw_kernel(out, inp)
+    assert (raw < 0).any()
+    got = triton_norms.gram_norm_sq(out, inp)
+    assert got.dtype == torch.float32 and (got >= 0).all()
+    torch.testing.assert_close(got, raw.clamp_min(0), rtol=0, atol=0)
+    bad = out.clone()
+    bad[1, 0, 0] = float("nan")
+    assert torch.isnan(triton_norms.gram_norm_sq(bad, inp)[1])   # NaN stays non-finite
+
+
+def test_kernel_float64_inputs_keep_float64(device):
+    """Float64 inputs (a float64 model) are not narrowed to the kernel's float32."""
+    out = torch.randn(3, 9, 7, dtype=torch.float64, device=device)
+    inp = torch.randn(3, 9, 5, dtype=torch.float64, device=device)
+    got = triton_norms.gram_norm_sq(out, inp)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, exact(out, inp), rtol=1e-12, atol=0)

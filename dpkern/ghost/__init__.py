@@ -44,7 +44,7 @@ from .. import backends
 from ..functional import clip_factors
 from .bookkeeping import clipped_sum
 from .capture import Capture, module_kind
-from .norms import DEFAULT_CHUNK_BYTES, param_norm_sq
+from .norms import DEFAULT_CHUNK_BYTES, clamp_norm_sq, param_norm_sq
 
 __all__ = ["GhostClipping", "module_kind", "supports"]
 
@@ -165,20 +165,26 @@ class GhostClipping:
         Args: losses: float ``[B]`` per-sample losses of the recorded forward(s).
         Returns: ``(sums, norms)``: ``sums[k]`` float32 shaped like
             ``optimizer.trainable_params()[k]`` (None: unused this step, zero), holding
-            ``sum_i c_i g_i`` with ``c_i = min(1, C / (n_i + 1e-6))``; ``norms`` float32
-            ``[B]`` (private: never log them).
+            ``sum_i c_i g_i`` with ``c_i = min(1, C / (n_i + 1e-6))``; ``norms`` ``[B]``,
+            float32, float64 for a float64 model (private: never log them). Each
+            squared norm is clamped at 0 before the square root: float rounding in the
+            Gram path and tied cross terms can make a tiny one slightly negative, which
+            must not become a NaN (a finite sample reported non-finite).
         Raises: ValueError (see :meth:`Capture.backward`), FloatingPointError (a
             non-finite sample under ``nonfinite="error"``), RuntimeError (``check``)."""
         params = self.capture.params
         B, uses, summed = self.capture.backward(losses, check=self.check)
         device = losses.device
         outer_fn = self._outer_fn(device)
-        norm_sq = torch.zeros(B, dtype=torch.float32, device=device)
-        for p, u in zip(params, uses):
-            if u:
-                norm_sq += param_norm_sq(u, p.shape, B, outer_fn=outer_fn,
-                                         chunk_bytes=self.chunk_bytes)
-        norms = norm_sq.sqrt()
+        per_param = [param_norm_sq(u, p.shape, B, outer_fn=outer_fn,
+                                   chunk_bytes=self.chunk_bytes)
+                     for p, u in zip(params, uses) if u]
+        dtype = torch.float64 if any(n.dtype == torch.float64 for n in per_param) \
+            else torch.float32
+        norm_sq = torch.zeros(B, dtype=dtype, device=device)
+        for n in per_param:
+            norm_sq += n
+        norms = clamp_norm_sq(norm_sq).sqrt()
         finite = torch.isfinite(norms)
         bad = (~finite).nonzero().flatten().tolist()
         if bad and self.optimizer.nonfinite == "error":

@@ -16,7 +16,12 @@ share it); a use is one of three forms, all in the parameter's own orientation:
   whose per-sample gradients are tiny (biases: ``sum_t g_t``; LayerNorm/RMSNorm weights
   and biases) or, opt-in, for layer types the wrapper does not cover.
 
-The norms (all exact, float32 accumulation, never TF32):
+The norms (all exact; accumulated in float32, or in float64 when an input is float64, as
+for a float64 model; never TF32). Every per-parameter squared norm is clamped at 0
+(:func:`clamp_norm_sq`): the Gram path and the tied cross term are sums whose terms
+cancel, so float rounding can make a tiny squared norm slightly negative, which ``sqrt``
+would turn into a NaN (a finite sample reported non-finite); NaN and +-Inf stay as they
+are (a non-finite sample stays one).
 
 - OuterUse, Gram path: ``||G_i^T A_i||^2 = sum((A_i A_i^T) o (G_i G_i^T))`` -- two T x T
   Grams per sample, ~2 B T^2 (d + p) flops; instantiation path: form ``G_i^T A_i``
@@ -48,7 +53,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["OuterUse", "IndexUse", "RowsUse", "outer_method", "outer_norm_sq",
+__all__ = ["OuterUse", "IndexUse", "RowsUse", "acc_dtype", "clamp_norm_sq",
+           "outer_method", "outer_norm_sq",
            "index_norm_sq", "index_outer_cross", "rows_norm_sq", "layer_norm_rows",
            "rms_norm_rows", "param_norm_sq", "instantiate", "no_tf32", "DEFAULT_CHUNK_BYTES"]
 
@@ -90,6 +96,19 @@ def no_tf32():
         torch.backends.cuda.matmul.allow_tf32 = old
 
 
+def acc_dtype(*tensors: Tensor) -> torch.dtype:
+    """Accumulation dtype of norms of these tensors: float64 if any of them is float64,
+    else float32 (also for bf16 / fp16 inputs), as SPEC section 2's norms."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def clamp_norm_sq(x: Tensor) -> Tensor:
+    """Squared norms with finite negatives (float rounding in sums that cancel: Gram
+    differences, tied cross terms) set to 0; NaN and +-Inf kept (non-finite samples stay
+    non-finite: ``clamp_min`` would turn -Inf into 0). Returns a new tensor."""
+    return torch.where(torch.isfinite(x), x.clamp_min(0), x)
+
+
 def _chunks(B: int, bytes_per_sample: int, chunk_bytes: int):
     step = max(1, chunk_bytes // max(1, bytes_per_sample))
     return [(i, min(B, i + step)) for i in range(0, B, step)]
@@ -110,7 +129,8 @@ def outer_norm_sq(out: Tensor, inp: Tensor, *, method: str = "auto",
         inp: ``[B, T, P1]`` (or ``[B, P1]``), same B and T.
         method: ``"auto"`` (:func:`outer_method`), ``"gram"`` or ``"instantiate"``.
         chunk_bytes: temporary memory per chunk of samples.
-    Returns: float32 ``[B]``.
+    Returns: ``[B]``, float32 (float64 if an input is float64), >= 0 or non-finite: the
+        Gram path's rounding negatives are clamped to 0 (:func:`clamp_norm_sq`).
     Raises: ValueError for mismatched shapes or an unknown method.
     """
     if out.dim() == 2:
@@ -124,19 +144,21 @@ def outer_norm_sq(out: Tensor, inp: Tensor, *, method: str = "auto",
         method = outer_method(T, P1, P0)
     if method not in ("gram", "instantiate"):
         raise ValueError(f"unknown method={method!r}: expected 'auto', 'gram' or 'instantiate'")
-    res = torch.empty(B, dtype=torch.float32, device=out.device)
+    dt = acc_dtype(out, inp)
+    size = torch.finfo(dt).bits // 8
+    res = torch.empty(B, dtype=dt, device=out.device)
     with no_tf32():
         if T == 1:
-            return (out.float().square().sum((1, 2)) * inp.float().square().sum((1, 2)))
+            return (out.to(dt).square().sum((1, 2)) * inp.to(dt).square().sum((1, 2)))
         if method == "gram":
-            for a, b in _chunks(B, 8 * T * T, chunk_bytes):
-                o, x = out[a:b].float(), inp[a:b].float()
+            for a, b in _chunks(B, 2 * size * T * T, chunk_bytes):
+                o, x = out[a:b].to(dt), inp[a:b].to(dt)
                 res[a:b] = (torch.bmm(o, o.transpose(1, 2)) *
                             torch.bmm(x, x.transpose(1, 2))).sum((1, 2))
-        else:
-            for a, b in _chunks(B, 4 * P0 * P1, chunk_bytes):
-                g = torch.bmm(out[a:b].float().transpose(1, 2), inp[a:b].float())
-                res[a:b] = g.square().sum((1, 2))
+            return clamp_norm_sq(res)
+        for a, b in _chunks(B, size * P0 * P1, chunk_bytes):
+            g = torch.bmm(out[a:b].to(dt).transpose(1, 2), inp[a:b].to(dt))
+            res[a:b] = g.square().sum((1, 2))
     return res
 
 
@@ -152,14 +174,16 @@ def index_norm_sq(ids: Tensor, g: Tensor, num_rows: int) -> Tensor:
     """Per-sample ``sum_v ||sum_{t: ids[i,t] = v} g[i,t]||^2`` (an Embedding's gradient).
 
     Args: ids ``[B, T]`` integer in [0, num_rows); g ``[B, T, P1]`` (padding tokens
-    zeroed by the caller). Returns float32 ``[B]``. Memory O(B T P1): no one-hot."""
+    zeroed by the caller). Returns ``[B]``, float32 (float64 if g is float64).
+    Memory O(B T P1): no one-hot."""
     B, T, P1 = g.shape
-    res = torch.zeros(B, dtype=torch.float32, device=g.device)
+    dt = acc_dtype(g)
+    res = torch.zeros(B, dtype=dt, device=g.device)
     if B == 0 or T == 0:
         return res
     inv, sample = _segments(ids, num_rows)
-    sums = torch.zeros(sample.shape[0], P1, dtype=torch.float32, device=g.device)
-    sums.index_put_((inv,), g.reshape(B * T, P1).float(), accumulate=True)
+    sums = torch.zeros(sample.shape[0], P1, dtype=dt, device=g.device)
+    sums.index_put_((inv,), g.reshape(B * T, P1).to(dt), accumulate=True)
     return res.index_add_(0, sample, sums.square().sum(1))
 
 
@@ -169,30 +193,33 @@ def index_outer_cross(ids: Tensor, g: Tensor, out: Tensor, inp: Tensor, *,
     parameter: ``sum_{t, s} out[i, s, ids[i, t]] * <g[i, t], inp[i, s]>``.
 
     Args: ids ``[B, Te]``, g ``[B, Te, P1]``, out ``[B, Tl, V]``, inp ``[B, Tl, P1]``.
-    Returns float32 ``[B]``. Temporaries: ``[chunk, Te, Tl]`` twice (a Gram and a gather),
-    never ``V x P1``."""
+    Returns ``[B]``, float32 (float64 if an input is float64); a cross term, so of
+    either sign (not clamped). Temporaries: ``[chunk, Te, Tl]`` twice (a Gram and a
+    gather), never ``V x P1``."""
     if out.dim() == 2:
         out, inp = out.unsqueeze(1), inp.unsqueeze(1)
     B, Te = ids.shape
     Tl = out.shape[1]
-    res = torch.empty(B, dtype=torch.float32, device=g.device)
+    dt = acc_dtype(g, out, inp)
+    size = torch.finfo(dt).bits // 8
+    res = torch.empty(B, dtype=dt, device=g.device)
     with no_tf32():
-        for a, b in _chunks(B, 8 * Te * Tl, chunk_bytes):
-            m = torch.bmm(g[a:b].float(), inp[a:b].float().transpose(1, 2))  # [b, Te, Tl]
+        for a, b in _chunks(B, 2 * size * Te * Tl, chunk_bytes):
+            m = torch.bmm(g[a:b].to(dt), inp[a:b].to(dt).transpose(1, 2))  # [b, Te, Tl]
             idx = ids[a:b].long().unsqueeze(1).expand(b - a, Tl, Te)
-            gx = out[a:b].gather(2, idx).float()                          # [b, Tl, Te]
+            gx = out[a:b].gather(2, idx).to(dt)                           # [b, Tl, Te]
             res[a:b] = (m * gx.transpose(1, 2)).sum((1, 2))
     return res
 
 
 def rows_norm_sq(rows: Tensor) -> Tensor:
-    """``||rows[i]||^2`` in float32: ``[B, ...] -> [B]``."""
-    return rows.float().square().reshape(rows.shape[0], -1).sum(1)
+    """``||rows[i]||^2`` in float32 (float64 for float64 rows): ``[B, ...] -> [B]``."""
+    return rows.to(acc_dtype(rows)).square().reshape(rows.shape[0], -1).sum(1)
 
 
 def _norm_rows(x_hat: Tensor, g: Tensor, n_norm: int, has_bias: bool):
     dims = tuple(range(1, g.dim() - n_norm))
-    gf = g.float()
+    gf = g.to(x_hat.dtype)
     w = (gf * x_hat).sum(dims) if dims else gf * x_hat
     b = (gf.sum(dims) if dims else gf) if has_bias else None
     return w, b
@@ -202,18 +229,19 @@ def layer_norm_rows(x: Tensor, g: Tensor, normalized_shape, eps: float, has_bias
     """Per-sample gradients of a LayerNorm's weight and bias (Ba et al. 2016).
 
     Args: x the layer's input ``[B, ..., *normalized_shape]``; g its output gradient (same
-    shape). Returns ``(weight_rows, bias_rows or None)``, float32 ``[B, *normalized_shape]``:
-    ``sum over the non-normalized dims of g * x_hat`` and ``of g``."""
+    shape). Returns ``(weight_rows, bias_rows or None)``, float32 (float64 if x or g is)
+    ``[B, *normalized_shape]``: ``sum over the non-normalized dims of g * x_hat`` and
+    ``of g``."""
     shape = tuple(normalized_shape)
-    x_hat = torch.nn.functional.layer_norm(x.float(), shape, None, None, eps)
+    x_hat = torch.nn.functional.layer_norm(x.to(acc_dtype(x, g)), shape, None, None, eps)
     return _norm_rows(x_hat, g, len(shape), has_bias)
 
 
 def rms_norm_rows(x: Tensor, g: Tensor, normalized_shape, eps) -> Tensor:
     """Per-sample gradient of an RMSNorm's weight (Zhang & Sennrich 2019), float32
-    ``[B, *normalized_shape]``; x, g as in :func:`layer_norm_rows`."""
+    (float64 if x or g is) ``[B, *normalized_shape]``; x, g as in :func:`layer_norm_rows`."""
     shape = tuple(normalized_shape)
-    x_hat = torch.nn.functional.rms_norm(x.float(), shape, None, eps)
+    x_hat = torch.nn.functional.rms_norm(x.to(acc_dtype(x, g)), shape, None, eps)
     return _norm_rows(x_hat, g, len(shape), False)[0]
 
 
@@ -232,21 +260,23 @@ def _cat_index(uses: list[IndexUse]):
 
 
 def instantiate(uses: list, shape, batch_size: int) -> Tensor:
-    """The per-sample gradient ``[B, *shape]`` (float32) of one parameter from its uses
-    (memory B x numel: used only where a parameter mixes RowsUse with other forms)."""
-    res = torch.zeros(batch_size, *shape, dtype=torch.float32,
+    """The per-sample gradient ``[B, *shape]`` (float32; float64 if a use holds float64
+    tensors) of one parameter from its uses (memory B x numel: used only where a
+    parameter mixes RowsUse with other forms)."""
+    dt = acc_dtype(*_all_tensors(uses))
+    res = torch.zeros(batch_size, *shape, dtype=dt,
                       device=next(iter(_tensors(uses))).device)
     for u in uses:
         if isinstance(u, RowsUse):
-            res += u.rows.float().reshape(res.shape)
+            res += u.rows.to(dt).reshape(res.shape)
         elif isinstance(u, OuterUse):
             o, x = _cat_outer([u])
-            res += torch.bmm(o.float().transpose(1, 2), x.float()).reshape(res.shape)
+            res += torch.bmm(o.to(dt).transpose(1, 2), x.to(dt)).reshape(res.shape)
         else:
             B, T, P1 = u.g.shape
             rows = torch.arange(B, device=u.ids.device).unsqueeze(1).expand(B, T)
             res.view(batch_size, u.num_rows, P1).index_put_(
-                (rows.reshape(-1), u.ids.reshape(-1).long()), u.g.reshape(B * T, P1).float(),
+                (rows.reshape(-1), u.ids.reshape(-1).long()), u.g.reshape(B * T, P1).to(dt),
                 accumulate=True)
     return res
 
@@ -256,33 +286,48 @@ def _tensors(uses):
         yield u.rows if isinstance(u, RowsUse) else (u.out if isinstance(u, OuterUse) else u.g)
 
 
+def _all_tensors(uses):
+    """Every float tensor of the uses (their accumulation dtype is :func:`acc_dtype`'s)."""
+    for u in uses:
+        if isinstance(u, RowsUse):
+            yield u.rows
+        elif isinstance(u, OuterUse):
+            yield from (u.out, u.inp)
+        else:
+            yield u.g
+
+
 def param_norm_sq(uses: list, shape, batch_size: int, *, outer_fn=None,
                   chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Tensor:
-    """Per-sample squared norm ``[B]`` (float32) of one parameter's gradient summed over
-    all its uses (cross terms included).
+    """Per-sample squared norm ``[B]`` of one parameter's gradient summed over all its uses
+    (cross terms included): float32, or float64 if a use holds float64 tensors (a float64
+    model); >= 0 or non-finite (rounding negatives clamped, :func:`clamp_norm_sq`).
 
     Args:
         uses: OuterUse / IndexUse / RowsUse entries of one parameter of shape ``shape``.
         outer_fn: optional ``fn(out, inp) -> [B]`` replacing :func:`outer_norm_sq` (the
-            fused Triton kernel on CUDA).
+            fused Triton kernel on CUDA); not used for float64 uses (the kernel
+            accumulates in float32), which take the float64 reference.
     Raises: ValueError for an empty ``uses``."""
     if not uses:
         raise ValueError("param_norm_sq: no use of the parameter")
     outer = [u for u in uses if isinstance(u, OuterUse)]
     index = [u for u in uses if isinstance(u, IndexUse)]
     rows = [u for u in uses if isinstance(u, RowsUse)]
+    dt = acc_dtype(*_all_tensors(uses))
     if rows and (outer or index):
         return rows_norm_sq(instantiate(uses, shape, batch_size))
     if rows:
-        total = rows[0].rows.float()
+        total = rows[0].rows.to(dt)
         for u in rows[1:]:
-            total = total + u.rows.float()
+            total = total + u.rows.to(dt)
         return rows_norm_sq(total)
-    res = torch.zeros(batch_size, dtype=torch.float32, device=next(_tensors(uses)).device)
+    res = torch.zeros(batch_size, dtype=dt, device=next(_tensors(uses)).device)
     if outer:
         o, x = _cat_outer(outer)
         method = outer_method(o.shape[1], x.shape[2], o.shape[2])
-        if outer_fn is not None and method == "gram" and o.shape[1] > 1:
+        if outer_fn is not None and method == "gram" and o.shape[1] > 1 \
+                and dt != torch.float64:
             res += outer_fn(o, x)
         else:
             res += outer_norm_sq(o, x, method=method, chunk_bytes=chunk_bytes)
@@ -291,4 +336,4 @@ def param_norm_sq(uses: list, shape, batch_size: int, *, outer_fn=None,
         res += index_norm_sq(ids, g, index[0].num_rows)
         if outer:
             res += 2.0 * index_outer_cross(ids, g, o, x, chunk_bytes=chunk_bytes)
-    return res
+    return clamp_norm_sq(res)

@@ -10,6 +10,12 @@ elementwise and adds the product into a register accumulator. No T x T matrix is
 written: each program stores one float, ``partial[i, S]``, and a second stage sums each
 row of ``partial`` in a fixed order. No atomics: deterministic, run to run.
 
+The result is clamped at 0 (:func:`dpkern.ghost.norms.clamp_norm_sq`): the Gram sum's terms
+cancel, so float32 rounding can make a tiny squared norm slightly negative, and its square
+root would be a NaN (a finite sample reported non-finite). NaN / Inf are kept. Float64
+inputs are not narrowed to the kernel's float32: they take the float64 reference
+(:func:`dpkern.ghost.norms.outer_norm_sq`, Gram path).
+
 ``input_precision="ieee"`` is accepted by Triton 3.0 and later (3.6 in the GPU image, 3.9
 here); the deprecated ``allow_tf32=False`` is not used. On CPU tensors the kernel runs only
 under ``TRITON_INTERPRET=1`` (tests); ``dpkern.ghost`` uses it for CUDA tensors.
@@ -22,6 +28,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .norms import clamp_norm_sq, outer_norm_sq
 
 __all__ = ["gram_norm_sq", "BLOCK_T", "BLOCK_K"]
 
@@ -80,9 +88,11 @@ def gram_norm_sq(out: torch.Tensor, inp: torch.Tensor, *, block_t: int = BLOCK_T
 
     Args:
         out: ``[B, T, P0]``, inp: ``[B, T, P1]``: float32/float16/bfloat16, same device
-            (CUDA, or CPU under ``TRITON_INTERPRET=1``), any strides.
+            (CUDA, or CPU under ``TRITON_INTERPRET=1``), any strides. Float64 inputs are
+            computed by the float64 PyTorch reference instead (no kernel).
         block_t, block_k: tile sizes (powers of two >= 16).
-    Returns: float32 ``[B]`` (fp32 accumulation, no TF32; deterministic).
+    Returns: float32 ``[B]`` (fp32 accumulation, no TF32; deterministic), float64 for
+        float64 inputs; >= 0 or non-finite (rounding negatives clamped to 0).
     Raises: ValueError for mismatched shapes or bad tile sizes.
     """
     if out.dim() != 3 or inp.dim() != 3 or out.shape[:2] != inp.shape[:2]:
@@ -91,6 +101,8 @@ def gram_norm_sq(out: torch.Tensor, inp: torch.Tensor, *, block_t: int = BLOCK_T
     for name, v in (("block_t", block_t), ("block_k", block_k)):
         if v < 16 or v & (v - 1):
             raise ValueError(f"gram_norm_sq: {name}={v} must be a power of two >= 16")
+    if out.dtype == torch.float64 or inp.dtype == torch.float64:
+        return outer_norm_sq(out, inp, method="gram")
     B, T, P0 = out.shape
     P1 = inp.shape[2]
     res = torch.zeros(B, dtype=torch.float32, device=out.device)
@@ -102,4 +114,4 @@ def gram_norm_sq(out: torch.Tensor, inp: torch.Tensor, *, block_t: int = BLOCK_T
                                      *out.stride(), *inp.stride(), n_tiles,
                                      BLOCK_T=block_t, BLOCK_K=block_k)
     _sum_rows_kernel[(B,)](partial, res, n_tiles, BLOCK=max(16, triton.next_power_of_2(min(n_tiles, 1024))))
-    return res
+    return clamp_norm_sq(res)

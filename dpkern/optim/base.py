@@ -32,6 +32,7 @@ from ..backends.reference import STATE_NAMES
 from ..guards import (ALREADY_RELEASED, DPOPTIMIZER_IS_A_BASE, NO_FRESH_GRAD_SAMPLE,
                       StepInterrupted, check_group_options, deferred_signals)
 from ..hyper import Hyper, check_nonnegative, check_positive
+from ..interop import refuse_opacus_wrapper
 from ..keys import NoiseKey, key_fingerprint, secure_key
 from ..sharding import common_mesh, is_sharded, local_shard
 
@@ -320,7 +321,7 @@ class DPOptimizer(torch.optim.Optimizer):
         """Validate this micro-batch's grad_sample and the parameters as ``accumulate()``
         would, without computing or modifying anything (no collective: sharded callers
         run it on every rank before the norms' all-reduce). Raises ValueError."""
-        self._check_usable()
+        self._check_can_release()
         groups = self._groups()[0]  # (no accumulation buffers: accumulate() makes them)
         F.check_params(groups)
         self._reduce()
@@ -349,8 +350,15 @@ class DPOptimizer(torch.optim.Optimizer):
                     self.state[p]["noise_var_avg"].fill_(grp.noise_var_avg)
 
     def _check_usable(self) -> None:
+        """Raise if an earlier step failed midway (StepInterrupted)."""
         if self._failed is not None:
             raise StepInterrupted(self._failed)
+
+    def _check_can_release(self) -> None:
+        """Raise before anything runs: Opacus' DPOptimizer wraps this one (it would clip
+        and noise twice: ValueError), or an earlier step failed midway."""
+        refuse_opacus_wrapper(self)
+        self._check_usable()
 
     # -- the public API --------------------------------------------------------------
     @torch.no_grad()
@@ -362,7 +370,7 @@ class DPOptimizer(torch.optim.Optimizer):
         Raises: ValueError (no, stale or inconsistent grad_sample), FloatingPointError
         (non-finite with nonfinite="error"); buffers and state are untouched when it
         raises."""
-        self._check_usable()
+        self._check_can_release()
         groups, _, _, new_buffers = self._groups(for_accumulate=True)
         result = F.accumulate_groups(groups, step=self._dp_step + 1,
                                      max_grad_norm=self.max_grad_norm, backend=self.backend,
@@ -402,7 +410,7 @@ class DPOptimizer(torch.optim.Optimizer):
             batch_size: samples in this micro-batch (for ``stats`` only).
         Raises: ValueError (wrong count, shape, device, non-finite values); nothing is
         modified when it raises."""
-        self._check_usable()
+        self._check_can_release()
         params = self.trainable_params()
         clipped_sums = list(clipped_sums)
         if len(clipped_sums) != len(params):
@@ -447,7 +455,7 @@ class DPOptimizer(torch.optim.Optimizer):
         (key, step) pair is never used again), the error is raised, and ``step()``,
         ``accumulate()`` and ``state_dict()`` raise StepInterrupted until a checkpoint is
         loaded with ``load_state_dict`` (and the model's weights restored with it)."""
-        self._check_usable()
+        self._check_can_release()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -489,7 +497,10 @@ class DPOptimizer(torch.optim.Optimizer):
     @torch._disable_dynamo
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch.optim's zero_grad, and also clears ``p.grad_sample`` (Opacus convention).
-        Accumulated micro-batches are kept (they belong to the logical batch)."""
+        Accumulated micro-batches are kept (they belong to the logical batch).
+
+        Raises: ValueError when Opacus' DPOptimizer (``make_private``) wraps this one."""
+        refuse_opacus_wrapper(self)
         super().zero_grad(set_to_none=set_to_none)
         for group in self.param_groups:
             for p in group["params"]:
