@@ -48,6 +48,12 @@ reporting medians, as :mod:`bench.report` does:
    extra memory of one step (the report's ``peak_extra_bytes``: CPU peak-RSS delta,
    CUDA ``max_memory_allocated`` delta), measured after all timings.
 
+   The ghost candidate is timed with ``verify="off"`` (the steady state). The one-time
+   first-step check of the default ``verify="first"`` (:mod:`dpkern.ghost.verify`: exact
+   norms of up to 4 samples by autograd) is measured apart by :func:`verify_cost` on a
+   fresh copy: ``GhostClipping.verify_seconds`` of its first step, reported in ms and in
+   units of the median ghost step (a line under the table).
+
 Sources: Li et al. 2022 (ghost clipping, arXiv 2110.05679); Bu et al. 2023 (book-keeping
 and the per-layer Gram/instantiation choice, arXiv 2210.00038); Opacus 1.6 fast gradient
 clipping (``opacus.grad_sample.grad_sample_module_fast_gradient_clipping``).
@@ -73,7 +79,7 @@ import dpkern
 from dpkern.ghost.norms import outer_method, outer_norm_sq
 from dpkern.models import BYTE_VOCAB, CausalLMLogits, default_model, sample_loss, token_loss
 
-from . import MI
+from . import MI, synchronize
 from .report import (KEY, LR, RESULTS_DIR, WEIGHT_DECAY, Candidate, load_average,
                      machine_info, peak_extra_bytes, pin_malloc_threshold, time_alternating,
                      write_csv)
@@ -262,7 +268,8 @@ def e2e_candidates(block: int, batch: int, device, *, sigma: float = 1.0, clip: 
     from dpkern.ghost import GhostClipping
     g_net = CausalLMLogits(copy.deepcopy(base))
     g_opt = dp_opt(g_net)
-    ghost = GhostClipping(g_net, g_opt).attach()  # hooks live as long as the candidate
+    # hooks live as long as the candidate; the one-time first-step check is timed apart
+    ghost = GhostClipping(g_net, g_opt, verify="off").attach()
 
     def ghost_step():
         ghost.backward(token_loss(g_net(ids), ids))
@@ -307,10 +314,42 @@ def e2e_candidates(block: int, batch: int, device, *, sigma: float = 1.0, clip: 
     return cands, notes, n_params
 
 
+def verify_cost(block: int, batch: int, device, *, sigma: float = 1.0, clip: float = 1.0,
+                model_kw: dict | None = None) -> dict:
+    """The one-time cost of ghost clipping's first-step check (``verify="first"``) on the
+    e2e workload: one ghost DP step of a fresh copy of the same model and batch.
+
+    Returns: {"verify_s": the check's wall time (``GhostClipping.verify_seconds``),
+    "first_step_s": that whole first step (check included)}."""
+    from dpkern.ghost import GhostClipping
+    device = torch.device(device)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"ghost e2e {block} {batch}".encode()))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(zlib.crc32(f"ghost model {block}".encode()))
+        net = CausalLMLogits(default_model(block, **(model_kw or {})).to(device))
+    ids = torch.randint(0, BYTE_VOCAB, (batch, block), generator=gen).to(device)
+    opt = dpkern.DPAdamW(net.parameters(), lr=LR, weight_decay=WEIGHT_DECAY,
+                         max_grad_norm=clip, noise_multiplier=sigma,
+                         expected_batch_size=batch, seed=KEY)
+    with GhostClipping(net, opt) as ghost:
+        def step():
+            ghost.backward(token_loss(net(ids), ids))
+            opt.step()
+        synchronize(device)
+        t0 = time.perf_counter()
+        _quiet(step)()
+        synchronize(device)
+        first = time.perf_counter() - t0
+    if not ghost.verified:
+        raise AssertionError("ghost bench: the first-step check did not run")
+    return {"verify_s": ghost.verify_seconds, "first_step_s": first}
+
+
 def e2e_row(block: int, batch: int, n_params: int, medians: dict[str, float],
-            peaks: dict[str, int | None]) -> dict:
+            peaks: dict[str, int | None], verify: dict | None = None) -> dict:
     """One summary row: medians (s), ratios to the non-private step, peak extra bytes
-    (and the part beyond the non-private step's peak)."""
+    (and the part beyond the non-private step's peak); with ``verify`` (see
+    :func:`verify_cost`) the first-step check's seconds and its ratio to the ghost step."""
     base = medians["floor:nonprivate"]
     base_peak = peaks.get("floor:nonprivate")
     row = dict(block=block, batch=batch, params=n_params)
@@ -323,6 +362,9 @@ def e2e_row(block: int, batch: int, n_params: int, medians: dict[str, float],
         row[f"{key}_peak_bytes"] = pk
         row[f"{key}_peak_over_nonprivate_bytes"] = (
             pk - base_peak if pk is not None and base_peak is not None else None)
+    v = (verify or {}).get("verify_s")
+    row["verify_s"] = v
+    row["verify_over_ghost"] = v / row["ghost_s"] if v is not None and row["ghost_s"] else None
     return row
 
 
@@ -365,10 +407,14 @@ def measure(device="cpu", *, layers=DEFAULT_LAYERS, blocks=DEFAULT_BLOCKS,
             notes += [n for n in nts if n not in notes]
             meds = _timed(cands, repeats, device, warmup, timings,
                           dict(kind="e2e", block=block, B=batch))
-            e2e_meds.append((block, batch, n_params, meds))
             del cands
             gc.collect()
+            cost = verify_cost(block, batch, device, sigma=sigma, clip=clip,
+                               model_kw=model_kw)
+            e2e_meds.append((block, batch, n_params, meds, cost))
+            gc.collect()
             say(f"e2e block={block} B={batch}  " + _fmt(meds)
+                + f"  first-step check={cost['verify_s'] * 1e3:.3g}ms"
                 + f"  [{time.perf_counter() - t0:.0f}s]")
 
     layer_peaks = [{} for _ in layer_meds]
@@ -378,19 +424,19 @@ def measure(device="cpu", *, layers=DEFAULT_LAYERS, blocks=DEFAULT_BLOCKS,
             pin_malloc_threshold()
         for i, (case, _) in enumerate(layer_meds):
             layer_peaks[i] = _peaks(layer_candidates(case, device), device)
-        for i, (block, batch, _, _) in enumerate(e2e_meds):
+        for i, (block, batch, *_) in enumerate(e2e_meds):
             cands, _, _ = e2e_candidates(block, batch, device, sigma=sigma, clip=clip,
                                          model_kw=model_kw)
             e2e_peaks[i] = _peaks(cands, device)
         say(f"ghost: peak memory measured [{time.perf_counter() - started:.0f}s so far]")
     peak_of = {("layer", c.B, c.T, c.d, c.p): pk for (c, _), pk in zip(layer_meds, layer_peaks)}
-    peak_of.update({("e2e", b, n): pk for (b, n, _, _), pk in zip(e2e_meds, e2e_peaks)})
+    peak_of.update({("e2e", b, n): pk for (b, n, *_), pk in zip(e2e_meds, e2e_peaks)})
     for t in timings:
         key = ((t["kind"], t["B"], t["T"], t["d"], t["p"]) if t["kind"] == "layer"
                else (t["kind"], t["block"], t["B"]))
         t["peak_extra_bytes"] = peak_of[key].get(t["candidate"])
     return {"layers": [layer_rows(c, m, pk) for (c, m), pk in zip(layer_meds, layer_peaks)],
-            "e2e": [e2e_row(b, n, np_, m, pk) for (b, n, np_, m), pk
+            "e2e": [e2e_row(b, n, np_, m, pk, v) for (b, n, np_, m, v), pk
                     in zip(e2e_meds, e2e_peaks)],
             "timings": timings, "notes": notes,
             "elapsed_s": time.perf_counter() - started}
@@ -458,6 +504,13 @@ def markdown(res: dict) -> str:
                      f"{_x(r[op + '_ratio'])} | "
                      f"{_mib(r['nonprivate_peak_bytes'])} / {_mib(r['ghost_peak_bytes'])} / "
                      f"{_mib(r['per_sample_peak_bytes'])} / {_mib(r[op + '_peak_bytes'])} |")
+    checks = [f"block {r['block']} B {r['batch']}: {_ms(r['verify_s'])} ms "
+              f"({_x(r['verify_over_ghost'])} a ghost step)"
+              for r in res["e2e"] if r.get("verify_s") is not None]
+    if checks:
+        lines += ["", "Ghost clipping's one-time first-step check (`verify=\"first\"`: exact "
+                  "norms of 4 samples by autograd, compared with the ghost norms): "
+                  + "; ".join(checks) + "."]
     if res["notes"]:
         lines += [""] + [f"Note: {n}." for n in res["notes"]]
     return "\n".join(lines)

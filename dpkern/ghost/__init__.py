@@ -29,6 +29,9 @@ Covered layers: ``nn.Linear``, transformers' ``Conv1D`` (GPT-2), ``nn.Embedding`
 (``padding_idx`` respected), ``nn.LayerNorm``, ``nn.RMSNorm``; tied weights (embedding
 <-> lm-head) get the exact norm of the sum of both uses. Any other trainable layer type
 is an error naming the parameter, unless ``instantiate_unsupported=True``.
+The first logical batch is checked (``verify="first"``, :mod:`.verify`): a few samples'
+exact gradients by ordinary autograd against the ghost norms; a mismatch (a use of a
+parameter that no rule foresees) is a ValueError naming the parameters.
 DP-MacAdam clips whitened per-sample gradients, which ghost norms cannot give: use the
 per-sample path (``dpkern.grad_sample.compute_grad_sample`` + ``optimizer.step()``).
 
@@ -45,6 +48,7 @@ from ..functional import clip_factors
 from .bookkeeping import clipped_sum
 from .capture import Capture, module_kind
 from .norms import DEFAULT_CHUNK_BYTES, clamp_norm_sq, param_norm_sq
+from .verify import Verifier
 
 __all__ = ["GhostClipping", "module_kind", "supports"]
 
@@ -52,17 +56,22 @@ NORM_BACKENDS = ("auto", "torch", "triton")
 
 
 def supports(model: torch.nn.Module, params=None) -> tuple[bool, list[str]]:
-    """Whether ghost clipping covers every trainable parameter of ``model``.
+    """Whether ghost clipping can cover every trainable parameter of ``model``, as far as
+    the modules alone tell: coverage is decided per operation at the first forward (a use
+    without a rule is an error naming it, and ``verify="first"`` checks the norms).
 
     Args: params: the parameters to check (default: the model's trainable ones).
-    Returns: ``(ok, names)`` where ``names`` lists the uncovered parameters as
-    ``"name (ModuleType)"`` (e.g. to choose the per-sample path)."""
+    Returns: ``(ok, names)`` where ``names`` lists the parameters of modules ghost clipping
+    refuses by construction (``nn.Embedding`` with ``max_norm`` or
+    ``scale_grad_by_freq``; batch norm in training mode) as ``"name (ModuleType)"``."""
     params = [p for p in (params if params is not None else model.parameters())
               if p.requires_grad]
     ids = {id(p) for p in params}
     bad = []
     for mname, m in model.named_modules():
-        if module_kind(m) is None:
+        refused = module_kind(m) is None or (
+            isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training)
+        if refused:
             bad += [f"{mname + '.' if mname else ''}{n} ({type(m).__name__})"
                     for n, p in m.named_parameters(recurse=False) if id(p) in ids]
     return not bad, bad
@@ -88,16 +97,25 @@ class GhostClipping:
         check: debugging aid: also compute autograd's summed gradient and raise
             RuntimeError if the unclipped sum rebuilt from the recorded uses differs
             (a parameter used outside its module's forward). Costs one GEMM per layer.
+        verify: ``"first"`` (default): before the first micro-batch with samples is
+            clipped, compare its ghost per-sample norms with the exact ones of a few
+            samples (``torch.autograd.grad`` of each one's loss through the same graph)
+            and raise ValueError naming the parameters whose contribution disagrees
+            (rtol 1e-4 of the sample's squared norm in float32, 1e-2 in float16 /
+            bfloat16; see :mod:`dpkern.ghost.verify`); ``"always"``: every call;
+            ``"off"``: never. Skipped (warned once) under FSDP2. Its wall time, once:
+            ``verify_seconds`` (up to 4 extra backward passes); ``verified``: a check passed.
     Raises:
         ValueError: DP-MacAdam; an uncovered trainable parameter (named); an invalid
-            backend; a parameter the model does not own.
+            backend or verify mode; a parameter the model does not own.
 
     Use as a context manager (hooks attached inside), or call ``attach()`` / ``detach()``.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer, *,
                  instantiate_unsupported: bool = False, backend: str = "auto",
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, check: bool = False):
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, check: bool = False,
+                 verify: str = "first"):
         from ..optim import DPMacAdam, DPOptimizer
         inner = getattr(optimizer, "optimizer", optimizer)  # DistributedDPOptimizer
         if isinstance(inner, DPMacAdam):
@@ -121,6 +139,28 @@ class GhostClipping:
             model.reshard()
         self.capture = Capture(model, optimizer.trainable_params(),
                                instantiate_unsupported=instantiate_unsupported)
+        self._verifier = Verifier(verify, model, self.capture.params, sharded=self.sharded)
+        self.verify = verify
+
+    @property
+    def verified(self) -> bool:
+        """True once a first-step check (``verify``) has passed."""
+        return self._verifier.done
+
+    @property
+    def verify_seconds(self) -> float:
+        """Wall time (s) of the first-step checks so far (0.0 before any)."""
+        return self._verifier.seconds
+
+    @property
+    def verify_rtol(self) -> float | None:
+        """The check's relative tolerance (None: 1e-4, 1e-2 for float16 / bfloat16
+        parameters or under autocast); settable."""
+        return self._verifier.rtol
+
+    @verify_rtol.setter
+    def verify_rtol(self, value: float | None) -> None:
+        self._verifier.rtol = None if value is None else float(value)
 
     # -- hooks -----------------------------------------------------------------------------
     def attach(self) -> "GhostClipping":
@@ -170,15 +210,20 @@ class GhostClipping:
             squared norm is clamped at 0 before the square root: float rounding in the
             Gram path and tied cross terms can make a tiny one slightly negative, which
             must not become a NaN (a finite sample reported non-finite).
-        Raises: ValueError (see :meth:`Capture.backward`), FloatingPointError (a
-            non-finite sample under ``nonfinite="error"``), RuntimeError (``check``)."""
+        Raises: ValueError (see :meth:`Capture.backward`; ``verify``: ghost and exact
+            norms disagree), FloatingPointError (a non-finite sample under
+            ``nonfinite="error"``), RuntimeError (``check``)."""
         params = self.capture.params
+        pending = (self._verifier.exact(losses, self.capture)
+                   if self._verifier.due(losses) else None)  # before the graph is consumed
         B, uses, summed = self.capture.backward(losses, check=self.check)
         device = losses.device
         outer_fn = self._outer_fn(device)
-        per_param = [param_norm_sq(u, p.shape, B, outer_fn=outer_fn,
-                                   chunk_bytes=self.chunk_bytes)
-                     for p, u in zip(params, uses) if u]
+        each = [param_norm_sq(u, p.shape, B, outer_fn=outer_fn, chunk_bytes=self.chunk_bytes)
+                if u else None for p, u in zip(params, uses)]
+        if pending is not None:
+            self._verifier.compare(pending, each, device)
+        per_param = [n for n in each if n is not None]
         dtype = torch.float64 if any(n.dtype == torch.float64 for n in per_param) \
             else torch.float32
         norm_sq = torch.zeros(B, dtype=dtype, device=device)

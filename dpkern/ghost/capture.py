@@ -1,39 +1,40 @@
-"""Capture: forward hooks that record, per covered layer, its input A and output; one backward
-(``torch.autograd.grad`` with respect to those outputs) gives every output gradient G.
+"""Capture by operation: every use of a trainable parameter is recorded by the operation that
+consumes it, whatever module, subclass or functional call it came from; one backward
+(``torch.autograd.grad`` with respect to the recorded outputs) gives the output gradients.
 
-No second backward and no ``.grad``: the parameters' own gradients are never computed
-(book-keeping builds the clipped sum from A and G), so nothing aliases ``p.grad``.
+A ``TorchFunctionMode`` is active during the wrapped model's forward (with grad enabled).
+It sees every torch call and keeps two kinds of facts (:mod:`.batch` holds the rules):
 
-Covered layer types (the trainable parameters each one gives a *use* of, see :mod:`.norms`):
+- which tensors carry the batch, and where: the forward's tensor arguments with B rows are
+  *batch-led*; an op's output is batch-led or batch-major flattened (``x.view(-1, d)``) only
+  when a rule proves it; anything else that depends on them has an unknown layout;
+- which tensors are a parameter seen through a view, a cast, a transpose or an affine map
+  with constants (``w.T``, ``w.float()``, ``1 + w``): its *forms*.
 
-==============================  ==============================================================
-``nn.Linear``                   weight: OuterUse(out=G, inp=A); bias: RowsUse(sum_t G)
-``transformers`` ``Conv1D``     weight ``[nx, nf]`` (Linear's transpose): OuterUse(out=A, inp=G);
-                                bias: RowsUse(sum_t G)
-``nn.Embedding``                weight: IndexUse(ids, G with padding_idx tokens zeroed)
-``nn.LayerNorm``                weight, bias: RowsUse (per-sample rows ``[B, d]`` instantiated)
-``nn.RMSNorm``                  weight: RowsUse
-anything else (opt-in)          ``instantiate_unsupported=True``: per-sample gradients of the
-                                module's own parameters by ``torch.func`` (vmap of vjp), rows
-==============================  ==============================================================
+Operations with a ghost rule (the uses of :mod:`.norms`):
 
-A trainable parameter owned by another layer type is an error naming it (unless opted in);
-a parameter that takes part in the loss outside its module's recorded forward (e.g.
-``nn.MultiheadAttention.out_proj``, whose ``forward`` is never called) is detected in the
-same backward and is an error naming it. Modules may be called several times per forward
-and parameters may be shared between modules (tied embeddings): every call is one use.
+=========================================  =================================================
+``F.linear`` (any module), ``x @ W.T``     weight: OuterUse(out=G, inp=A); bias: RowsUse
+``torch.addmm(b, x, W)``, ``x @ W``        (transformers' Conv1D): OuterUse(out=A, inp=G)
+``F.embedding``                            IndexUse (``padding_idx`` rows zeroed)
+``F.layer_norm``, ``F.rms_norm``           RowsUse (per-sample rows instantiated)
+``x * w``, ``x + b``, ``x - b``            RowsUse: w broadcast over the batch (HF's RMSNorm
+                                           variants, Gemma's ``(1 + w)``, biases, scales)
+=========================================  =================================================
 
-Broadcast inputs: a covered module whose input has batch size 1 while the batch has B > 1
-(GPT-2's position ids ``[1, T]``) gets its input expanded to B rows by a pre-hook, so its
-output gradient is per sample (the values computed are unchanged). The batch size is read
-from the first tensor argument of the wrapped model's forward (or ``input_ids`` /
-``inputs_embeds``). Batch-first tensors are assumed throughout.
+A parameter-dependent output whose input does not carry the batch (positions from
+``arange``, a buffer of ids, T5's buckets) is *pending*: its per-sample gradient is taken
+where it meets the batch in a broadcasting ``+`` (GPT-2's, BERT's and BART's learned
+positions); any other consumer of a pending tensor is refused (T5's relative bias).
 
-Gradient checkpointing: the non-reentrant kind (``use_reentrant=False``) works (forwards
-re-run during the backward are not recorded: the first forward's graph is what the output
-gradients flow through); the reentrant kind runs its first forward without grad, so its
-parameters are reported as used outside their recorded forward (an error). Modules whose
-output is modified in place after their forward are an error.
+Refused, with a ValueError naming the operation and the module path, never approximated:
+a trainable parameter consumed by an operation without a rule (unless
+``instantiate_unsupported=True``, which instantiates that module's per-sample gradients by
+torch.func); an activation whose batch dimension cannot be proven; operations that mix
+samples (``batch_norm`` in training mode, with or without parameters); ``nn.Embedding``
+with ``max_norm`` (its forward renormalises weight rows in place) or
+``scale_grad_by_freq``. A parameter that takes part in the loss outside the recorded
+forward is detected in the same backward.
 """
 from __future__ import annotations
 
@@ -41,80 +42,74 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
-from .norms import IndexUse, OuterUse, RowsUse, layer_norm_rows, rms_norm_rows
+from .batch import _CASTS as CASTS
+from .batch import FLAT, INPLACE_ADDS, LEAD, Form, Tracker, param_form, propagate
+from .rules import Rec, RULES, pending_uses, uses_of
 
 __all__ = ["Capture", "module_kind", "KINDS"]
 
-KINDS = ("linear", "conv1d", "embedding", "layer_norm", "rms_norm", "generic")
-
-
-def _is_conv1d(module: nn.Module) -> bool:
-    try:
-        from transformers.pytorch_utils import Conv1D
-    except ImportError:  # transformers is optional
-        return False
-    return isinstance(module, Conv1D)
+KINDS = ("op", "generic")
 
 
 def module_kind(module: nn.Module) -> str | None:
-    """The covered kind of ``module`` (``"linear"``, ``"conv1d"``, ``"embedding"``,
-    ``"layer_norm"``, ``"rms_norm"``) or None when it is not covered."""
-    if isinstance(module, nn.Linear):
-        return "linear"
-    if _is_conv1d(module):
-        return "conv1d"
-    if isinstance(module, nn.Embedding):
-        return "embedding"
-    if isinstance(module, nn.LayerNorm):
-        return "layer_norm"
-    if hasattr(nn, "RMSNorm") and isinstance(module, nn.RMSNorm):
-        return "rms_norm"
+    """Kept for compatibility: ``"op"`` for every module (coverage is decided per
+    operation at the first forward), None for modules dpkern refuses by construction."""
+    return None if _refused_module(module) else "op"
+
+
+def _refused_module(module: nn.Module) -> str | None:
+    if isinstance(module, nn.Embedding) and (module.max_norm is not None
+                                             or module.scale_grad_by_freq):
+        what = "max_norm" if module.max_norm is not None else "scale_grad_by_freq=True"
+        return (f"an nn.Embedding with {what}: its forward "
+                + ("renormalises the looked-up weight rows in place (a data-dependent "
+                   "change of the parameters outside the mechanism)" if module.max_norm
+                   is not None else "scales gradients by batch frequencies (mixes samples)"))
     return None
 
 
 @dataclass
-class _Record:
+class _ModuleRecord:
     module: nn.Module
-    args: tuple           # detached inputs (A: args[0] for covered kinds)
+    args: tuple
     kwargs: dict
     output: Tensor
-    version: int
+
+
+class _Mode(TorchFunctionMode):
+    def __init__(self, capture: "Capture"):
+        super().__init__()
+        self.cap = capture
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return self.cap._on_op(func, args, kwargs or {})
 
 
 @dataclass
-class _Layer:
+class _Generic:
     name: str
-    kind: str
-    params: dict = field(default_factory=dict)   # attribute name -> trainable Parameter
-
-
-def _first_tensor(args, kwargs):
-    for a in args:
-        if isinstance(a, Tensor):
-            return a
-    for key in ("input_ids", "inputs_embeds"):
-        if isinstance(kwargs.get(key), Tensor):
-            return kwargs[key]
-    return next((v for v in kwargs.values() if isinstance(v, Tensor)), None)
+    params: dict = field(default_factory=dict)
 
 
 class Capture:
-    """Hooks on every module of ``model`` that owns one of ``params``; see the module doc.
+    """Records the uses of ``params`` during ``model``'s forward; see the module doc.
 
     Args:
-        model: the ``nn.Module`` whose forward is run.
+        model: the ``nn.Module`` whose forward is run (batch-first tensor arguments).
         params: the trainable parameters to cover (the optimizer's, in its order).
-        instantiate_unsupported: cover other layer types by torch.func instantiation
-            (their forward must be deterministic: it is re-run once per sample).
+        instantiate_unsupported: a parameter consumed by an operation without a ghost rule
+            gets per-sample gradients of its module by torch.func (vmap of vjp; the
+            module's forward must be deterministic) instead of an error.
     Raises:
-        ValueError: a parameter not found in ``model``; a trainable parameter of an
-            uncovered layer type (named, unless opted in); an ``nn.Embedding`` with
-            ``scale_grad_by_freq=True`` (its gradient mixes samples)."""
+        ValueError: a parameter not found in ``model``; a refused module (see the module
+            doc) that owns one of ``params``."""
 
     def __init__(self, model: nn.Module, params, *, instantiate_unsupported: bool = False):
         self.model = model
         self.params = list(params)
+        self.instantiate_unsupported = instantiate_unsupported
         wanted = {id(p) for p in self.params}
         self.param_names: dict[int, str] = {}
         for n, p in model.named_parameters(remove_duplicate=False):
@@ -125,34 +120,36 @@ class Capture:
                              "shapes " + ", ".join(str(tuple(self.params[k].shape))
                                                    for k in missing) +
                              ") are not parameters of the model")
-        self.layers: dict[nn.Module, _Layer] = {}
-        uncovered = []
+        self.owners: dict[nn.Module, dict[str, Tensor]] = {}
+        self.module_names: dict[nn.Module, str] = {}
         for mname, m in model.named_modules(remove_duplicate=True):
+            self.module_names[m] = mname or type(model).__name__
             own = {n: p for n, p in m.named_parameters(recurse=False, remove_duplicate=False)
                    if id(p) in wanted}
             if not own:
                 continue
-            kind = module_kind(m)
-            if kind is None:
-                if not instantiate_unsupported:
-                    uncovered += [f"{mname + '.' if mname else ''}{n} ({type(m).__name__})"
-                                  for n in own]
-                    continue
-                kind = "generic"
-            if kind == "embedding" and m.scale_grad_by_freq:
-                raise ValueError(f"ghost clipping: {mname} is an nn.Embedding with "
-                                 "scale_grad_by_freq=True, whose gradient mixes samples (not DP)")
-            self.layers[m] = _Layer(mname, kind, own)
-        if uncovered:
-            raise ValueError("ghost clipping does not cover the layer type of trainable "
-                             "parameter(s) " + ", ".join(uncovered) + ": freeze them, use "
-                             "the per-sample path (dpkern.grad_sample.compute_grad_sample + "
-                             "optimizer.step()), or pass instantiate_unsupported=True")
+            why = _refused_module(m)
+            if why:
+                raise ValueError(f"ghost clipping refuses {mname}: {why}; use the per-sample "
+                                 "path (dpkern.grad_sample.compute_grad_sample)")
+            self.owners[m] = own
         self._handles = []
-        self._records: list[_Record] = []
-        self._batch: int | None = None
         self._active = False
         self._in_backward = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self._records: list[Rec] = []
+        self._pending = Tracker()    # pending tensor -> (rule name, param form, inputs)
+        self.forms = Tracker()       # tensor -> Form of a parameter
+        self.layouts = Tracker()     # tensor -> LEAD / FLAT / "unknown"
+        self._unknown: dict[int, str] = {}   # id(param) -> first unknown consumer
+        self._by_output = Tracker()  # recorded output -> its records
+        self._generic_records: list[_ModuleRecord] = []
+        self._stack: list[nn.Module] = []
+        self._batch: int | None = None
+        self._mode = None
+        self._depth = 0
 
     # -- hooks -----------------------------------------------------------------------------
     def attach(self) -> None:
@@ -161,10 +158,12 @@ class Capture:
             return
         self._handles.append(self.model.register_forward_pre_hook(self._root_pre,
                                                                   with_kwargs=True))
-        for m, layer in self.layers.items():
-            if layer.kind != "generic":
-                self._handles.append(m.register_forward_pre_hook(self._expand, with_kwargs=True))
-            self._handles.append(m.register_forward_hook(self._record, with_kwargs=True))
+        self._handles.append(self.model.register_forward_hook(self._root_post,
+                                                              always_call=True))
+        for m in self.module_names:
+            self._handles.append(m.register_forward_pre_hook(self._enter))
+            self._handles.append(m.register_forward_hook(self._leave, with_kwargs=True,
+                                                         always_call=True))
         self._active = True
 
     def detach(self) -> None:
@@ -177,32 +176,157 @@ class Capture:
 
     def discard(self) -> None:
         """Drop the records of forwards whose loss will not be back-propagated."""
-        self._records.clear()
+        self._reset()
+
+    def _recording(self) -> bool:
+        return self._active and torch.is_grad_enabled() and not self._in_backward
 
     def _root_pre(self, module, args, kwargs):
-        x = _first_tensor(args, kwargs)
-        self._batch = x.shape[0] if x is not None and x.dim() > 0 else None
-
-    def _expand(self, module, args, kwargs):
-        B = self._batch
-        if not (self._active and B and B > 1 and torch.is_grad_enabled()):
-            return None
-        if args and isinstance(args[0], Tensor) and args[0].dim() > 0 and args[0].shape[0] == 1:
-            return (args[0].expand(B, *args[0].shape[1:]), *args[1:]), kwargs
-        return None
-
-    def _record(self, module, args, kwargs, output):
-        if not (self._active and torch.is_grad_enabled()) or self._in_backward:
-            return  # in backward: a non-reentrant checkpoint's recomputation (not a use)
-        if not isinstance(output, Tensor):
-            raise TypeError(f"ghost clipping: {self.layers[module].name} returned "
-                            f"{type(output).__name__}; covered layers must return one tensor")
-        if not output.requires_grad:
+        if not self._recording() or self._depth:
+            self._depth += bool(self._depth)
             return
-        det = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
-        if not det and self.layers[module].kind != "generic":
-            det = (_first_tensor((), kwargs).detach(),)
-        self._records.append(_Record(module, det, dict(kwargs), output, output._version))
+        tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, Tensor)]
+        first = next((t for t in tensors if t.dim() > 0), None)
+        B = first.shape[0] if first is not None else None
+        if self._batch is not None and B != self._batch and self._records:
+            raise ValueError(f"ghost clipping: a forward with batch {B} after one with "
+                             f"{self._batch} in the same micro-batch")
+        self._batch = B
+        for t in tensors:
+            if t.dim() > 0 and t.shape[0] == B:
+                self.layouts.put(t, LEAD)
+        for m, own in self.owners.items():  # (FSDP2: refreshed at each module's forward)
+            for n, p in own.items():
+                cur = getattr(m, n, None)
+                if isinstance(cur, Tensor):
+                    self.forms.put(cur, Form(p))
+        self._depth = 1
+        self._mode = _Mode(self)
+        self._mode.__enter__()
+
+    def _root_post(self, module, args, output):
+        if self._depth > 1:
+            self._depth -= 1
+            return
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+        self._depth = 0
+
+    def _enter(self, module, args):
+        if self._mode is None:
+            return
+        self._stack.append(module)
+        own = self.owners.get(module)
+        if own:  # FSDP2 swaps in unsharded tensors: map what the module holds now
+            for n, p in own.items():
+                cur = getattr(module, n, None)
+                if isinstance(cur, Tensor):
+                    self.forms.put(cur, param_form(p, cur))
+
+    def _leave(self, module, args, kwargs, output):
+        if self._mode is None or not self._stack:
+            return
+        self._stack.pop()
+        if self.instantiate_unsupported and module in self.owners and isinstance(output, Tensor):
+            det = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
+            self._generic_records.append(_ModuleRecord(module, det, dict(kwargs), output))
+
+    def where(self) -> str:
+        return self.module_names.get(self._stack[-1], "?") if self._stack else "the model"
+
+    # -- the mode ----------------------------------------------------------------------------
+    def _on_op(self, func, args, kwargs):
+        B = self._batch
+        flat = [a for a in list(args) + list(kwargs.values())]
+        flat += [x for a in flat if isinstance(a, (list, tuple)) for x in a]
+        tensors = [a for a in flat if isinstance(a, Tensor)]
+        forms = [(t, self.forms.get(t)) for t in tensors]
+        forms = [(t, f) for t, f in forms if f is not None]
+        pend = [(t, self._pending.get(t)) for t in tensors]
+        pend = [(t, p) for t, p in pend if p is not None]
+        rule = RULES.get(func)
+        if rule is not None and rule.refuse is not None:
+            why = rule.refuse(args, kwargs, self.layouts)
+            if why:
+                raise ValueError(f"ghost clipping refuses {func.__name__} in "
+                                 f"{self.where()}: {why}")
+        out = func(*args, **kwargs)
+        if not isinstance(out, Tensor) and not (isinstance(out, (tuple, list)) and out
+                                                 and isinstance(out[0], Tensor)):
+            return out  # shapes, dtypes, ...
+        if forms and not any(f.param.requires_grad for _, f in forms):
+            return out
+        derived = param_form(None, out, func=func, args=args, kwargs=kwargs, forms=forms) \
+            if len(forms) == 1 and isinstance(out, Tensor) and (
+                len(tensors) == 1 or func in CASTS) else None
+        if derived is not None:
+            self.forms.put(out, derived)
+            return out
+        if func in INPLACE_ADDS and isinstance(out, Tensor):
+            for rec in self._by_output.get(out) or ():  # x += b leaves x's gradient as is
+                rec.version = out._version
+        if pend:
+            self._consume_pending(func, args, kwargs, out, pend)
+        if forms:
+            self._use(func, args, kwargs, out, forms, rule)
+        layout = propagate(func, args, kwargs, out, self.layouts, B)
+        if layout is not None:
+            self.layouts.put(out, layout)
+        return out
+
+    def _use(self, func, args, kwargs, out, forms, rule) -> None:
+        B = self._batch
+        name = getattr(func, "__name__", str(func))
+        outs = [out] if isinstance(out, Tensor) else [o for o in out if isinstance(o, Tensor)]
+        if not any(o.requires_grad for o in outs):
+            return
+        try:
+            recs = uses_of(rule, func, args, kwargs, out, forms, self.layouts, B) \
+                if rule is not None and isinstance(out, Tensor) else None
+        except ValueError as exc:
+            raise ValueError(f"{exc} (in {self.where()}, consuming "
+                             + ", ".join(self._pname(f.param) for _, f in forms) + ")") from None
+        if recs is None:
+            for _, f in forms:
+                self._unknown.setdefault(id(f.param), f"{name} in {self.where()}")
+            return
+        for rec in recs:
+            rec.where = f"{name} in {self.where()}"
+            rec.module = self._stack[-1] if self._stack else None
+            if rec.pending:
+                self._pending.put(out, rec)
+            else:
+                self._add(rec)
+
+    def _consume_pending(self, func, args, kwargs, out, pend) -> None:
+        for t, rec in pend:
+            recs = pending_uses(func, args, kwargs, out, t, rec, self.layouts, self._batch)
+            if recs is None:
+                if func in (torch.Tensor.to, torch.Tensor.contiguous, torch.Tensor.clone,
+                            torch.Tensor.type_as, torch.Tensor.float) and isinstance(out, Tensor):
+                    self._pending.put(out, rec)  # same values: still pending
+                    continue
+                raise ValueError(
+                    f"ghost clipping: the output of {rec.where} does not carry the batch "
+                    f"dimension (its input, e.g. positions from arange or bucket ids, is the "
+                    f"same for every sample) and is then used by "
+                    f"{getattr(func, '__name__', func)} in {self.where()}, where its "
+                    "per-sample contribution cannot be proven; use the per-sample path "
+                    "(dpkern.grad_sample.compute_grad_sample)")
+            for r in recs:
+                r.where = rec.where
+                r.module = rec.module
+                self._add(r)
+
+    def _add(self, rec) -> None:
+        rec.version = rec.output._version
+        self._records.append(rec)
+        same = self._by_output.get(rec.output)
+        if same is None:
+            self._by_output.put(rec.output, [rec])
+        else:
+            same.append(rec)
 
     # -- the backward ------------------------------------------------------------------------
     def backward(self, losses: Tensor, *, check: bool = False):
@@ -215,19 +339,36 @@ class Capture:
         Returns: ``(B, uses, summed)``: uses = one list per entry of ``params`` (empty:
             unused, zero gradient); summed = autograd's gradients (``check``) or None.
         Raises: ValueError (losses not ``[B]``, no record, batch mismatch, a parameter
-            used outside its recorded forward), RuntimeError (an output modified in place).
+            consumed by an operation without a rule or used outside the recorded forward),
+            RuntimeError (a recorded output modified in place).
         """
-        records, self._records = self._records, []
+        records, generic = self._records, self._generic_records
+        unknown = self._unknown
+        self._reset()
         if losses.dim() != 1:
             raise ValueError(f"ghost clipping: expected per-sample losses of shape [B], got "
                              f"{tuple(losses.shape)} (do not average over the batch)")
         B = losses.shape[0]
+        bad = [f"{self._pname(p)} (consumed by {unknown[id(p)]})" for p in self.params
+               if id(p) in unknown and not self.instantiate_unsupported]
+        if bad and B:
+            raise ValueError("ghost clipping has no rule for the operation consuming "
+                             "trainable parameter(s) " + ", ".join(bad) + ": freeze them, "
+                             "use the per-sample path (dpkern.grad_sample.compute_grad_sample "
+                             "+ optimizer.step()), or pass instantiate_unsupported=True")
+        generic_modules = {m for m, own in self.owners.items()
+                           if any(id(p) in unknown for p in own.values())}
+        if generic_modules:
+            records = [r for r in records if r.module not in generic_modules]
+            generic = [g for g in generic if g.module in generic_modules]
+        else:
+            generic = []
+        outputs = [r.output for r in records] + [g.output for g in generic]
         if B == 0:  # an empty micro-batch: zero gradient
-            if losses.requires_grad and records:  # still back-propagated: under FSDP2 the
+            if losses.requires_grad and outputs:  # still back-propagated: under FSDP2 the
                 self._in_backward = True           # backward runs collectives (parameter
                 try:                               # all-gathers) every rank must join
-                    torch.autograd.grad(losses.sum(), [r.output for r in records],
-                                        allow_unused=True)
+                    torch.autograd.grad(losses.sum(), outputs, allow_unused=True)
                 finally:
                     self._in_backward = False
             return 0, [[] for _ in self.params], None
@@ -236,88 +377,59 @@ class Capture:
                              "torch.no_grad(), or from frozen parameters only)")
         for r in records:
             if r.output._version != r.version:
-                raise RuntimeError(f"ghost clipping: the output of {self.layers[r.module].name} "
-                                   "was modified in place after its forward; its output "
-                                   "gradient is then not recoverable")
-        used = {id(p) for r in records for p in self.layers[r.module].params.values()}
-        extra = [p for p in self.params if id(p) not in used] if not check else list(self.params)
+                raise RuntimeError(f"ghost clipping: the output of {r.where} was modified in "
+                                   "place after its forward; its output gradient is then not "
+                                   "recoverable")
+        used = {id(p) for r in records for p in r.params}
+        used |= {id(p) for g in generic for p in self.owners[g.module].values()}
+        extra = list(self.params) if check else [p for p in self.params if id(p) not in used]
         self._in_backward = True
         try:
-            grads = torch.autograd.grad(losses.sum(), [r.output for r in records] + extra,
-                                        allow_unused=True)
+            grads = torch.autograd.grad(losses.sum(), outputs + extra, allow_unused=True)
         finally:
             self._in_backward = False
-        gouts, gparams = grads[:len(records)], grads[len(records):]
-        summed = None
-        if check:
-            summed = list(gparams)
-        else:
+        n = len(outputs)
+        gouts, gparams = grads[:n], grads[n:]
+        summed = list(gparams) if check else None
+        if not check:
             bad = [self._pname(p) for p, g in zip(extra, gparams) if g is not None]
             if bad:
                 raise ValueError("ghost clipping: parameter(s) " + ", ".join(bad) + " take part "
-                                 "in the loss outside the forward of the module that owns them "
-                                 "(e.g. nn.MultiheadAttention.out_proj): their per-sample norm "
-                                 "cannot be recorded; use the per-sample path")
-        if not records:
+                                 "in the loss outside the recorded forward (or through an "
+                                 "operation that bypasses torch functions): their per-sample "
+                                 "norm cannot be recorded; use the per-sample path")
+        if not outputs:
             raise ValueError("ghost clipping: no forward was recorded (run the model's "
                              "forward with grad enabled while the hooks are attached)")
         uses: dict[int, list] = {id(p): [] for p in self.params}
-        for r, g in zip(records, gouts):
+        for r, g in zip(records, gouts[:len(records)]):
             if g is None:
                 continue
-            if g.shape[0] != B:
-                raise ValueError(f"ghost clipping: {self.layers[r.module].name} ran on a batch "
-                                 f"of {g.shape[0]}, the per-sample losses have B = {B} "
-                                 "(batch-first inputs expected)")
-            for p, use in self._uses(r, g, B):
+            for p, use in r.make(g, B):
                 uses[id(p)].append(use)
+        for rec, g in zip(generic, gouts[len(records):]):
+            if g is not None:
+                for p, use in self._generic(rec, g, B):
+                    uses[id(p)].append(use)
         return B, [uses[id(p)] for p in self.params], summed
 
     def _pname(self, p) -> str:
         return f"{self.param_names.get(id(p), '?')} (shape {tuple(p.shape)})"
 
-    def _uses(self, r: _Record, g: Tensor, B: int):
-        layer = self.layers[r.module]
-        m, kind, own = r.module, layer.kind, layer.params
-        if kind == "generic":
-            yield from self._generic(r, g, B)
-            return
-        a = r.args[0]
-        if a.shape[0] != B:
-            raise ValueError(f"ghost clipping: {layer.name} input has batch {a.shape[0]}, "
-                             f"expected {B}")
-        if kind in ("linear", "conv1d"):
-            gs = g.reshape(B, -1, g.shape[-1])
-            As = a.reshape(B, -1, a.shape[-1])
-            if "weight" in own:
-                yield own["weight"], (OuterUse(gs, As) if kind == "linear" else OuterUse(As, gs))
-            if "bias" in own:
-                yield own["bias"], RowsUse(gs.sum(1))
-        elif kind == "embedding":
-            ids = a.reshape(B, -1)
-            gs = g.reshape(B, ids.shape[1], -1)
-            if m.padding_idx is not None:
-                gs = gs.masked_fill((ids == m.padding_idx).unsqueeze(-1), 0)
-            yield own["weight"], IndexUse(ids, gs, m.num_embeddings)
-        elif kind == "layer_norm":
-            w, b = layer_norm_rows(a, g, m.normalized_shape, m.eps, "bias" in own)
-            if "weight" in own:
-                yield own["weight"], RowsUse(w)
-            if "bias" in own:
-                yield own["bias"], RowsUse(b)
-        elif kind == "rms_norm":
-            yield own["weight"], RowsUse(rms_norm_rows(a, g, m.normalized_shape, m.eps))
-
-    def _generic(self, r: _Record, g: Tensor, B: int):
-        """Per-sample gradients of an uncovered module's own parameters: vmap over the
-        batch of the vjp of its forward on one sample (torch.func)."""
+    def _generic(self, r: _ModuleRecord, g: Tensor, B: int):
+        """Per-sample gradients of a module's own parameters: vmap over the batch of the
+        vjp of its forward on one sample (torch.func)."""
         from torch.func import functional_call, vjp, vmap
 
-        layer = self.layers[r.module]
-        names = list(layer.params)
-        prm = {n: layer.params[n].detach() for n in names}
+        from .norms import RowsUse
+        own = self.owners[r.module]
+        names = list(own)
+        prm = {n: own[n].detach() for n in names}
         batched = [k for k, x in enumerate(r.args)
                    if isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == B]
+        if g.shape[0] != B:
+            raise ValueError(f"ghost clipping: {self.module_names[r.module]} ran on a batch "
+                             f"of {g.shape[0]}, the per-sample losses have B = {B}")
 
         def one(xs, gi):
             def f(params):
@@ -333,4 +445,8 @@ class Capture:
         finally:
             self._active = bool(self._handles)
         for n in names:
-            yield layer.params[n], RowsUse(rows[n])
+            yield own[n], RowsUse(rows[n])
+
+
+# re-exported for the rules' users
+__all__ += ["FLAT", "LEAD", "Form"]
