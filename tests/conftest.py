@@ -28,6 +28,21 @@ def case_seed(k: int) -> int:
     return (int(k) * 1_000_003 + RUN_SEED) % 2**63
 
 
+def required_backends() -> list[str]:
+    """Backends that must be present (``DPKERN_REQUIRE_BACKENDS=cpp,triton``, set by CI):
+    a backend that failed to build or import then fails the run instead of skipping."""
+    return [b for b in os.environ.get("DPKERN_REQUIRE_BACKENDS", "").split(",") if b.strip()]
+
+
+def pytest_configure(config):
+    from dpkern.backends import _load
+    missing = [(name, _load(name.strip())[1]) for name in required_backends()
+               if _load(name.strip())[0] is None]
+    if missing:
+        raise pytest.UsageError("DPKERN_REQUIRE_BACKENDS: required backend(s) unavailable: "
+                                + "; ".join(f"{n} ({why})" for n, why in missing))
+
+
 def pytest_report_header(config):
     return f"dpkern random test inputs: DPKERN_TEST_SEED={RUN_SEED}"
 
