@@ -5,6 +5,7 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -32,6 +33,12 @@ T get(const py::dict& d, const char* name, T fallback) {
 Hyper to_hyper(const py::dict& d) {
   Hyper h;
   h.rule = d["rule"].cast<int>();
+  switch (h.rule) {  // every rule by name; anything else is refused, never run as another
+    case dpk::SGD: case dpk::ADAM: case dpk::ADAM_BC: case dpk::ADAMW: case dpk::ADAMW_BC:
+    case dpk::MACADAM: break;
+    default: throw py::value_error("dpkern._C: unknown update rule code " +
+                                   std::to_string(h.rule));
+  }
   h.variance = get<int>(d, "variance", h.variance);
   h.lr = d["lr"].cast<double>();
   h.momentum = get<double>(d, "momentum", h.momentum);

@@ -254,7 +254,7 @@ DPK_CLONES double step_block(const Consts& c, const DP& dp, const Param& p, int6
     case ADAM_BC: DPK_DISPATCH_DTYPE(p.dtype, AdamBC::update, c, S, z, p, begin, len, sqrt_sum) break;
     case ADAMW: DPK_DISPATCH_DTYPE(p.dtype, AdamW::update, c, S, z, p, begin, len, sqrt_sum) break;
     case ADAMW_BC: DPK_DISPATCH_DTYPE(p.dtype, AdamWBC::update, c, S, z, p, begin, len, sqrt_sum) break;
-    default: DPK_DISPATCH_DTYPE(p.dtype, update_macadam, c, S, z, p, begin, len, sqrt_sum) break;
+    case MACADAM: DPK_DISPATCH_DTYPE(p.dtype, update_macadam, c, S, z, p, begin, len, sqrt_sum) break;
   }
   return sqrt_sum;
 }

@@ -386,3 +386,11 @@ def test_no_write_when_numel_zero_and_empty_batch():
     case = make_case("adamw", [(0,), (5,)], 0)
     assert_close_to_reference(run_step(cpp, hyper, case), run_step(ref, hyper, case))
     assert cpp.per_sample_norms(case[1], 0, "cpu").shape == (0,)
+
+
+def test_unknown_rule_code_is_refused_not_run_as_macadam():
+    """An update-rule code the extension does not know is a ValueError (its switch used to
+    fall through to DP-MacAdam)."""
+    from dpkern import _C
+    with pytest.raises(ValueError, match="unknown update rule code 9"):
+        _C.step({"rule": 9, "lr": 0.1}, (1, 1, 0, 0.0, 1.0, 0.0, 1), [], 0, 0)
