@@ -2,9 +2,11 @@
 split only, privacy spent per cell, the digits task's data and model, CLI errors."""
 from __future__ import annotations
 
+import argparse
 import csv
 import dataclasses
 import random
+import shlex
 
 import pytest
 import torch
@@ -47,12 +49,50 @@ def test_quick_end_to_end(tmp_path, capsys):
     for r in summary:
         assert float(r["epsilon_spent_max"]) <= eps and r["seeds"] == "1"
     table = (out / "table.md").read_text()
-    rows = [ln for ln in table.splitlines() if ln.startswith("| DP-")]
+    rows = [ln for ln in table.splitlines() if ln.startswith("| dp-")]
     assert len(rows) == 4  # two optimizers, metric table + lr/epsilon table
     assert table.count(f"ε = {eps:g}") == 2 and "ε = 9" not in table
     assert all(ln.count("|") == 3 for ln in rows)  # name + one epsilon column
     assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "DP-SGD" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| dp-sgd |" in printed and "DP-SGD" not in printed
+    # each run's noise key is its seed: every output says the runs are not private
+    assert "not private: the noise key is known" in printed
+    assert "not private: the noise key is known" in table
+
+
+def _parse(command):
+    """The options of a ``dpkern compare ...`` command line (as ``run`` receives them)."""
+    parser = argparse.ArgumentParser()
+    compare.add_arguments(parser)
+    argv = shlex.split(command)
+    assert argv[:2] == ["dpkern", "compare"], command
+    return parser.parse_args(argv[2:])
+
+
+def test_quick_echoes_exactly_the_command_that_ran(tmp_path, capsys):
+    """table.md's first line is the command that ran: it plans the same runs, and shows
+    only the epsilons, seeds and optimizers that --quick kept, with every value exact."""
+    out = tmp_path / "res"
+    argv = ["--task", "digits", "--quick", "--epsilons", "2.5", "9", "--seeds", "3",
+            "--optimizers", "all", "--delta", "1.2345678e-03", "--max-grad-norm", "0.7",
+            "--batch-size", "48", "--out-dir", str(out)]
+    assert main(["compare", *argv]) == 0
+    # delta >= 1/N (N = 1257 training images) is allowed, with a one-line warning
+    warnings = [ln for ln in capsys.readouterr().err.splitlines() if "warning" in ln]
+    assert len(warnings) == 1 and "--delta 0.00123457 is not well below 1/N" in warnings[0]
+    first = (out / "table.md").read_text().splitlines()[0]
+    assert first.startswith("`") and first.endswith("`"), first
+    command = first.strip("`")
+    ran = compare.plan(_parse("dpkern compare " + " ".join(argv)), compare._task("digits"))
+    again = _parse(command)
+    assert compare.plan(again, compare._task("digits")) == ran
+    assert again.epsilons == [2.5] and again.seeds == 1 and again.delta == 1.2345678e-03
+    assert again.optimizers == [c.optimizer for c in ran]  # dp-sgd dp-adamw
+    rows = _read_csv(out / "runs.csv")
+    assert [(r["optimizer"], float(r["lr"])) for r in rows] == [(c.optimizer, c.lr) for c in ran]
+    # echoing the echoed command gives the same command
+    assert compare.command_line(again, compare._task("digits"), ran) == command
 
 
 def _row(opt, eps, seed, lr, val, test):
@@ -68,11 +108,12 @@ def test_select_uses_validation_only(higher_is_better):
     rows = []
     # lr 0.1: best on validation, worst on test; lr 0.2: the opposite
     for seed in range(seeds):
-        rows.append(_row("adam", 3.0, seed, 0.1, 50 + sign * 10 + rng.random(), rng.uniform(0, 10)))
-        rows.append(_row("adam", 3.0, seed, 0.2, 50 - sign * 10 + rng.random(), rng.uniform(90, 99)))
-    rows.append(_row("sgd", 3.0, 0, 1.0, 1.0, 2.0))
+        rows.append(_row("dp-adam", 3.0, seed, 0.1, 50 + sign * 10 + rng.random(), rng.uniform(0, 10)))
+        rows.append(_row("dp-adam", 3.0, seed, 0.2, 50 - sign * 10 + rng.random(), rng.uniform(90, 99)))
+    rows.append(_row("dp-sgd", 3.0, 0, 1.0, 1.0, 2.0))
     summary = compare.select(rows, higher_is_better)
-    assert [(r["optimizer"], r["epsilon"]) for r in summary] == [("adam", 3.0), ("sgd", 3.0)]
+    assert [(r["optimizer"], r["epsilon"]) for r in summary] == [("dp-adam", 3.0),
+                                                                  ("dp-sgd", 3.0)]
     best = summary[0]
     assert best["lr"] == 0.1 and best["seeds"] == seeds
     tests = torch.tensor([r["test_metric"] for r in rows if r["lr"] == 0.1], dtype=torch.float64)
@@ -85,8 +126,8 @@ def test_train_one_refuses_overspent_epsilon():
     # sigma below the calibrated one spends more than the target: must raise, not report
     q, steps, eps, delta = 0.05, 5, 2.0, 1e-5
     sigma = get_noise_multiplier(eps, delta, q, steps)
-    cfg = compare.RunConfig("digits", "sgd", eps, 0, 0.1, 0.5 * sigma, q, steps, delta, 1.0,
-                            0.0, "auto", "rdp")
+    cfg = compare.RunConfig("digits", "dp-sgd", eps, 0, 0.1, 0.5 * sigma, q, steps, delta,
+                            1.0, 0.0, "auto", "rdp")
     with pytest.raises(RuntimeError, match="spent epsilon"):
         compare.train_one(cfg)
     ok = compare.train_one(dataclasses.replace(cfg, noise_multiplier=sigma))
@@ -124,6 +165,8 @@ def test_digits_cnn_is_per_sample():
 
 @pytest.mark.parametrize("argv, option", [
     (["--optimizers", "adagrad"], "--optimizers"),
+    (["--optimizers", "sgd"], "--optimizers"),  # one spelling: finetune's dp-sgd
+    (["--optimizers", "adamw_bc"], "--optimizers"),
     (["--epsilons", "-1"], "--epsilons"),
     (["--seeds", "0"], "--seeds"),
     (["--delta", "1.5"], "--delta"),
@@ -140,10 +183,10 @@ def test_text_quick_one_step(tmp_path):
     # the finetune job's model and data; perplexity: lower is better, bounded by the vocab
     out = tmp_path / "text"
     rc = main(["compare", "--task", "text", "--quick", "--epochs", "0.01", "--epsilons", "4",
-               "--optimizers", "adam", "--out-dir", str(out)])
+               "--optimizers", "dp-adam", "--out-dir", str(out)])
     assert rc == 0
     runs = _read_csv(out / "runs.csv")
-    assert len(runs) == 1 and runs[0]["steps"] == "1" and runs[0]["optimizer"] == "adam"
+    assert len(runs) == 1 and runs[0]["steps"] == "1" and runs[0]["optimizer"] == "dp-adam"
     assert float(runs[0]["epsilon_spent"]) <= 4.0
     for key in ("val_metric", "test_metric"):
         assert 1.0 < float(runs[0][key]) < 2 * 257  # near-uniform at init, never below 1

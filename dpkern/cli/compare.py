@@ -22,7 +22,14 @@ plot.png (metric vs epsilon per optimizer).
 
 Privacy note: epsilon is that of ONE training run. Choosing the learning rate among
 several runs on the same private data spends more (Papernot & Steinke, ICLR 2022); like
-the papers being reproduced, this tool does not account for it.
+the papers being reproduced, this tool does not account for it. And each run's noise key
+is its seed (finetune's --noise-seed semantics, so that the optimizers at one seed see the
+same noise draws): the runs are not private (the noise key is known), and the epsilons
+are those the runs would spend with a secret key. The output says so.
+
+Optimizer names are finetune's: dp-sgd, dp-adam, dp-adambc, dp-adamw, dp-adamw-bc,
+dp-macadam. The command echoed at the top of table.md is the one that ran (rerunning it
+runs the same grid).
 
 Example:  dpkern compare --task digits --epsilons 1 3 7 --seeds 3 --optimizers all
 """
@@ -32,14 +39,15 @@ import argparse
 import csv
 import math
 import os
+import shlex
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as TF
@@ -51,18 +59,22 @@ from ..backends import BACKENDS
 from ..grad_sample import compute_grad_sample
 from ..sampling import PoissonBatchSampler
 
-# name -> (label, class, learning-rate grid; the third value is --quick's). The grids
-# bracket the best values of a 5-point sweep at epsilon 1 and 7 on digits (seed 0).
-OPTIMIZERS: dict[str, tuple[str, type, tuple[float, ...]]] = {
-    "sgd": ("DP-SGD", optim.DPSGD, (0.125, 0.25, 0.5, 1.0)),
-    "adam": ("DP-Adam", optim.DPAdam, (1e-3, 3e-3, 1e-2, 3e-2)),
-    "adambc": ("DP-AdamBC", optim.DPAdamBC, (1e-5, 3e-5, 1e-4, 3e-4)),
-    "adamw": ("DP-AdamW", optim.DPAdamW, (1e-3, 3e-3, 1e-2, 3e-2)),
-    "adamw_bc": ("DP-AdamW-BC", optim.DPAdamWBC, (1e-5, 3e-5, 1e-4, 3e-4)),
-    "macadam": ("DP-MacAdam", optim.DPMacAdam, (3e-4, 1e-3, 3e-3, 1e-2)),
+# name (finetune's) -> (class, learning-rate grid; the third value is --quick's). The
+# grids bracket the best values of a 5-point sweep at epsilon 1 and 7 on digits (seed 0).
+OPTIMIZERS: dict[str, tuple[type, tuple[float, ...]]] = {
+    "dp-sgd": (optim.DPSGD, (0.125, 0.25, 0.5, 1.0)),
+    "dp-adam": (optim.DPAdam, (1e-3, 3e-3, 1e-2, 3e-2)),
+    "dp-adambc": (optim.DPAdamBC, (1e-5, 3e-5, 1e-4, 3e-4)),
+    "dp-adamw": (optim.DPAdamW, (1e-3, 3e-3, 1e-2, 3e-2)),
+    "dp-adamw-bc": (optim.DPAdamWBC, (1e-5, 3e-5, 1e-4, 3e-4)),
+    "dp-macadam": (optim.DPMacAdam, (3e-4, 1e-3, 3e-3, 1e-2)),
 }
-DECOUPLED = ("adamw", "adamw_bc")  # --weight-decay applies to these only
-QUICK_OPTIMIZERS = ("sgd", "adamw")
+DECOUPLED = ("dp-adamw", "dp-adamw-bc")  # --weight-decay applies to these only
+QUICK_OPTIMIZERS = ("dp-sgd", "dp-adamw")
+#: Said in every output: each run's noise key is its seed.
+NOISE_NOTE = ("not private: the noise key is known (each run's noise key is its seed, the "
+              "same for every optimizer; the epsilons are those the runs would spend with a "
+              "secret key)")
 CSV_RUN_FIELDS = ("task", "optimizer", "epsilon", "seed", "lr", "noise_multiplier",
                   "sample_rate", "steps", "epsilon_spent", "delta", "val_metric",
                   "test_metric", "seconds", "cpu_seconds")
@@ -201,12 +213,13 @@ class RunConfig:
 
 def make_optimizer(name: str, params, cfg: RunConfig, expected_batch_size: float):
     """The dpkern optimizer ``name`` (a key of :data:`OPTIMIZERS`) for ``cfg``; noise key =
-    the run's seed (reproducible research mode, so two optimizers at the same seed see the
-    same noise draws). DP-MacAdam has no clipping bound to set (it adapts it)."""
-    _, cls, _ = OPTIMIZERS[name]
+    the run's seed (finetune's --noise-seed: reproducible and NOT private, so two
+    optimizers at the same seed see the same noise draws). DP-MacAdam has no clipping
+    bound to set (it adapts it)."""
+    cls, _ = OPTIMIZERS[name]
     kw = dict(lr=cfg.lr, noise_multiplier=cfg.noise_multiplier,
               expected_batch_size=expected_batch_size, seed=cfg.seed, backend=cfg.backend)
-    if name != "macadam":
+    if name != "dp-macadam":
         kw["max_grad_norm"] = cfg.max_grad_norm
     if name in DECOUPLED:
         kw["weight_decay"] = cfg.weight_decay
@@ -327,14 +340,14 @@ def markdown_table(summary: list[dict], task: Task, delta: float, header: str = 
                 continue
             txt = f"{r['test_mean']:.2f} ± {r['test_std']:.2f}"
             cells.append(f"**{txt}**" if r["test_mean"] == best[e] else txt)
-        lines.append(f"| {OPTIMIZERS[n][0]} | " + " | ".join(cells) + " |")
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
     lines += ["", f"chosen learning rate / largest ε spent over seeds (δ = {delta:g})", ""]
     lines += ["| optimizer | " + " | ".join(f"ε = {_fmt_eps(e)}" for e in epss) + " |",
               "|---|" + "---:|" * len(epss)]
     for n in names:
         cells = [f"{cell[n, e]['lr']:g} / {cell[n, e]['epsilon_spent_max']:.3f}"
                  if (n, e) in cell else "" for e in epss]
-        lines.append(f"| {OPTIMIZERS[n][0]} | " + " | ".join(cells) + " |")
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -349,7 +362,7 @@ def plot(summary: list[dict], task: Task, path: Path) -> None:
         pts = sorted((r["epsilon"], r["test_mean"], r["test_std"])
                      for r in summary if r["optimizer"] == n)
         ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts],
-                    marker="o", capsize=3, label=OPTIMIZERS[n][0])
+                    marker="o", capsize=3, label=n)
     ax.set_xlabel("ε (target, δ fixed)")
     ax.set_ylabel(task.metric)
     ax.set_title(f"dpkern compare --task {task.name}")
@@ -414,13 +427,7 @@ def _unit_interval(text: str) -> float:
     return value
 
 
-# finetune's names (dp-adamw, dp-adamw-bc, ...) are accepted too
-ALIASES = {"dp-sgd": "sgd", "dp-adam": "adam", "dp-adambc": "adambc", "dp-adamw": "adamw",
-           "dp-adamw-bc": "adamw_bc", "dp-macadam": "macadam"}
-
-
 def _optimizer_name(text: str) -> str:
-    text = ALIASES.get(text, text)
     if text != "all" and text not in OPTIMIZERS:
         raise argparse.ArgumentTypeError(f"unknown optimizer {text!r}: expected 'all' or one "
                                          f"of {', '.join(OPTIMIZERS)}")
@@ -433,7 +440,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epsilons", type=_positive_float, nargs="+", default=[1.0, 3.0, 7.0],
                         metavar="EPS", help="target epsilons (default: 1 3 7)")
     parser.add_argument("--seeds", type=_positive_int, default=3,
-                        help="seeds per cell, 0..N-1 (default: 3)")
+                        help="seeds per cell, 0..N-1; a seed fixes the init, the sampling "
+                        "AND the noise key (not private, see above) (default: 3)")
     parser.add_argument("--optimizers", type=_optimizer_name, nargs="+", default=["all"],
                         metavar="NAME", help=f"'all' or some of: {', '.join(OPTIMIZERS)}")
     parser.add_argument("--lrs", type=_positive_float, nargs="+", default=None, metavar="LR",
@@ -481,7 +489,7 @@ def plan(args: argparse.Namespace, task: Task) -> list[RunConfig]:
     for eps in epsilons:
         sigma = get_noise_multiplier(eps, args.delta, q, steps, args.accountant)
         for name in names:
-            grid = args.lrs or OPTIMIZERS[name][2]
+            grid = args.lrs or OPTIMIZERS[name][1]
             if args.quick:
                 grid = [grid[len(grid) // 2]]
             for lr in grid:
@@ -490,6 +498,33 @@ def plan(args: argparse.Namespace, task: Task) -> list[RunConfig]:
                                          args.delta, args.max_grad_norm, args.weight_decay,
                                          args.backend, args.accountant))
     return out
+
+
+def _num(x: float) -> str:
+    """``x`` as short as it reads back exactly."""
+    short = f"{x:g}"
+    return short if float(short) == x else repr(float(x))
+
+
+def command_line(args: argparse.Namespace, task: Task, configs: list[RunConfig]) -> str:
+    """The ``dpkern compare`` command that runs exactly ``configs`` (the plan of ``args``):
+    the epsilons, seeds and optimizers that ran (with --quick: its subset) and every other
+    option that changes a result, each value printed so that it reads back exactly."""
+    parts = ["dpkern", "compare", "--task", args.task, "--epsilons",
+             *(_num(e) for e in dict.fromkeys(c.epsilon for c in configs)),
+             "--seeds", str(len({c.seed for c in configs})), "--optimizers",
+             *dict.fromkeys(c.optimizer for c in configs)]
+    if args.epochs is not None or not args.quick:  # (--quick alone: the task's quick epochs)
+        parts += ["--epochs", _num(args.epochs or task.epochs)]
+    parts += ["--batch-size", str(args.batch_size), "--delta", _num(args.delta),
+              "--max-grad-norm", _num(args.max_grad_norm),
+              "--weight-decay", _num(args.weight_decay)]
+    if args.lrs:
+        parts += ["--lrs", *(_num(lr) for lr in args.lrs)]
+    parts += ["--accountant", args.accountant, "--backend", args.backend]
+    if args.quick:  # (picks the middle of each learning-rate grid)
+        parts.append("--quick")
+    return " ".join(shlex.quote(p) for p in parts)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -507,6 +542,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"dpkern compare: error: --task {args.task} needs {exc.name}: "
               "pip install 'dpkern[compare]'", file=sys.stderr)
         return 2
+    if args.delta >= 1.0 / task.num_train:
+        print(f"dpkern compare: warning: --delta {args.delta:g} is not well below 1/N = "
+              f"{1.0 / task.num_train:.3g} (N = {task.num_train:,} training examples): such "
+              "a delta allows leaking whole examples", file=sys.stderr)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     jobs = 1 if args.quick else min(args.jobs, len(configs))  # in-process: starts at once
@@ -519,21 +558,12 @@ def run(args: argparse.Namespace) -> int:
     write_csv(out / "summary.csv", summary, CSV_SUMMARY_FIELDS)
     cfg0 = configs[0]
     cpu = sum(r["cpu_seconds"] for r in rows)
-    command = (f"dpkern compare --task {args.task} --epsilons "
-               f"{' '.join(f'{e:g}' for e in args.epsilons)} --seeds {args.seeds} "
-               f"--optimizers {' '.join(args.optimizers)} "
-               + ("" if args.quick and not args.epochs else
-                  f"--epochs {args.epochs or task.epochs:g} ")
-               + f"--batch-size {args.batch_size} --delta {args.delta:g} --max-grad-norm "
-               f"{args.max_grad_norm:g} --weight-decay {args.weight_decay:g}"
-               + (f" --lrs {' '.join(f'{lr:g}' for lr in args.lrs)}" if args.lrs else "")
-               + (" --quick" if args.quick else ""))
-    header = (f"`{command}`\n\n{len(rows)} runs in {_fmt_time(wall)} wall "
-              f"({_fmt_time(cpu)} CPU, {jobs} job(s)), "
-              f"{len(set(c.seed for c in configs))} seed(s), {cfg0.steps} steps at sample "
+    header = (f"`{command_line(args, task, configs)}`\n\n{len(rows)} runs in "
+              f"{_fmt_time(wall)} wall ({_fmt_time(cpu)} CPU, {jobs} job(s)), "
+              f"{len({c.seed for c in configs})} seed(s), {cfg0.steps} steps at sample "
               f"rate {cfg0.sample_rate:.4g} (expected batch {cfg0.sample_rate * task.num_train:.0f}"
               f" of {task.num_train}), δ = {args.delta:g}, {args.accountant.upper()} "
-              f"accountant\n")
+              f"accountant\n\nPrivacy: {NOISE_NOTE}.\n")
     table = markdown_table(summary, task, args.delta, header)
     (out / "table.md").write_text(table)
     written = [out / "runs.csv", out / "summary.csv", out / "table.md"]

@@ -14,7 +14,20 @@ About 45 s on 2 idle CPU cores; validation perplexity goes from about 240 to abo
 
 Privacy unit: one block of --block-size tokens (adding or removing one block of the
 training text). Losses shown on the progress bar and saved in metrics.json are computed
-on the private data without noise: they are for the operator, not for publication.
+on the private data without noise: they are for the operator, not for publication. No
+exact data-dependent count (samples drawn, clipped or non-finite) is written or shown:
+throughput is that of the expected batch.
+
+Seeds: --seed fixes the model init, the Poisson sampling and dropout; the noise key stays
+secret (os.urandom, never saved) unless --noise-seed is given, which makes the noise
+reproducible and the run NOT private (whoever knows the key can subtract the noise): its
+outputs say "not private: the noise key is known" instead of claiming an epsilon.
+
+Output: --out DIR is written file by file (each file complete before it replaces the
+old one); files dpkern did not write are kept. --overwrite replaces only a dpkern run
+directory, never the current directory or one that holds --data or --model. SIGINT and
+SIGTERM (a preemption) stop at the next step boundary: checkpoint, one line, exit code
+130 / 143 (with --nproc too); --resume DIR continues.
 
 examples:
   dpkern finetune                                    # the default run described above
@@ -42,18 +55,18 @@ step. Clipping is ghost clipping (the book-kept clipped sums are reduce-scattere
 every rank runs the same number of micro-batches (a rank without samples runs a
 placeholder whose loss is dropped). Checkpoints gather the full model and optimizer
 state, so --resume works with or without --fsdp.
+
+Modules: this one (options, validation, the plan, the job), training.py (the loop,
+metrics, summary), parallel.py (--nproc workers), rundir.py (run directories and
+checkpoint files), stop.py (SIGINT / SIGTERM).
 """
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 import logging
 import math
-import os
-import shutil
 import sys
-import tempfile
-import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +74,8 @@ from pathlib import Path
 import torch
 
 from .. import models
+from .rundir import FILES, UsageError, check_out, load_checkpoint
+from .stop import StopSignals
 
 OPTIMIZERS = ("dp-sgd", "dp-adam", "dp-adambc", "dp-adamw", "dp-adamw-bc", "dp-macadam")
 GRAD_SAMPLE_MODES = ("functorch", "opacus")
@@ -83,16 +98,10 @@ DEFAULTS = {
 DEFAULT_MICRO_BATCH = 64
 #: Options that define the run plan: taken from the checkpoint on --resume.
 PLAN_OPTIONS = ("model", "block_size", "val_fraction", "optimizer", "lr", "weight_decay",
-                "delta", "accountant", "max_grad_norm", "batch_size", "seed")
-FILES = {"run": "run_config.json", "metrics": "metrics.json", "trainer": "trainer_state.pt"}
-
-
-class UsageError(Exception):
-    """Bad input: printed as one line naming the option, exit code 2."""
-
-    def __init__(self, option: str, message: str):
-        super().__init__(f"{option}: {message}")
-        self.option = option
+                "delta", "accountant", "max_grad_norm", "batch_size", "seed", "noise_seed")
+#: What every output of a run with --noise-seed says in place of an epsilon claim.
+NOT_PRIVATE = "not private: the noise key is known"
+__all__ = ["FILES", "NOT_PRIVATE", "UsageError", "add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -142,8 +151,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "gradients, no per-sample gradients in memory) or per-sample "
                    "(materialised, see --grad-sample). Default: ghost when it covers every "
                    "trainable layer, else per-sample; dp-macadam always uses per-sample")
-    g.add_argument("--seed", type=int, help="reproducible mode: seeds the noise key, the "
-                   "sampler, the model init and dropout. Without it the noise key is secret")
+    g.add_argument("--seed", type=int, help="seeds the model init, the Poisson sampling and "
+                   "dropout, not the noise (its key stays secret). The accounting assumes "
+                   "secret sampling: keep the seed (run_config.json records it) as private "
+                   "as the data")
+    g.add_argument("--noise-seed", type=int, metavar="INT", help="the optimizer's noise key "
+                   "(reproducible noise for research). The run is then NOT private: whoever "
+                   "knows the key can remove the noise. Default: a secret key from os.urandom")
     g.add_argument("--device", help="torch device (default cuda if available, else cpu)")
     g.add_argument("--nproc", type=int, default=1, metavar="N", help="data-parallel worker "
                    "processes (gloo on CPU, NCCL on CUDA: one GPU each); the global expected "
@@ -154,7 +168,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("output")
     g.add_argument("--out", metavar="DIR", help="write the model (save_pretrained), "
                    f"{FILES['run']}, {FILES['metrics']} and {FILES['trainer']} here")
-    g.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    g.add_argument("--overwrite", action="store_true", help="replace an existing --out if it "
+                   "is a dpkern run directory (never the current directory or a parent of it, "
+                   "nor one holding --data or --model); files dpkern did not write are kept")
     g.add_argument("--resume", metavar="DIR", help="continue the run saved in DIR "
                    "(written back to DIR unless --out is given)")
     g.add_argument("--save-every", type=int, metavar="K", help="also checkpoint to --out "
@@ -195,21 +211,10 @@ def _check_numbers(args) -> None:
         v = getattr(args, opt)
         _require(v is None or v >= low, "--" + opt.replace("_", "-"), f"must be >= {low}, got {v}")
     _require(args.epochs is None or args.epochs > 0, "--epochs", f"must be > 0, got {args.epochs}")
-    _require(args.seed is None or 0 <= args.seed < 2**63, "--seed",
-             f"must be in [0, 2**63), got {args.seed}")
-
-
-def _check_out(args) -> Path | None:
-    """The output directory (resume without --out writes back to the resumed run)."""
-    if args.out is None:
-        return Path(args.resume) if args.resume else None
-    out = Path(args.out)
-    same_as_resume = args.resume is not None and out.resolve() == Path(args.resume).resolve()
-    if out.exists() and not out.is_dir():
-        raise UsageError("--out", f"{out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not args.overwrite and not same_as_resume:
-        raise UsageError("--out", f"{out} exists and is not empty; pass --overwrite to replace it")
-    return out
+    for opt in ("seed", "noise_seed"):
+        v = getattr(args, opt, None)
+        _require(v is None or 0 <= v < 2**63, "--" + opt.replace("_", "-"),
+                 f"must be in [0, 2**63), got {v}")
 
 
 # -- the run plan -------------------------------------------------------------------------
@@ -232,6 +237,7 @@ class Plan:
     steps: int | None
     epochs: float | None
     seed: int | None
+    noise_seed: int | None = None
     tokenizer: str = "bytes"
     n_train: int = 0
     n_val: int = 0
@@ -243,12 +249,14 @@ def _plan_from_args(args, saved: dict | None) -> Plan:
     values = {}
     for name in ("model", "data", "block_size", "val_fraction", "optimizer", "lr",
                  "weight_decay", "epsilon", "delta", "accountant", "max_grad_norm",
-                 "batch_size", "steps", "epochs", "seed"):
-        given = getattr(args, name)
+                 "batch_size", "steps", "epochs", "seed", "noise_seed"):
+        given = getattr(args, name, None)
         if saved is not None and name in PLAN_OPTIONS:
             if given is not None and given != saved.get(name) and name != "model":
+                has = ("a secret noise key" if name == "noise_seed" and saved.get(name) is None
+                       else repr(saved.get(name)))
                 raise UsageError("--" + name.replace("_", "-"), "cannot be changed on "
-                                 f"--resume (the checkpoint has {saved.get(name)!r})")
+                                 f"--resume (the checkpoint has {has})")
             values[name] = saved.get(name)
         elif given is not None:
             values[name] = given
@@ -291,8 +299,8 @@ def _load_model(plan: Plan, args):
     return model, tokenizer
 
 
-def _load_blocks(plan: Plan, tokenizer):
-
+def _load_blocks(plan: Plan, tokenizer, block_size_given: bool):
+    """(train blocks, validation blocks, bytes of text, tokens of text)."""
     from .. import data
     try:
         text = data.read_text(plan.data) if plan.data is not None else data.default_text()
@@ -307,9 +315,37 @@ def _load_blocks(plan: Plan, tokenizer):
     try:
         train, val = data.split_blocks(blocks, plan.val_fraction)
     except ValueError as exc:
+        if block_size_given and ids.numel() >= 4:  # a smaller block size would do
+            raise UsageError("--block-size", f"{plan.block_size} is too large for the data: "
+                             f"its {ids.numel():,} tokens make {blocks.shape[0]} block(s), at "
+                             "least 2 are needed (one to train on, one to validate)") from None
         raise UsageError("--data", f"{exc} at --block-size {plan.block_size} "
                          f"({ids.numel()} tokens)") from None
-    return train, val, len(text.encode("utf-8"))
+    return train, val, len(text.encode("utf-8")), ids.numel()
+
+
+def _check_batch_fits(plan: Plan, n: int, n_tokens: int, block_size_given: bool) -> None:
+    """The expected batch must not exceed the training blocks. Blamed on --block-size when
+    the user chose it and a smaller one would give enough blocks, else on --batch-size."""
+    if plan.batch_size <= n:
+        return
+    blocks_at_2 = n_tokens // 2
+    train_at_2 = blocks_at_2 - min(blocks_at_2 - 1, max(1, round(blocks_at_2 * plan.val_fraction)))
+    if block_size_given and plan.batch_size <= train_at_2:
+        raise UsageError("--block-size", f"{plan.block_size} is too large for the data: its "
+                         f"{n_tokens:,} tokens make {n} training blocks, fewer than the "
+                         f"expected batch of {plan.batch_size} (--batch-size)")
+    raise UsageError("--batch-size", f"{plan.batch_size} is larger than the data set ({n} "
+                     f"training blocks of {plan.block_size} tokens)")
+
+
+def _warn_delta(delta: float | None, n: int) -> None:
+    """--delta should be well below 1/N: a mechanism that publishes one random example in
+    full is (0, 1/N)-DP. A warning, not an error (one line on stderr)."""
+    if delta is not None and delta >= 1.0 / n:
+        print(f"dpkern finetune: warning: --delta {delta:g} is not well below 1/N = "
+              f"{1.0 / n:.3g} (N = {n:,} training blocks): such a delta allows leaking "
+              "whole examples; the default is 1/N^1.1", file=sys.stderr)
 
 
 class _PerSample:
@@ -354,12 +390,44 @@ def _choose_clipping(args, plan: Plan, net, params) -> str:
                   "using --clipping per-sample", file=sys.stderr)
         return "per-sample"
     ok, uncovered = supports(net, params)
+    why = "ghost clipping does not cover " + ", ".join(uncovered) if not ok else None
+    if why is None and args.clipping != "per-sample" and args.grad_sample != "opacus" \
+            and not getattr(args, "fsdp", False):
+        why = _ghost_probe(net, params, plan.block_size)
     if args.clipping == "ghost":
-        _require(ok, "--clipping", "ghost clipping does not cover " + ", ".join(uncovered))
+        _require(why is None, "--clipping", why or "")
         return "ghost"
-    if args.clipping is None and ok and args.grad_sample != "opacus":
-        return "ghost"
+    if args.clipping is None and args.grad_sample != "opacus":
+        if why is None:
+            return "ghost"
+        print(f"dpkern finetune: note: {why}: using --clipping per-sample", file=sys.stderr)
     return "per-sample"
+
+
+def _ghost_probe(net, params, block_size: int) -> str | None:
+    """Whether ghost clipping is exact on this model, checked before training: one ghost
+    backward with the first-step check (``verify="always"``) on 3 blocks of random token
+    ids (never the private data: the answer depends on the model only), through a
+    throw-away optimizer that releases nothing. Returns None, or why not (one line)."""
+    import dpkern
+    from ..ghost import GhostClipping
+    vocab = getattr(getattr(net, "model", net), "config", None)
+    vocab = getattr(vocab, "vocab_size", models.BYTE_VOCAB)
+    gen = torch.Generator().manual_seed(0)
+    device = params[0].device
+    ids = torch.randint(0, vocab, (3, max(2, min(block_size, 16))), generator=gen).to(device)
+    probe = dpkern.DPSGD(params, lr=0.0, max_grad_norm=1e9, noise_multiplier=0.0,
+                         expected_batch_size=3.0, backend="torch")
+    try:
+        with GhostClipping(net, probe, verify="always") as gc:
+            gc.clipped_sums(models.token_loss(net(ids), ids))
+    except (ValueError, FloatingPointError) as exc:
+        first = str(exc).split(". ")[0].split("\n")[0]
+        return f"ghost clipping is not exact on this model ({first[:300]})"
+    finally:
+        for p in params:
+            p.grad = None
+    return None
 
 
 class _Ghost:
@@ -393,8 +461,8 @@ def _make_optimizer(plan: Plan, params, backend: str, sigma: float):
     cls = {"dp-sgd": optim.DPSGD, "dp-adam": optim.DPAdam, "dp-adambc": optim.DPAdamBC,
            "dp-adamw": optim.DPAdamW, "dp-adamw-bc": optim.DPAdamWBC,
            "dp-macadam": optim.DPMacAdam}[plan.optimizer]
-    kw = dict(lr=plan.lr, noise_multiplier=sigma, expected_batch_size=plan.batch_size,
-              seed=plan.seed, backend=backend)
+    kw = {"lr": plan.lr, "noise_multiplier": sigma, "expected_batch_size": plan.batch_size,
+          "seed": plan.noise_seed, "backend": backend}  # None: a secret key (os.urandom)
     if plan.weight_decay is not None:
         if plan.optimizer == "dp-macadam":
             raise UsageError("--weight-decay", "dp-macadam has no weight decay")
@@ -431,64 +499,37 @@ def _calibrate_extension(history, sample_rate: float, steps: int, epsilon: float
     return hi
 
 
-# -- checkpoints --------------------------------------------------------------------------
+# -- run_config.json -----------------------------------------------------------------
 
-def _write_checkpoint(out: Path, model, tokenizer, plan: Plan, metrics: dict, trainer: dict,
-                      model_state: dict | None = None) -> None:
-    """Write into a fresh sibling directory, then swap it in: a crash never leaves a
-    half-written --out, and an existing one is only replaced once the new one is whole.
-    ``model_state``: the full state dict of a sharded (FSDP2) model."""
-    import dataclasses
-
-    out = out.resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        model.save_pretrained(tmp, state_dict=model_state)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        (tmp / FILES["run"]).write_text(json.dumps(dataclasses.asdict(plan), indent=2) + "\n")
-        (tmp / FILES["metrics"]).write_text(json.dumps(metrics, indent=2) + "\n")
-        torch.save(trainer, tmp / FILES["trainer"])
-        old = None
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.rename(out, old / "d")
-        os.rename(tmp, out)
-        if old is not None:
-            shutil.rmtree(old)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+def _run_record(plan: Plan) -> dict:
+    """run_config.json's plan. With --noise-seed the target epsilon is only what sigma was
+    calibrated to, and the record says the run is not private."""
+    record = dataclasses.asdict(plan)
+    if plan.noise_seed is not None:
+        record["privacy"] = NOT_PRIVATE
+        record["epsilon_for_noise_calibration"] = record.pop("epsilon")
+    return record
 
 
-def _load_checkpoint(path: Path) -> tuple[dict, dict, dict]:
-    if not path.is_dir():
-        raise UsageError("--resume", f"{path} is not a directory")
-    missing = [f for f in (FILES["run"], FILES["trainer"], "config.json") if not (path / f).is_file()]
-    if missing:
-        raise UsageError("--resume", f"{path} is not a dpkern finetune checkpoint (missing "
-                         f"{', '.join(missing)})")
-    try:
-        saved = json.loads((path / FILES["run"]).read_text())
-        trainer = torch.load(path / FILES["trainer"], map_location="cpu", weights_only=True)
-        metrics = json.loads((path / FILES["metrics"]).read_text()) \
-            if (path / FILES["metrics"]).is_file() else {}
-    except Exception as exc:  # corrupt files: one line, no traceback
-        raise UsageError("--resume", f"{path}: unreadable checkpoint ({type(exc).__name__}: "
-                         f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
-    return saved, trainer, metrics
+def _saved_plan(saved: dict, trainer_state: dict) -> dict:
+    """The inverse of :func:`_run_record` (a resumed run_config.json). A checkpoint of a
+    dpkern before --noise-seed existed used --seed as the noise key (its optimizer state
+    holds it): that key is known, so the run continues as a --noise-seed run."""
+    saved = dict(saved)
+    if "epsilon_for_noise_calibration" in saved:
+        saved["epsilon"] = saved.pop("epsilon_for_noise_calibration")
+    if "noise_seed" not in saved:
+        dp = (trainer_state.get("optimizer") or {}).get("dp") or {}
+        saved["noise_seed"] = dp.get("seed")
+    return saved
 
 
 # -- the job ------------------------------------------------------------------------------
 
-def _fmt_time(seconds: float) -> str:
-    return f"{seconds:.1f} s" if seconds < 120 else f"{int(seconds // 60)} min {seconds % 60:.0f} s"
-
-
 def run(args: argparse.Namespace) -> int:
-    """Run ``dpkern finetune``; returns the exit code (0, or 2 for bad input with a
-    one-line error on stderr and nothing written)."""
+    """Run ``dpkern finetune``; returns the exit code: 0; 2 for bad input (a one-line
+    error on stderr, nothing written); 130 / 143 when SIGINT / SIGTERM stopped it at a
+    step boundary (checkpointed to --out, one line on stderr)."""
     try:
         return _run(args)
     except UsageError as exc:
@@ -500,18 +541,21 @@ def _run(args) -> int:
     job = _prepare(args)
     if getattr(args, "nproc", 1) > 1:
         del job  # everything is validated: the workers build their own copies
-        return _spawn(args)
-    return _train_with_warnings(args, job)
+        from .parallel import spawn
+        return spawn(args)
+    with StopSignals() as stop:  # SIGINT / SIGTERM: stop at a step boundary
+        return _train_with_warnings(args, job, stop=stop)
 
 
-def _train_with_warnings(args, job: dict, dist_ctx=None) -> int:
+def _train_with_warnings(args, job: dict, dist_ctx=None, stop: StopSignals | None = None) -> int:
     def show_warning(message, category, filename, lineno, file=None, line=None):
         print(f"dpkern finetune: warning: {message}", file=sys.stderr)
 
     with warnings.catch_warnings():
         warnings.showwarning = show_warning
         warnings.filterwarnings("ignore", module="opacus")
-        return _train(args, **job, dist_ctx=dist_ctx)
+        from .training import run_training
+        return run_training(args, **job, dist_ctx=dist_ctx, stop=stop or StopSignals())
 
 
 def _check_nproc(args, device: torch.device) -> None:
@@ -543,11 +587,14 @@ def _prepare(args) -> dict:
     Raises UsageError on bad input. Deterministic given args (the model init in secure
     mode aside), so that data-parallel workers rebuild the same job."""
     _check_numbers(args)
-    out = _check_out(args)
     saved = trainer_state = old_metrics = None
     if args.resume:
-        saved, trainer_state, old_metrics = _load_checkpoint(Path(args.resume))
+        saved, trainer_state, old_metrics = load_checkpoint(Path(args.resume))
+        saved = _saved_plan(saved, trainer_state)
     plan = _plan_from_args(args, saved)
+    out = check_out(args.out, overwrite=args.overwrite, resume=args.resume,
+                    protected={"--data": plan.data, "--model": plan.model,
+                               "--resume": args.resume})
     if args.grad_sample == "opacus":
         try:
             import opacus  # noqa: F401
@@ -575,13 +622,13 @@ def _prepare(args) -> dict:
     hf_logging.disable_progress_bar()
     logging.getLogger("absl").setLevel(logging.ERROR)  # dp-accounting's RDP series notes
     model, tokenizer = _load_model(plan, args)
-    train, val, n_bytes = _load_blocks(plan, tokenizer)
+    block_size_given = args.block_size is not None and saved is None
+    train, val, n_bytes, n_tokens = _load_blocks(plan, tokenizer, block_size_given)
     n = train.shape[0]
     if saved is not None and (n, val.shape[0]) != (saved.get("n_train"), saved.get("n_val")):
         raise UsageError("--data", f"gives {n} training blocks, the checkpoint was trained on "
                          f"{saved.get('n_train')}: not the same data")
-    _require(plan.batch_size <= n, "--batch-size", f"{plan.batch_size} is larger than the "
-             f"data set ({n} training blocks of {plan.block_size} tokens)")
+    _check_batch_fits(plan, n, n_tokens, block_size_given)
     q = plan.batch_size / n
     delta = plan.delta if plan.delta is not None else 1.0 / n ** 1.1
     steps = plan.steps if plan.steps is not None else max(1, math.ceil(plan.epochs * n / plan.batch_size))
@@ -626,327 +673,9 @@ def _prepare(args) -> dict:
     per_sample = (_Ghost(net, optimizer) if args.clipping == "ghost"
                   else _PerSample(net, args.grad_sample))
     numel = sum(p.numel() for p in params)
-    return dict(plan=plan, out=out, model=model, tokenizer=tokenizer, net=net,
-                optimizer=optimizer, accountant=accountant, per_sample=per_sample,
-                train=train, val=val, n_bytes=n_bytes, done=done, steps=steps, micro=micro,
-                delta=delta, numel=numel, device=device, old_metrics=old_metrics or {})
-
-
-# -- data parallelism (--nproc) -----------------------------------------------------------
-
-def _spawn(args) -> int:
-    """Run the validated job in ``args.nproc`` worker processes; rank 0's exit code."""
-    import torch.multiprocessing as mp
-    from torch.multiprocessing.spawn import ProcessException
-
-    with tempfile.TemporaryDirectory(prefix="dpkern-finetune-") as tmp:
-        ctx = mp.start_processes(_worker, args=(args.nproc, tmp, args), nprocs=args.nproc,
-                                 join=False, start_method="spawn")
-        try:
-            while not ctx.join():
-                pass
-        except KeyboardInterrupt:  # the workers got it too: rank 0 checkpoints and exits
-            try:
-                while not ctx.join(timeout=60):
-                    pass
-            except (KeyboardInterrupt, ProcessException):
-                pass
-        except ProcessException as exc:
-            print(f"dpkern finetune: error: a worker process failed: {exc}", file=sys.stderr)
-            return 1
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.terminate()
-        rc = Path(tmp, "rc0")
-        return int(rc.read_text()) if rc.is_file() else 130
-
-
-def _worker(rank: int, world: int, tmp: str, args) -> None:
-    """One data-parallel rank: rebuild the job, join the group, train, record the code."""
-    import contextlib
-    import io
-
-    import torch.distributed as dist
-
-    from ..distributed import DistributedDPOptimizer
-
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    args = argparse.Namespace(**vars(args))
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda":
-        args.device = f"cuda:{rank}"
-        torch.cuda.set_device(rank)
-    args.writes = args.out is not None or args.resume is not None  # rank 0 checkpoints
-    if rank != 0:
-        args.quiet, args.out = True, None
-        if not args.fsdp:  # (FSDP: every rank joins the checkpoint's gathers)
-            args.save_every = None
-    with contextlib.redirect_stderr(io.StringIO()):  # notes were shown before spawning
-        job = _prepare(args)
-    if rank != 0:
-        job["out"] = None
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            init_method=f"file://{os.path.join(tmp, 'rendezvous')}",
-                            rank=rank, world_size=world)
-    try:
-        with torch.no_grad():  # one model: rank 0's init (secure mode draws it per rank)
-            for t in job["model"].state_dict().values():
-                dist.broadcast(t, src=0)
-        if args.fsdp:
-            _shard(job, args, world)
-        else:
-            job["optimizer"] = DistributedDPOptimizer(job["optimizer"])  # broadcasts the key
-        code = _train_with_warnings(args, job, dist_ctx=(rank, world))
-        Path(tmp, f"rc{rank}").write_text(str(code))
-    finally:
-        dist.destroy_process_group()
-
-
-def _shard(job: dict, args, world: int) -> None:
-    """--fsdp: shard the (broadcast) model with FSDP2 -- one unit per transformer block,
-    then the root -- and rebuild the optimizer over the DTensor shards (a resumed run's
-    full optimizer state is cut to this rank's rows) and ghost clipping over it."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from ..distributed import DistributedDPOptimizer
-    model, plan = job["model"], job["plan"]
-    full_state = job["optimizer"].state_dict() if job["done"] else None
-    job["per_sample"].gc.detach()
-    mesh = init_device_mesh(job["device"].type, (world,))
-    blocks = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)
-                   and len(m)), [])
-    for block in blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = DistributedDPOptimizer(_make_optimizer(plan, params, args.backend,
-                                                       plan.noise_multiplier))
-    if full_state is not None:
-        optimizer.load_state_dict(full_state)
-        optimizer.noise_multiplier = plan.noise_multiplier
-    job["optimizer"] = optimizer
-    job["per_sample"] = _Ghost(job["net"], optimizer, placeholder=job["train"][:1])
-
-
-def _check_replicas(model, world: int, device) -> None:
-    """Every rank must end with the same parameters (same init, same all-reduced sums,
-    same noise): compare per-parameter float64 sums across ranks, exactly (a collective).
-
-    Raises DistributedDPError on every rank if the replicas diverged."""
-    import torch.distributed as dist
-
-    from ..distributed import DistributedDPError
-    sums = torch.stack([p.detach().double().sum() for p in model.parameters()]).to(device)
-    rows = [torch.empty_like(sums) for _ in range(world)]
-    dist.all_gather(rows, sums)
-    bad = [r for r in range(world) if not torch.equal(rows[r], rows[0])]
-    if bad:
-        raise DistributedDPError(f"model replicas diverged: ranks {bad} differ from rank 0")
-
-
-# -- training -----------------------------------------------------------------------------
-
-def _train(args, plan, out, model, tokenizer, net, optimizer, accountant, per_sample, train,
-           val, n_bytes, done, steps, micro, delta, numel, device, old_metrics,
-           dist_ctx=None) -> int:
-    """The training loop. ``dist_ctx``: None, or (rank, world size) inside an initialised
-    process group with ``optimizer`` a DistributedDPOptimizer."""
-    from tqdm import tqdm
-
-    from ..sampling import PoissonBatchSampler
-
-    q, sigma = plan.sample_rate, plan.noise_multiplier
-    rank, world = dist_ctx or (0, 1)
-    fsdp = bool(getattr(optimizer, "sharded", False))
-    writes = getattr(args, "writes", out is not None)  # (FSDP: ranks != 0 join the gathers)
-    t_start = time.perf_counter()
-    val_before = models.evaluate(net, val, args.eval_batch_size, device)
-    sampler_seed = None if plan.seed is None else (plan.seed * 1_000_003 + done) % 2**63
-    if plan.seed is not None:  # dropout masks (a --model with dropout): per rank, per resume
-        torch.manual_seed((sampler_seed * 1009 + rank + 1) % 2**63)
-    if dist_ctx is None:
-        sampler = PoissonBatchSampler(train.shape[0], q, steps - done, seed=sampler_seed)
-    else:
-        from ..distributed import DistributedPoissonSampler
-        sampler = DistributedPoissonSampler(train.shape[0], q, steps - done, rank=rank,
-                                            num_replicas=world, seed=sampler_seed)
-    train_tokens = samples = 0
-    train_time = 0.0
-    # optimizer statistics over ALL ranks and segments (optimizer.stats counts this rank's
-    # samples only; a checkpoint stores these global ones, which a resume starts from)
-    stats = dict(optimizer.stats)
-    stat_keys = ("samples", "clipped_samples", "nonfinite_samples")
-    segment_start = done
-    loss_ema = None
-    eps_shown, eps_time = accountant.get_epsilon(delta), 0.0
-    interrupted = False
-
-    def checkpoint(val_after=None, final=False):
-        eps, delta_total = accountant.get_privacy_spent(delta, numel)
-        metrics = {
-            "step": optimizer.dp_step, "steps": steps, "epsilon": eps,
-            "target_epsilon": plan.epsilon, "delta": delta_total, "target_delta": delta,
-            "noise_multiplier": sigma, "sample_rate": q, "max_grad_norm": plan.max_grad_norm,
-            "expected_batch_size": plan.batch_size, "accountant": plan.accountant,
-            "optimizer": plan.optimizer, "backend": args.backend,
-            "val_loss_before": val_before, "val_perplexity_before": math.exp(val_before),
-            "val_loss_after": val_after,
-            "val_perplexity_after": None if val_after is None else math.exp(val_after),
-            "val_loss_initial": old_metrics.get("val_loss_initial", val_before),
-            "train_loss_ema": loss_ema, "samples": samples, "tokens": train_tokens,
-            "train_seconds": train_time, "tokens_per_second": train_tokens / max(train_time, 1e-9),
-            "total_seconds": time.perf_counter() - t_start, "num_parameters": numel,
-            "n_train_blocks": plan.n_train, "n_val_blocks": plan.n_val,
-            "block_size": plan.block_size, "finished": final,
-            "optimizer_stats": dict(stats), "nproc": world, "fsdp": fsdp,
-            "bytes_per_rank": _resident_bytes(optimizer),
-        }
-        segment = {"steps": [segment_start, optimizer.dp_step], "nproc": world,
-                   "fsdp": fsdp, "samples": samples, "tokens": train_tokens,
-                   "train_seconds": train_time}
-        metrics["segments"] = _past_segments(old_metrics) + [segment]
-        model_state = opt_state = None
-        if fsdp and writes:  # collectives: every rank gathers, rank 0 writes
-            from ..sharding import is_sharded
-            model.reshard()
-            # one gather per parameter, so tied weights stay one tensor (the same on
-            # every rank: keyed by the module's parameter objects, not by storage)
-            owner = {n: id(p) for n, p in model.named_parameters(remove_duplicate=False)}
-            full: dict[int, torch.Tensor] = {}
-            model_state = {}
-            for k, v in model.state_dict().items():
-                key = owner.get(k, id(v))
-                if is_sharded(v) and key not in full:
-                    full[key] = v.full_tensor()
-                model_state[k] = full.get(key, v)
-            opt_state = optimizer.state_dict(full=True)
-        if out is not None:
-            opt_state = opt_state if fsdp else optimizer.state_dict()
-            opt_state = {**opt_state, "dp": {**opt_state["dp"], "stats": dict(stats)}}
-            trainer = {"step": optimizer.dp_step, "optimizer": opt_state,
-                       "accountant": accountant.state_dict()}
-            _write_checkpoint(out, model, tokenizer, plan, metrics, trainer, model_state)
-        return metrics
-
-    net.train()
-    bar = tqdm(total=steps, initial=done, desc="dp fine-tuning", unit="step",
-               disable=args.quiet, dynamic_ncols=True, file=sys.stderr)
-    try:
-        for indices in sampler:
-            t0 = time.perf_counter()
-            before = [optimizer.stats[k] for k in stat_keys]
-            batch = train[indices]
-            losses = []
-            chunks = [batch[i:i + micro] for i in range(0, batch.shape[0], micro)] or [batch]
-            if fsdp:  # every rank runs as many micro-batches (forwards are collectives)
-                import torch.distributed as dist
-                n = torch.tensor([len(chunks)], device=device)
-                dist.all_reduce(n, op=dist.ReduceOp.MAX)
-                chunks += [batch[:0]] * (int(n) - len(chunks))
-            for chunk in chunks:
-                losses.append(per_sample(chunk.to(device)))
-                if not getattr(per_sample, "accumulates", False):
-                    optimizer.accumulate()
-            optimizer.step()
-            accountant.step(sigma, q)
-            count, loss_sum = batch.shape[0], float(torch.cat(losses).sum()) if losses else 0.0
-            deltas = [optimizer.stats[k] - b for k, b in zip(stat_keys, before)]
-            if dist_ctx is not None:  # global counts and mean loss for the bar and metrics
-                import torch.distributed as dist
-                t = torch.tensor([count, loss_sum, *deltas], dtype=torch.float64,
-                                 device=device)
-                dist.all_reduce(t)
-                count, loss_sum, deltas = int(t[0]), float(t[1]), [int(x) for x in t[2:]]
-            stats["steps"] += 1
-            for k, d in zip(stat_keys, deltas):
-                stats[k] += d
-            train_time += time.perf_counter() - t0
-            samples += count
-            train_tokens += count * plan.block_size
-            if count:
-                mean = loss_sum / count
-                loss_ema = mean if loss_ema is None else 0.9 * loss_ema + 0.1 * mean
-            now = time.perf_counter()
-            if now - eps_time > 5.0 or optimizer.dp_step == steps:
-                eps_shown, eps_time = accountant.get_epsilon(delta), now
-            bar.set_postfix(loss=f"{loss_ema:.3f}" if loss_ema is not None else "-",
-                            eps=f"{eps_shown:.2f}",
-                            tok_s=f"{train_tokens / max(train_time, 1e-9):.0f}", refresh=False)
-            bar.update(1)
-            if args.save_every and optimizer.dp_step % args.save_every == 0 \
-                    and optimizer.dp_step < steps and (out is not None or fsdp and writes):
-                checkpoint()
-    except KeyboardInterrupt:
-        interrupted = True
-    bar.close()
-    if interrupted:
-        optimizer.zero_grad()  # an unfinished logical batch is dropped (never saved)
-        metrics = checkpoint()
-        where = f"; resume with --resume {out}" if out is not None else ""
-        if rank == 0:
-            print(f"dpkern finetune: interrupted at step {optimizer.dp_step}/{steps}, "
-                  f"epsilon spent {metrics['epsilon']:.3g}{where}", file=sys.stderr)
-        return 130
-    if dist_ctx is not None and not fsdp:
-        _check_replicas(model, world, device)
-    val_after = models.evaluate(net, val, args.eval_batch_size, device)
-    metrics = checkpoint(val_after, final=True)
-    if rank == 0:
-        _print_summary(plan, args, metrics, n_bytes, done, out)
-    return 0
-
-
-def _resident_bytes(optimizer) -> dict:
-    """Bytes of parameters and optimizer state this rank keeps between steps (its shards
-    under --fsdp, everything otherwise)."""
-    from ..sharding import local_shard
-    params = optimizer.trainable_params()
-    state = sum(v.numel() * v.element_size() for p in params
-                for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor))
-    return {"params": sum(local_shard(p)[0].numel() * p.element_size() for p in params),
-            "optimizer_state": state}
-
-
-def _past_segments(old_metrics: dict) -> list[dict]:
-    """The training segments (run, then each resume) before this one, from the resumed
-    checkpoint's metrics.json."""
-    if not old_metrics:
-        return []
-    if "segments" in old_metrics:
-        return list(old_metrics["segments"])
-    return [{"steps": [None, old_metrics.get("step")], "nproc": old_metrics.get("nproc", 1),
-             "fsdp": old_metrics.get("fsdp", False), "samples": old_metrics.get("samples"),
-             "tokens": old_metrics.get("tokens"),
-             "train_seconds": old_metrics.get("train_seconds")}]
-
-
-def _print_summary(plan, args, m, n_bytes, done, out) -> None:
-    model = plan.model or ("(resumed) " + str(args.resume) if args.resume else
-                           "built-in byte-level GPT-2")
-    data = plan.data or "pydoc_data.topics (CPython help pages)"
-    delta_src = "" if plan.delta is not None else " (1/N^1.1)"
-    lines = [
-        f"dpkern finetune: done in {_fmt_time(m['total_seconds'])}",
-        f"  model       {model}: {m['num_parameters'] / 1e6:.2f} M parameters, block {plan.block_size}",
-        f"  data        {data}: {n_bytes:,} bytes, {plan.n_train:,} train / {plan.n_val:,} "
-        "validation blocks",
-        f"  optimizer   {plan.optimizer}, lr {plan.lr:g}, backend {args.backend}, "
-        f"clipping {args.clipping}" + (f" (per-sample gradients {args.grad_sample})"
-                                        if args.clipping == "per-sample" else ""),
-        f"  privacy     epsilon {m['epsilon']:.3f} spent (target {plan.epsilon:g}), "
-        f"delta {m['delta']:.3g}{delta_src}, sigma {m['noise_multiplier']:.4g}, "
-        f"C {plan.max_grad_norm:g}, q {m['sample_rate']:.4g} (Poisson, expected batch "
-        f"{plan.batch_size}), {plan.accountant.upper()} accountant",
-        f"  training    steps {done} -> {m['step']}, {m['samples']:,} samples, "
-        f"{m['tokens']:,} tokens in {_fmt_time(m['train_seconds'])} "
-        f"({m['tokens_per_second']:,.0f} tokens/s)"
-        + (f", {m['nproc']} data-parallel processes" if m["nproc"] > 1 else "")
-        + (" (FSDP2-sharded)" if m.get("fsdp") else ""),
-        f"  validation  loss {m['val_loss_before']:.4f} -> {m['val_loss_after']:.4f}, "
-        f"perplexity {m['val_perplexity_before']:.2f} -> {m['val_perplexity_after']:.2f}",
-    ]
-    if out is not None:
-        lines.append(f"  saved       {out}")
-    print("\n".join(lines))
+    _warn_delta(plan.delta, n)  # (last: bad input stays a one-line error)
+    return {"plan": plan, "out": out, "model": model, "tokenizer": tokenizer, "net": net,
+            "optimizer": optimizer, "accountant": accountant, "per_sample": per_sample,
+            "train": train, "val": val, "n_bytes": n_bytes, "done": done, "steps": steps,
+            "micro": micro, "delta": delta, "numel": numel, "device": device,
+            "old_metrics": old_metrics or {}}
