@@ -185,3 +185,34 @@ def test_scaled_embedding_one_plus_w_and_matmul_tied_head_are_exact():
     ids = torch.randint(0, 13, (4, 6))
     assert_exact_and_bounded(model, lambda m, x: F.cross_entropy(
         m(x).transpose(1, 2), x, reduction="none").sum(1), ids)
+
+
+def test_loralib_layers_are_exact_or_refused():
+    """loralib's Linear and Embedding (which looks up lora_A.T) are exact; its MergedLinear
+    (a grouped conv1d of lora_A with lora_B, data-free, then a matmul) is refused, naming
+    the parameters and the operation."""
+    lora = pytest.importorskip("loralib")
+    torch.manual_seed(3)
+
+    class Net(nn.Module):
+        def __init__(self, merged=False):
+            super().__init__()
+            self.emb, self.lin = lora.Embedding(20, 8, r=2), lora.Linear(8, 6, r=2)
+            self.head = (lora.MergedLinear(6, 9, r=2, enable_lora=[True, False, True])
+                         if merged else nn.Linear(6, 4))
+
+        def forward(self, ids):
+            return self.head(torch.tanh(self.lin(self.emb(ids))))
+
+    def prepared(merged):
+        model = Net(merged)
+        lora.mark_only_lora_as_trainable(model)
+        for p in model.parameters():
+            if p.requires_grad:
+                nn.init.normal_(p, std=0.3)
+        return model
+
+    loss = lambda m, x: m(x).square().sum((1, 2))  # noqa: E731
+    assert_exact_and_bounded(prepared(False), loss, torch.randint(0, 20, (4, 5)))
+    with pytest.raises(ValueError, match=r"head\.lora_A.*conv1d in head"):
+        _ghost(prepared(True), loss, torch.randint(0, 20, (4, 5)))

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .batch import _ADDS, _MULS, _SUBS, FLAT, LEAD, UNKNOWN, layout_of, reduce_rows
-from .norms import IndexUse, OuterUse, RowsUse, layer_norm_rows, rms_norm_rows
+from .norms import IndexUse, OuterUse, RowsUse, instantiate, layer_norm_rows, rms_norm_rows
 
 _T = torch.Tensor
 
@@ -125,10 +125,10 @@ def _embedding_refuse(args, kwargs, layouts):
 
 def _embedding(fa, args, kwargs):
     w = fa.get(1)
-    if w is None or 0 in fa or w.transposed or w.shape is not None:
+    if w is None or 0 in fa or w.shape is not None:
         return None
     pad = args[2] if len(args) > 2 else kwargs.get("padding_idx")
-    V = w.param.shape[0]
+    V, d = args[1].shape  # the table as used: [V, d] (a transposed form: param is [d, V])
     if pad is not None and pad < 0:
         pad += V
 
@@ -138,7 +138,11 @@ def _embedding(fa, args, kwargs):
         g = G.reshape(B, ids.shape[1], -1)
         if pad is not None:
             g = g.masked_fill((ids == pad).unsqueeze(-1), 0)
-        return [(w.param, IndexUse(ids, g * w.scale if w.scale != 1.0 else g, V))]
+        use = IndexUse(ids, g * w.scale if w.scale != 1.0 else g, V)
+        if not w.transposed:
+            return [(w.param, use)]
+        # loralib's Embedding looks up lora_A.T: instantiate (B x V x d, a low rank d)
+        return [(w.param, RowsUse(instantiate([use], (V, d), B).transpose(1, 2)))]
     return fn
 
 
