@@ -109,6 +109,12 @@ def compute_grad_sample(module: nn.Module, loss_fn: Callable, inputs, targets=No
     names = [n for n, p in module.named_parameters() if p.requires_grad]
     if not names:
         raise ValueError("compute_grad_sample: the module has no trainable parameter")
+    mixing = [n or type(module).__name__ for n, m in module.named_modules()
+              if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+    if mixing:
+        raise ValueError(f"compute_grad_sample: {mixing[0]} is batch norm in training mode, "
+                         "which normalises each sample with statistics of the whole batch "
+                         "(it mixes samples: not DP); use GroupNorm/LayerNorm, or eval()")
     from .sharding import is_sharded
     if hasattr(module, "reshard") or any(is_sharded(p) for p in module.parameters()):
         raise ValueError("compute_grad_sample: FSDP2 (fully_shard) modules are not supported "

@@ -37,12 +37,21 @@ def _torch_optim_options() -> frozenset:
 KNOWN_OPTIONS = _torch_optim_options() | PRIVACY_OPTIONS | DPKERN_OPTIONS
 
 
+#: torch.optim options at the value that switches them off: harmless, accepted.
+OFF_VALUES = {"maximize": False, "amsgrad": False, "foreach": None, "fused": None,
+              "capturable": False, "differentiable": False}
+
+
 def check_group_options(cls_name: str, group: dict, defaults: dict) -> None:
     """Refuse an optimizer option in a param group that ``cls_name`` does not implement.
 
     Keys that are no optimizer option (``params``, ``param_names``, ``initial_lr`` of the
-    LR schedulers, a user's ``name``) pass. Raises ValueError naming the option."""
+    LR schedulers, a user's ``name``) pass, and so do torch.optim options at the value that
+    switches them off (``amsgrad=False``, ``foreach=None``, ...). Raises ValueError naming
+    the option."""
     for key in group:
+        if key in OFF_VALUES and group[key] is OFF_VALUES[key]:
+            continue
         if key in KNOWN_OPTIONS and key not in defaults:
             where = ("one value per optimizer: pass it to the constructor"
                      if key in PRIVACY_OPTIONS else
@@ -65,7 +74,8 @@ NO_FRESH_GRAD_SAMPLE = (
     "batch first (did you forget zero_grad() or the backward?). Opacus raises here too; "
     "torch.optim would silently reuse p.grad. (If per-sample gradients were never computed: "
     "wrap the model with opacus.GradSampleModule or call "
-    "dpkern.grad_sample.compute_grad_sample.)")
+    "dpkern.grad_sample.compute_grad_sample; with ghost clipping, call gc.backward(losses) "
+    "for each micro-batch, not loss.backward().)")
 
 ALREADY_RELEASED = (
     "{name}: this grad_sample tensor was already used by an earlier step() or "

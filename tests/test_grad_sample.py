@@ -273,3 +273,14 @@ def test_bert_classifier_with_padding_mask_falls_back(monkeypatch):
     F.cross_entropy(model(ids, mask).logits, y, reduction="sum").backward()
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad_sample.sum(0), p.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_batch_norm_in_training_mode_is_refused():
+    import pytest
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    with pytest.raises(ValueError, match="batch norm in training mode.*mixes samples"):
+        compute_grad_sample(model, lambda out, y: out.square().sum(), torch.randn(5, 4),
+                            torch.zeros(5))
+    model.eval()
+    compute_grad_sample(model, lambda out, y: out.square().sum(), torch.randn(5, 4),
+                        torch.zeros(5))

@@ -290,3 +290,19 @@ def test_privacy_accountant_methods_have_docstrings():
         if callable(member) or isinstance(member, property):
             doc = inspect.getdoc(member)
             assert doc and len(doc) > 40, f"PrivacyAccountant.{name} has no docstring"
+
+
+def test_torch_optim_options_at_their_off_value_are_accepted():
+    ps, _ = _pair(n=1)
+    opt = dpkern.DPAdamW([{"params": ps, "amsgrad": False, "maximize": False, "foreach": None}],
+                         max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=2.0)
+    assert opt.param_groups[0]["amsgrad"] is False
+
+
+def test_repr_shows_the_privacy_settings():
+    ps, _ = _pair(n=1)
+    text = repr(dpkern.DPSGD(ps, max_grad_norm=0.5, noise_multiplier=1.25,
+                             expected_batch_size=8.0, seed=3))
+    for word in ("max_grad_norm: 0.5", "noise_multiplier: 1.25", "expected_batch_size: 8.0",
+                 "not private"):
+        assert word in text

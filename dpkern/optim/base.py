@@ -125,6 +125,16 @@ class DPOptimizer(torch.optim.Optimizer):
     _PICKLED = ("_seed", "_dp_step", "_max_grad_norm", "_noise_multiplier", "_failed",
                 "_expected_batch_size", "backend", "nonfinite", "b_init")  # never stats
 
+    def __repr__(self) -> str:
+        dp = (f"    max_grad_norm: {self.max_grad_norm}\n"
+              f"    noise_multiplier: {self.noise_multiplier}\n"
+              f"    expected_batch_size: {self.expected_batch_size}\n"
+              f"    secure: {self.secure}"
+              + ("" if self.secure else " (seed given: the noise key is known, not private)")
+              + f"\n    backend: {self.backend}\n    dp_step: {self._dp_step}\n")
+        base = super().__repr__()
+        return base[:-1] + "DP settings\n" + dp + ")" if base.endswith(")") else base + "\n" + dp
+
     def key_fingerprint(self) -> int:
         """:func:`dpkern.keys.key_fingerprint` of this optimizer's noise key (never the key
         itself)."""

@@ -170,9 +170,10 @@ class DPAdam(_AdamFamily):
 
 class DPAdamW(_AdamFamily):
     __doc__ = r"""DP-AdamW: torch.optim.AdamW on the privatised gradient (decoupled decay).
-    """ + _ADAM_MATH + r"""
-    after :math:`\theta \leftarrow \theta (1 - \gamma\lambda)`, then
+    First the decoupled decay :math:`\theta \leftarrow \theta (1 - \gamma\lambda)`, then
+    the moments below on :math:`g = \hat g`, and
     :math:`\theta \leftarrow \theta - \gamma \hat m / (\sqrt{\hat v} + \epsilon)`.
+    """ + _ADAM_MATH + r"""
     """ + _ADAM_ARGS + r"""        eps (float): epsilon > 0 (default 1e-8).
         weight_decay (float): lambda, decoupled (default 1e-2, torch.optim.AdamW's).
     """ + _DP_ARGS + r"""
@@ -244,8 +245,9 @@ class DPAdamBC(_BCMixin, _AdamFamily):
 
 class DPAdamWBC(_BCMixin, _AdamFamily):
     __doc__ = r"""DP-AdamW-BC: DP-AdamW with DP-AdamBC's denominator.
+    First the decoupled decay :math:`\theta \leftarrow \theta (1 - \gamma\lambda)`, then
+    the moments below on :math:`g = \hat g`,
     """ + _ADAM_MATH + _BC_MATH + r"""
-    after :math:`\theta \leftarrow \theta (1 - \gamma\lambda)`.
     """ + _ADAM_ARGS + r"""        gamma (float): gamma_0 > 0, the floor inside the sqrt (default 1e-8).
         weight_decay (float): lambda, decoupled (default 1e-2).
     """ + _DP_ARGS + r"""
