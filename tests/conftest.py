@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import random
 from pathlib import Path
 
 import pytest
@@ -87,3 +88,27 @@ def run_step(module, hyper, case):
     if hyper.rule == "macadam":
         module.macadam_update_scale(hyper, dp, states["exp_var"], states["scale"], out)
     return params, states, out
+
+
+#: The finetune tests' corpus vocabulary (a small language with learnable structure).
+WORDS = ("the privacy of each record is protected by noise added to the clipped sum of "
+         "gradients while the model learns which words follow which").split()
+
+
+@pytest.fixture
+def tiny_default_model(monkeypatch):
+    """Shrink finetune's built-in model (in this process) so that a run takes a second or
+    two (modules that run the job use it as ``pytestmark``)."""
+    from dpkern import models
+    monkeypatch.setattr(models, "DEFAULT_SHAPE", {"n_embd": 32, "n_layer": 1, "n_head": 2})
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    """A fresh random text with learnable structure (a small vocabulary of words)."""
+    rng = random.Random()
+    sentences = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))) + "."
+                 for _ in range(400)]
+    path = tmp_path / "corpus.txt"
+    path.write_text(" ".join(sentences))
+    return path

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import shutil
 import signal
@@ -20,12 +19,10 @@ import time
 import pytest
 import torch
 
-from dpkern import models, sampling
+from dpkern import sampling
 from dpkern.cli import finetune as ft
 from dpkern.cli.__main__ import main
 
-WORDS = ("the privacy of each record is protected by noise added to the clipped sum of "
-         "gradients while the model learns which words follow which").split()
 TINY = ["--block-size", "16", "--batch-size", "16", "--micro-batch-size", "8", "--lr", "1e-2",
         "--quiet"]
 NOT_PRIVATE = "not private: the noise key is known"
@@ -33,21 +30,7 @@ EXACT_COUNT_KEYS = {"stats", "optimizer_stats", "clipped_samples", "nonfinite_sa
                     "samples", "tokens"}
 
 
-@pytest.fixture(autouse=True)
-def tiny_default_model(monkeypatch):
-    """Shrink the built-in model (in this process) so that a run takes a second or two."""
-    monkeypatch.setattr(models, "DEFAULT_SHAPE", {"n_embd": 32, "n_layer": 1, "n_head": 2})
-
-
-@pytest.fixture
-def text_file(tmp_path):
-    """A fresh random text with learnable structure (a small vocabulary of words)."""
-    rng = random.Random()
-    sentences = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))) + "."
-                 for _ in range(400)]
-    path = tmp_path / "corpus.txt"
-    path.write_text(" ".join(sentences))
-    return path
+pytestmark = pytest.mark.usefixtures("tiny_default_model")
 
 
 def finetune(*argv):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dpkern.ghost import rules
-from test_finetune import TINY, finetune, text_file  # noqa: F401
+from test_finetune import TINY, finetune
 
 transformers = pytest.importorskip("transformers")
 
@@ -40,7 +40,7 @@ def _model_dir(tmp_path, name):
 
 
 @pytest.mark.parametrize("name", ["llama", "opt", "falcon", "biogpt"])
-def test_finetune_uses_ghost_clipping_on_hf_causal_lms(name, text_file, tmp_path,  # noqa: F811
+def test_finetune_uses_ghost_clipping_on_hf_causal_lms(name, text_file, tmp_path,
                                                        capsys):
     src, out = _model_dir(tmp_path, name), tmp_path / "run"
     assert finetune("--model", src, "--data", text_file, "--steps", 2, "--out", out,
@@ -50,7 +50,7 @@ def test_finetune_uses_ghost_clipping_on_hf_causal_lms(name, text_file, tmp_path
     assert (out / "metrics.json").exists()
 
 
-def test_finetune_falls_back_to_per_sample_with_a_note(text_file, tmp_path, capsys,  # noqa: F811
+def test_finetune_falls_back_to_per_sample_with_a_note(text_file, tmp_path, capsys,
                                                       monkeypatch):
     """A model whose parameters meet an operation without a ghost rule (here: the rules for
     element-wise products removed, so Llama's RMSNorm weights have none) trains with
@@ -68,7 +68,7 @@ def test_finetune_falls_back_to_per_sample_with_a_note(text_file, tmp_path, caps
     assert "clipping per-sample" in captured.out
 
 
-def test_forced_ghost_on_an_uncovered_model_is_a_one_line_error(text_file, tmp_path,  # noqa: F811
+def test_forced_ghost_on_an_uncovered_model_is_a_one_line_error(text_file, tmp_path,
                                                                capsys, monkeypatch):
     for f in list(rules.RULES):
         if rules.RULES[f].name == "mul":
