@@ -1,7 +1,8 @@
 """Ghost clipping in the benchmark report: per-layer norms and the end-to-end DP step.
 
-    python -m bench.ghost                  # this part alone (~1-2 min on a 2-core CPU)
+    python -m bench.ghost                  # this part alone (~1.5-2 min on a 2-core CPU)
     python -m bench.report --ghost         # the same, inside the full report
+    python -m bench.ghost --models llama   # the end-to-end step of one model only
 
 Two measurements, each alternating its candidates (the order rotates every repeat) and
 reporting medians, as :mod:`bench.report` does:
@@ -25,9 +26,23 @@ reporting medians, as :mod:`bench.report` does:
    Gram when ``T (d + p) <= d p``) picks. Before timing, every candidate's norms are
    checked against the Gram path (``rtol`` 1e-3), so a wrong fast path cannot win.
 
-2. **End-to-end DP fine-tuning step** of the small byte-level GPT-2
-   (:func:`dpkern.models.default_model`, tied embedding <-> lm-head) on random token blocks
-   ``[B, block]``, each candidate on its own copy of the model:
+2. **End-to-end DP fine-tuning step** of two small byte-level causal LMs on random token
+   blocks ``[B, block]`` (the same blocks and batches for both), each candidate on its own
+   copy of the model:
+
+   - ``gpt2``: the default GPT-2 (:func:`dpkern.models.default_model`: n_embd 128, 2
+     layers, 4 heads, transformers' ``Conv1D`` projections, LayerNorm, learned positions,
+     tied embedding <-> lm-head, eager attention; 0.44 M parameters at block 64);
+   - ``llama``: a Llama-style model (:func:`llama_model`: ``LlamaForCausalLM`` from a
+     ``LlamaConfig`` built in code: hidden 128, 2 layers, 4 heads, 2 KV heads (GQA),
+     intermediate 344 (SwiGLU), ``LlamaRMSNorm``, rotary positions, bias-free
+     ``nn.Linear``, **untied** lm-head (Llama's default ``tie_word_embeddings=False``),
+     **eager** attention like the GPT-2 (torch.func's per-sample path has no batching
+     rule for the fused CPU attention kernel); 0.43 M parameters). Its vocabulary is the
+     project's byte vocabulary (:data:`dpkern.models.BYTE_VOCAB` = 257: 256 bytes + EOT),
+     so both models see the same ids.
+
+   Candidates:
 
    - ``floor:nonprivate``: ``token_loss(...).mean().backward()`` +
      ``torch.optim.AdamW.step()`` (the non-private step every ratio divides by);
@@ -42,7 +57,12 @@ reporting medians, as :mod:`bench.report` does:
      refuses tied weights ("Parameter tying is not supported with Ghost Clipping"): the
      tied model is tried first and, when refused, the note says so and the candidate runs
      on a copy whose lm-head is untied (``baseline:opacus-untied``: V x n_embd more
-     parameters, the same FLOPs), so it is still a number on this model's shapes.
+     parameters, the same FLOPs), so it is still a number on this model's shapes. Any
+     other refusal is a note and leaves no Opacus number. Opacus has ghost-clipping norm
+     samplers for ``nn.Linear`` and ``nn.Embedding`` only: other trainable modules get
+     instantiated per-sample gradients, by its hooks (LayerNorm) or by its functorch
+     fallback (transformers' ``Conv1D``, ``LlamaRMSNorm``); a note per model says which.
+     (On the Llama-style model it runs as is; its per-sample norms equal dpkern's.)
 
    Reported: median ms, ratio = candidate / non-private (1.0 = free privacy), and the peak
    extra memory of one step (the report's ``peak_extra_bytes``: CPU peak-RSS delta,
@@ -90,6 +110,13 @@ from .report import (KEY, LR, RESULTS_DIR, WEIGHT_DECAY, Candidate, load_average
 DEFAULT_LAYERS = ("16x64x128x512", "16x128x768x768", "8x512x768x3072", "4x1024x768x768")
 DEFAULT_BLOCKS = (64, 128)
 DEFAULT_BATCHES = (16, 32)
+#: End-to-end models (see :func:`build_model`), in the order they run.
+E2E_MODELS = ("gpt2", "llama")
+MODEL_TITLES = {"gpt2": "GPT-2", "llama": "Llama-style"}   # table column
+MODEL_PROSE = {"gpt2": "default GPT-2", "llama": "Llama-style model"}  # notes
+#: The Llama-style model's shape (:func:`llama_model`'s defaults).
+LLAMA_SHAPE = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "intermediate_size": 344}
 E2E_ROLES = ("floor:nonprivate", "dpkern:ghost", "dpkern:per_sample", "baseline:opacus",
              "baseline:opacus-untied")
 OPACUS_QUIET = ("Full backward hook is firing", "Using a non-full backward hook",
@@ -202,11 +229,74 @@ def layer_rows(case: LayerCase, medians: dict[str, float],
 # --------------------------------------------------------------------------------------
 # 2. End-to-end DP fine-tuning step
 # --------------------------------------------------------------------------------------
+def llama_model(block_size: int, *, seed: int | None = None, **shape):
+    """A freshly initialised byte-level Llama-style ``LlamaForCausalLM`` (transformers),
+    context ``block_size``: :data:`LLAMA_SHAPE` (``LlamaConfig`` names; ``shape``
+    overrides them), vocabulary :data:`dpkern.models.BYTE_VOCAB`, untied lm-head, eager
+    attention, no dropout. ``seed``: initialise with ``torch.manual_seed(seed)``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dpkern.models import EOT_ID
+    config = LlamaConfig(vocab_size=BYTE_VOCAB, max_position_embeddings=block_size,
+                         tie_word_embeddings=False, attention_dropout=0.0,
+                         bos_token_id=EOT_ID, eos_token_id=EOT_ID,
+                         attn_implementation="eager", **{**LLAMA_SHAPE, **shape})
+    if seed is not None:
+        torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def build_model(model: str, block: int, **kw):
+    """``model`` ("gpt2": :func:`dpkern.models.default_model`, "llama": :func:`llama_model`)
+    at context ``block``; ``kw``: that builder's shape arguments. Raises ValueError for
+    an unknown name."""
+    if model == "gpt2":
+        return default_model(block, **kw)
+    if model == "llama":
+        return llama_model(block, **kw)
+    raise ValueError(f"unknown e2e model {model!r}: expected one of {E2E_MODELS}")
+
+
+def _seeded_model(model: str, block: int, kw: dict | None):
+    """The same initial weights for every candidate, verify_cost and the memory phase."""
+    seed = f"ghost model {block}" if model == "gpt2" else f"ghost model {model} {block}"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(zlib.crc32(seed.encode()))
+        return build_model(model, block, **(kw or {}))
+
+
+def _batch_ids(block: int, batch: int):
+    gen = torch.Generator().manual_seed(zlib.crc32(f"ghost e2e {block} {batch}".encode()))
+    return torch.randint(0, BYTE_VOCAB, (batch, block), generator=gen)
+
+
+def _tied(model) -> bool:
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    return head is not None and head.weight is emb.weight
+
+
 def _untied_copy(model):
     m = copy.deepcopy(model)
     m.config.tie_word_embeddings = False
-    m.lm_head.weight = torch.nn.Parameter(m.transformer.wte.weight.detach().clone())
+    head = m.get_output_embeddings()
+    head.weight = torch.nn.Parameter(m.get_input_embeddings().weight.detach().clone())
     return m
+
+
+def opacus_modes(model) -> dict[str, list[str]]:
+    """How Opacus' fast gradient clipping (``use_ghost_clipping=True``) serves each
+    trainable module type of ``model``: {"ghost": norm samplers, "hooks": instantiated
+    per-sample gradients by its grad samplers, "functorch": by its functorch fallback}
+    (type names, sorted; empty lists left out). Opacus must be installed."""
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping as GSM
+    modes: dict[str, set] = {"ghost": set(), "hooks": set(), "functorch": set()}
+    for m in model.modules():
+        if not any(p.requires_grad for p in m.parameters(recurse=False)):
+            continue
+        kind = ("ghost" if type(m) in GSM.NORM_SAMPLERS else
+                "hooks" if type(m) in GSM.GRAD_SAMPLERS else "functorch")
+        modes[kind].add(type(m).__name__)
+    return {k: sorted(v) for k, v in modes.items() if v}
 
 
 def _opacus_step(model, batch: int, ids, *, sigma: float, clip: float):
@@ -231,23 +321,21 @@ def _opacus_step(model, batch: int, ids, *, sigma: float, clip: float):
 
 
 def e2e_candidates(block: int, batch: int, device, *, sigma: float = 1.0, clip: float = 1.0,
-                   model_kw: dict | None = None, opacus: bool = True
+                   model_kw: dict | None = None, opacus: bool = True, model: str = "gpt2"
                    ) -> tuple[list[Candidate], list[str], int]:
     """(candidates, notes, trainable parameter count) for one DP step of
-    ``default_model(block, **model_kw)`` on random ids ``[batch, block]``.
+    ``build_model(model, block, **model_kw)`` (default: the default GPT-2) on random ids
+    ``[batch, block]`` (the same ids for every model).
 
-    Each candidate owns a deep copy of the same initial model (tied embedding <-> lm-head;
-    its ``.model`` attribute) and its optimizer. The Opacus candidate is probed with one step at build time; when
+    Each candidate owns a deep copy of the same initial model (its ``.model`` attribute)
+    and its optimizer. The Opacus candidate is probed with one step at build time; when
     Opacus refuses the model the refusal goes to the notes (and, for tied weights, an
     untied copy is used instead; see the module docstring)."""
     device = torch.device(device)
-    gen = torch.Generator().manual_seed(zlib.crc32(f"ghost e2e {block} {batch}".encode()))
-    fork = torch.random.fork_rng(devices=[])
-    with fork:
-        torch.manual_seed(zlib.crc32(f"ghost model {block}".encode()))
-        base = default_model(block, **(model_kw or {})).to(device)
-    ids = torch.randint(0, BYTE_VOCAB, (batch, block), generator=gen).to(device)
+    base = _seeded_model(model, block, model_kw).to(device)
+    ids = _batch_ids(block, batch).to(device)
     n_params = sum(p.numel() for p in base.parameters() if p.requires_grad)
+    title = MODEL_PROSE.get(model, model)
     cands, notes = [], []
 
     net = CausalLMLogits(copy.deepcopy(base))
@@ -293,29 +381,38 @@ def e2e_candidates(block: int, batch: int, device, *, sigma: float = 1.0, clip: 
         except ImportError:
             notes.append("Opacus not installed: no Opacus candidate")
             return cands, notes, n_params
-        for variant, model in (("opacus", copy.deepcopy(base)),
-                               ("opacus-untied", None)):
-            if model is None:
-                model = _untied_copy(base)
+        modes = opacus_modes(base)
+        what = {"ghost": "ghost norms", "hooks": "per-sample gradients by its hooks",
+                "functorch": "per-sample gradients by its functorch fallback"}
+        notes.append(f"Opacus on the {title}: " + "; ".join(
+            f"{what[k]} for {', '.join(v)}" for k, v in modes.items()))
+        variants = [("opacus", lambda: copy.deepcopy(base))]
+        if _tied(base):
+            variants.append(("opacus-untied", lambda: _untied_copy(base)))
+        for variant, make in variants:
+            m = make()
             try:
-                step = _opacus_step(model, batch, ids, sigma=sigma, clip=clip)
+                step = _opacus_step(m, batch, ids, sigma=sigma, clip=clip)
                 step()  # probe: Opacus raises in its hooks on models it cannot serve
             except (NotImplementedError, ValueError, RuntimeError) as exc:
                 first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
                 notes.append(f"Opacus fast gradient clipping ({variant}) refused the "
-                             f"model: {type(exc).__name__}: {first}")
+                             f"{title}: {type(exc).__name__}: {first}")
+                if "tying" not in first:
+                    break  # an untied copy would not help
                 continue
             if variant == "opacus-untied":
-                notes.append("baseline:opacus-untied runs on a copy with an untied lm-head "
-                             f"(+{base.lm_head.weight.numel()} parameters; the same FLOPs)")
+                notes.append(f"baseline:opacus-untied runs on a copy of the {title} with an "
+                             f"untied lm-head (+{base.get_output_embeddings().weight.numel()} "
+                             "parameters; the same FLOPs)")
             cands.append(Candidate("baseline", variant, step))
-            cands[-1].model = model
+            cands[-1].model = m
             break
     return cands, notes, n_params
 
 
 def verify_cost(block: int, batch: int, device, *, sigma: float = 1.0, clip: float = 1.0,
-                model_kw: dict | None = None) -> dict:
+                model_kw: dict | None = None, model: str = "gpt2") -> dict:
     """The one-time cost of ghost clipping's first-step check (``verify="first"``) on the
     e2e workload: one ghost DP step of a fresh copy of the same model and batch.
 
@@ -323,11 +420,8 @@ def verify_cost(block: int, batch: int, device, *, sigma: float = 1.0, clip: flo
     "first_step_s": that whole first step (check included)}."""
     from dpkern.ghost import GhostClipping
     device = torch.device(device)
-    gen = torch.Generator().manual_seed(zlib.crc32(f"ghost e2e {block} {batch}".encode()))
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(zlib.crc32(f"ghost model {block}".encode()))
-        net = CausalLMLogits(default_model(block, **(model_kw or {})).to(device))
-    ids = torch.randint(0, BYTE_VOCAB, (batch, block), generator=gen).to(device)
+    net = CausalLMLogits(_seeded_model(model, block, model_kw).to(device))
+    ids = _batch_ids(block, batch).to(device)
     opt = dpkern.DPAdamW(net.parameters(), lr=LR, weight_decay=WEIGHT_DECAY,
                          max_grad_norm=clip, noise_multiplier=sigma,
                          expected_batch_size=batch, seed=KEY)
@@ -346,13 +440,14 @@ def verify_cost(block: int, batch: int, device, *, sigma: float = 1.0, clip: flo
 
 
 def e2e_row(block: int, batch: int, n_params: int, medians: dict[str, float],
-            peaks: dict[str, int | None], verify: dict | None = None) -> dict:
-    """One summary row: medians (s), ratios to the non-private step, peak extra bytes
-    (and the part beyond the non-private step's peak); with ``verify`` (see
+            peaks: dict[str, int | None], verify: dict | None = None,
+            model: str = "gpt2") -> dict:
+    """One summary row of ``model``: medians (s), ratios to the non-private step, peak
+    extra bytes (and the part beyond the non-private step's peak); with ``verify`` (see
     :func:`verify_cost`) the first-step check's seconds and its ratio to the ghost step."""
     base = medians["floor:nonprivate"]
     base_peak = peaks.get("floor:nonprivate")
-    row = dict(block=block, batch=batch, params=n_params)
+    row = dict(model=model, block=block, batch=batch, params=n_params)
     for name in E2E_ROLES:
         key = name.split(":")[1].replace("-", "_")
         t = medians.get(name)
@@ -374,17 +469,23 @@ def e2e_row(block: int, batch: int, n_params: int, medians: dict[str, float],
 def measure(device="cpu", *, layers=DEFAULT_LAYERS, blocks=DEFAULT_BLOCKS,
             batches=DEFAULT_BATCHES, repeats: int = 5, warmup: int = 1, sigma: float = 1.0,
             clip: float = 1.0, memory: bool = True, model_kw: dict | None = None,
-            say=lambda *a: None) -> dict:
+            models=E2E_MODELS, say=lambda *a: None) -> dict:
     """Run both measurements; returns {"layers": rows, "e2e": rows, "timings": rows,
-    "notes": [str], "elapsed_s"}. ``layers``: LayerCase or 'BxTxDxP' strings.
+    "notes": [str], "elapsed_s"}. ``layers``: LayerCase or 'BxTxDxP' strings;
+    ``models``: the e2e models (:data:`E2E_MODELS` names), each on every block and batch;
+    ``model_kw``: {model name: its builder's shape arguments} (e.g. tiny models in tests).
 
     Memory (``memory=True``) is measured after all timings; on CPU that pins glibc's
     mmap threshold for the rest of the process (see ``bench.report.pin_malloc_threshold``),
     so run other timings before this. Raises AssertionError when a layer candidate's norms
-    disagree with the Gram path."""
+    disagree with the Gram path, ValueError for an unknown model name."""
     device = torch.device(device)
     started = time.perf_counter()
     cases = [c if isinstance(c, LayerCase) else parse_layer(c) for c in layers]
+    model_kw = model_kw or {}
+    for model in models:
+        if model not in E2E_MODELS:
+            raise ValueError(f"unknown e2e model {model!r}: expected one of {E2E_MODELS}")
     timings, notes = [], []
     layer_meds, e2e_meds = [], []
     for case in cases:
@@ -399,23 +500,25 @@ def measure(device="cpu", *, layers=DEFAULT_LAYERS, blocks=DEFAULT_BLOCKS,
         gc.collect()
         say(f"layer B={case.B} T={case.T} d={case.d} p={case.p} (rule: {case.rule})  "
             + _fmt(meds) + f"  [{time.perf_counter() - t0:.0f}s]")
-    for block in blocks:
-        for batch in batches:
-            t0 = time.perf_counter()
-            cands, nts, n_params = e2e_candidates(block, batch, device, sigma=sigma,
-                                                  clip=clip, model_kw=model_kw)
-            notes += [n for n in nts if n not in notes]
-            meds = _timed(cands, repeats, device, warmup, timings,
-                          dict(kind="e2e", block=block, B=batch))
-            del cands
-            gc.collect()
-            cost = verify_cost(block, batch, device, sigma=sigma, clip=clip,
-                               model_kw=model_kw)
-            e2e_meds.append((block, batch, n_params, meds, cost))
-            gc.collect()
-            say(f"e2e block={block} B={batch}  " + _fmt(meds)
-                + f"  first-step check={cost['verify_s'] * 1e3:.3g}ms"
-                + f"  [{time.perf_counter() - t0:.0f}s]")
+    for model in models:
+        kw = model_kw.get(model)
+        for block in blocks:
+            for batch in batches:
+                t0 = time.perf_counter()
+                cands, nts, n_params = e2e_candidates(block, batch, device, sigma=sigma,
+                                                      clip=clip, model_kw=kw, model=model)
+                notes += [n for n in nts if n not in notes]
+                meds = _timed(cands, repeats, device, warmup, timings,
+                              dict(kind="e2e", model=model, block=block, B=batch))
+                del cands
+                gc.collect()
+                cost = verify_cost(block, batch, device, sigma=sigma, clip=clip,
+                                   model_kw=kw, model=model)
+                e2e_meds.append((model, block, batch, n_params, meds, cost))
+                gc.collect()
+                say(f"e2e {model} block={block} B={batch}  " + _fmt(meds)
+                    + f"  first-step check={cost['verify_s'] * 1e3:.3g}ms"
+                    + f"  [{time.perf_counter() - t0:.0f}s]")
 
     layer_peaks = [{} for _ in layer_meds]
     e2e_peaks = [{} for _ in e2e_meds]
@@ -424,19 +527,19 @@ def measure(device="cpu", *, layers=DEFAULT_LAYERS, blocks=DEFAULT_BLOCKS,
             pin_malloc_threshold()
         for i, (case, _) in enumerate(layer_meds):
             layer_peaks[i] = _peaks(layer_candidates(case, device), device)
-        for i, (block, batch, *_) in enumerate(e2e_meds):
+        for i, (model, block, batch, *_) in enumerate(e2e_meds):
             cands, _, _ = e2e_candidates(block, batch, device, sigma=sigma, clip=clip,
-                                         model_kw=model_kw)
+                                         model_kw=model_kw.get(model), model=model)
             e2e_peaks[i] = _peaks(cands, device)
         say(f"ghost: peak memory measured [{time.perf_counter() - started:.0f}s so far]")
     peak_of = {("layer", c.B, c.T, c.d, c.p): pk for (c, _), pk in zip(layer_meds, layer_peaks)}
-    peak_of.update({("e2e", b, n): pk for (b, n, *_), pk in zip(e2e_meds, e2e_peaks)})
+    peak_of.update({("e2e", mo, b, n): pk for (mo, b, n, *_), pk in zip(e2e_meds, e2e_peaks)})
     for t in timings:
         key = ((t["kind"], t["B"], t["T"], t["d"], t["p"]) if t["kind"] == "layer"
-               else (t["kind"], t["block"], t["B"]))
+               else (t["kind"], t["model"], t["block"], t["B"]))
         t["peak_extra_bytes"] = peak_of[key].get(t["candidate"])
     return {"layers": [layer_rows(c, m, pk) for (c, m), pk in zip(layer_meds, layer_peaks)],
-            "e2e": [e2e_row(b, n, np_, m, pk, v) for (b, n, np_, m, v), pk
+            "e2e": [e2e_row(b, n, np_, m, pk, v, model=mo) for (mo, b, n, np_, m, v), pk
                     in zip(e2e_meds, e2e_peaks)],
             "timings": timings, "notes": notes,
             "elapsed_s": time.perf_counter() - started}
@@ -489,24 +592,28 @@ def markdown(res: dict) -> str:
                      f"| {_ms(r['opacus_s'])} | {_x(r['opacus_over_rule'])} | "
                      f"{_x(r['opacus_over_gram'])} | {_mib(r['gram_peak_bytes'])} / "
                      f"{_mib(r['instantiate_peak_bytes'])} / {_mib(r['opacus_peak_bytes'])} |")
-    head = ("| block | B | params | non-private ms | ghost ms | × | per-sample ms | × | "
+    head = ("| model | block | B | params | non-private ms | ghost ms | × | per-sample ms | × | "
             "Opacus ms | × | peak extra MiB (non-private / ghost / per-sample / Opacus) |")
     lines += ["", "One DP-AdamW fine-tuning step of the default byte-level GPT-2 "
-              "(`dpkern.models.default_model`), × = time / non-private step "
+              "(`dpkern.models.default_model`, tied embedding <-> lm-head) and of a "
+              "Llama-style model (`bench.ghost.llama_model`: RMSNorm, SwiGLU, rotary, 2 KV "
+              "heads, untied lm-head), eager attention, × = time / non-private step "
               "(AdamW after `loss.mean().backward()`).", "", head,
               "|" + "---|" * (head.count("|") - 1)]
     for r in res["e2e"]:
-        op = "opacus" if r["opacus_s"] is not None else "opacus_untied"
-        lines.append(f"| {r['block']} | {r['batch']} | {r['params'] / 1e6:.2f}M | "
+        op = ("opacus" if r["opacus_s"] is not None else
+              "opacus_untied" if r.get("opacus_untied_s") is not None else "opacus")
+        title = MODEL_TITLES.get(r.get("model", "gpt2"), r.get("model"))
+        lines.append(f"| {title} | {r['block']} | {r['batch']} | {r['params'] / 1e6:.2f}M | "
                      f"{_ms(r['nonprivate_s'])} | {_ms(r['ghost_s'])} | {_x(r['ghost_ratio'])} "
                      f"| {_ms(r['per_sample_s'])} | {_x(r['per_sample_ratio'])} | "
                      f"{_ms(r[op + '_s'])}{' (untied)' if op == 'opacus_untied' else ''} | "
                      f"{_x(r[op + '_ratio'])} | "
                      f"{_mib(r['nonprivate_peak_bytes'])} / {_mib(r['ghost_peak_bytes'])} / "
                      f"{_mib(r['per_sample_peak_bytes'])} / {_mib(r[op + '_peak_bytes'])} |")
-    checks = [f"block {r['block']} B {r['batch']}: {_ms(r['verify_s'])} ms "
-              f"({_x(r['verify_over_ghost'])} a ghost step)"
-              for r in res["e2e"] if r.get("verify_s") is not None]
+    checks = [f"{MODEL_TITLES.get(r.get('model', 'gpt2'), r.get('model'))} block {r['block']} "
+              f"B {r['batch']}: {_ms(r['verify_s'])} ms ({_x(r['verify_over_ghost'])} a ghost "
+              "step)" for r in res["e2e"] if r.get("verify_s") is not None]
     if checks:
         lines += ["", "Ghost clipping's one-time first-step check (`verify=\"first\"`: exact "
                   "norms of 4 samples by autograd, compared with the ghost norms): "
@@ -536,6 +643,8 @@ def main(argv=None) -> dict:
                     help="Linear shapes BxTxDxP (default: %(default)s)")
     ap.add_argument("--blocks", nargs="+", type=int, default=list(DEFAULT_BLOCKS))
     ap.add_argument("--batches", nargs="+", type=int, default=list(DEFAULT_BATCHES))
+    ap.add_argument("--models", nargs="+", choices=E2E_MODELS, default=list(E2E_MODELS),
+                    help="end-to-end models (default: %(default)s)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--sigma", type=float, default=1.0)
@@ -562,7 +671,7 @@ def main(argv=None) -> dict:
         f"{info['torch_threads']}), load average {info['loadavg'][0]:.1f}")
     res = measure(args.device, layers=layers, blocks=args.blocks, batches=args.batches,
                   repeats=args.repeats, warmup=args.warmup, sigma=args.sigma, clip=args.clip,
-                  memory=not args.no_memory, say=say)
+                  memory=not args.no_memory, models=args.models, say=say)
     info["loadavg_end"] = load_average()[0]
     res["machine"] = info
     res["command"] = "python -m bench.ghost " + " ".join(

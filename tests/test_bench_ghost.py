@@ -1,6 +1,7 @@
 """The ghost-clipping benchmark (bench/ghost.py) at tiny sizes: the layer candidates agree
 with a per-sample loop, the agreement check can fail, ratios divide by the non-private
-step, Opacus' refusal of tied weights is a note, and the report wires it behind --ghost."""
+step, Opacus' refusal of tied weights is a note, the Llama-style model runs next to the
+GPT-2, and the report wires it behind --ghost."""
 from __future__ import annotations
 
 import functools
@@ -14,6 +15,9 @@ from bench import ghost as GB
 from bench import report as R
 
 TINY = {"n_embd": 16, "n_layer": 1, "n_head": 2}
+TINY_LLAMA = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "num_key_value_heads": 1, "intermediate_size": 24}
+TINY_KW = {"gpt2": TINY, "llama": TINY_LLAMA}
 
 
 def _loop_norms_sq(A, G):
@@ -65,6 +69,8 @@ def test_e2e_row_ratios_divide_by_the_nonprivate_step():
     base, t = random.uniform(0.01, 1), random.uniform(0.01, 1)
     med = {"floor:nonprivate": base, "dpkern:ghost": t, "dpkern:per_sample": 3 * t}
     row = GB.e2e_row(64, 16, 1000, med, {"floor:nonprivate": 100, "dpkern:ghost": 350})
+    assert row["model"] == "gpt2"
+    assert GB.e2e_row(64, 16, 1000, med, {}, model="llama")["model"] == "llama"
     assert row["nonprivate_ratio"] == pytest.approx(1.0)
     assert row["ghost_ratio"] == pytest.approx(t / base)
     assert row["per_sample_ratio"] == pytest.approx(3 * t / base)
@@ -78,34 +84,67 @@ def test_measure_tiny_end_to_end(tmp_path):
     torch.set_num_threads(1)
     try:
         res = GB.measure("cpu", layers=["2x4x16x16", GB.LayerCase(1, 16, 4, 4)], blocks=[8],
-                         batches=[2], repeats=2, warmup=0, memory=False, model_kw=TINY)
+                         batches=[2], repeats=2, warmup=0, memory=False, model_kw=TINY_KW)
     finally:
         torch.set_num_threads(threads)
     assert [(r["T"], r["rule"]) for r in res["layers"]] == [(4, "gram"), (16, "instantiate")]
     assert all(r["gram_s"] > 0 and r["instantiate_s"] > 0 for r in res["layers"])
-    (row,) = res["e2e"]
-    assert (row["block"], row["batch"]) == (8, 2) and row["params"] > 0
-    for key in ("ghost", "per_sample"):
-        assert row[f"{key}_ratio"] == pytest.approx(row[f"{key}_s"] / row["nonprivate_s"])
-    names = {t["candidate"] for t in res["timings"] if t["kind"] == "e2e"}
-    assert {"floor:nonprivate", "dpkern:ghost", "dpkern:per_sample"} <= names
-    if any(n.startswith("baseline:opacus") for n in names):
-        # Opacus 1.6 refuses the tied model and says why; the untied copy is timed instead
+    assert [r["model"] for r in res["e2e"]] == ["gpt2", "llama"]
+    for row in res["e2e"]:
+        assert (row["block"], row["batch"]) == (8, 2) and row["params"] > 0
+        for key in ("ghost", "per_sample"):
+            assert row[f"{key}_ratio"] == pytest.approx(row[f"{key}_s"] / row["nonprivate_s"])
+    by_model = {m: {t["candidate"] for t in res["timings"] if t["kind"] == "e2e"
+                    and t["model"] == m} for m in GB.E2E_MODELS}
+    for m, names in by_model.items():
+        assert {"floor:nonprivate", "dpkern:ghost", "dpkern:per_sample"} <= names, m
+    if any(n.startswith("baseline:opacus") for n in by_model["gpt2"]):
+        # Opacus 1.6 refuses the tied GPT-2 and says why; the untied copy is timed instead
+        names = by_model["gpt2"]
         assert ("baseline:opacus" in names) != ("baseline:opacus-untied" in names)
         if "baseline:opacus-untied" in names:
-            assert any("tying" in n for n in res["notes"])
+            assert any("tying" in n and "GPT-2" in n for n in res["notes"])
+        # the Llama-style model is untied: Opacus runs on it as is (RMSNorm by functorch),
+        # or its refusal is a note
+        llama = by_model["llama"]
+        assert "baseline:opacus-untied" not in llama
+        assert "baseline:opacus" in llama or any("refused the Llama" in n
+                                                 for n in res["notes"])
+        assert any(n.startswith("Opacus on the Llama") and "LlamaRMSNorm" in n
+                   for n in res["notes"])
     md = GB.markdown(res)
     tables = [ln for ln in md.splitlines() if ln.startswith("|")]
-    assert len(tables) == 2 + 2 + 2 + 1
+    assert len(tables) == 2 + 2 + 2 + 2
     assert all(ln.count("|") == tables[0].count("|") for ln in tables[:4])
-    assert f"{row['ghost_ratio']:.2f}×" in md
+    assert all(ln.count("|") == tables[4].count("|") for ln in tables[4:])
+    assert tables[6].startswith("| GPT-2 | 8 | 2 |")
+    assert tables[7].startswith("| Llama-style | 8 | 2 |")
+    for row in res["e2e"]:
+        assert f"{row['ghost_ratio']:.2f}×" in md
     GB.write(res, tmp_path)
-    assert json.loads((tmp_path / "ghost.json").read_text())["e2e"][0]["block"] == 8
+    saved = json.loads((tmp_path / "ghost.json").read_text())["e2e"]
+    assert [(r["model"], r["block"]) for r in saved] == [("gpt2", 8), ("llama", 8)]
     assert (tmp_path / "ghost.md").read_text().strip() == md
 
 
-def test_candidates_train_their_own_model_copy():
-    cands, _, _ = GB.e2e_candidates(8, 2, "cpu", model_kw=TINY, opacus=False)
+def test_llama_model_shape():
+    m = GB.llama_model(16)
+    cfg = m.config
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads,
+            cfg.num_key_value_heads, cfg.intermediate_size) == (128, 2, 4, 2, 344)
+    assert cfg.vocab_size == GB.BYTE_VOCAB and cfg.max_position_embeddings == 16
+    assert not GB._tied(m) and cfg._attn_implementation == "eager"
+    assert GB._tied(GB.build_model("gpt2", 16, **TINY))
+    with pytest.raises(ValueError, match="unknown e2e model"):
+        GB.build_model("t5", 16)
+    with pytest.raises(ValueError, match="unknown e2e model"):
+        GB.measure("cpu", layers=[], blocks=[8], batches=[2], models=["t5"])
+
+
+@pytest.mark.parametrize("model", GB.E2E_MODELS)
+def test_candidates_train_their_own_model_copy(model):
+    cands, _, _ = GB.e2e_candidates(8, 2, "cpu", model_kw=TINY_KW[model], opacus=False,
+                                    model=model)
     by = {c.name: c for c in cands}
     start = [p.detach().clone() for p in by["dpkern:ghost"].model.parameters()]
     for name, c in by.items():
@@ -120,7 +159,7 @@ def test_candidates_train_their_own_model_copy():
 def test_report_runs_the_ghost_part_by_default(tmp_path, monkeypatch):
     assert R.parse_args([]).ghost is True and R.parse_args(["--no-ghost"]).ghost is False
     monkeypatch.setattr(GB, "measure", functools.partial(
-        GB.measure, layers=["2x4x16x16"], blocks=[8], batches=[2], model_kw=TINY))
+        GB.measure, layers=["2x4x16x16"], blocks=[8], batches=[2], model_kw=TINY_KW))
     threads = torch.get_num_threads()
     try:
         res = R.main(["--paths", "noise", "--noise-d", "4K", "--repeats", "1", "--warmup", "0",
@@ -129,7 +168,8 @@ def test_report_runs_the_ghost_part_by_default(tmp_path, monkeypatch):
     finally:
         R.set_threads(threads)
     assert [r["B"] for r in res["ghost"]["layers"]] == [2]
-    assert [r["block"] for r in res["ghost"]["e2e"]] == [8]
+    assert [(r["model"], r["block"]) for r in res["ghost"]["e2e"]] == [("gpt2", 8),
+                                                                       ("llama", 8)]
     md = (tmp_path / "results.md").read_text()
     assert GB.markdown(res["ghost"]) in md and "non-private ms" in md
     assert (tmp_path / "ghost_e2e.csv").exists()

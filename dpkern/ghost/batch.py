@@ -166,6 +166,11 @@ _DIM_FUNCS = {_T.sum, torch.sum, _T.mean, torch.mean, _T.softmax, torch.softmax,
               _T.chunk, torch.chunk, _T.repeat_interleave, torch.repeat_interleave}
 
 
+#: every func with a layout rule of its own in :func:`_one` (the others: the general rule)
+_SPECIAL = frozenset(_DIM_FUNCS | _TRANSPOSES | _VIEWLIKE | _DIMMOVES | {
+    torch.einsum, torch.functional.einsum, _T.expand, _T.expand_as, _T.__getitem__})
+
+
 def _touches_dim0(func, args, kwargs, x: Tensor) -> bool:
     """Whether ``func`` reduces, reorders or selects along dim 0 (of ``x``)."""
     dim = kwargs.get("dim", kwargs.get("dims"))
@@ -198,68 +203,87 @@ def _einsum_keeps(args, tainted) -> bool:
     return len(firsts) == 1 and out[:1] in firsts
 
 
-def _one(func, args, kwargs, out: Tensor, layouts: Tracker, B) -> str | None:
+def tainted_inputs(args, kwargs, layouts: Tracker) -> list:
+    """``[(tensor, layout)]`` of the arguments that depend on the samples, in the order
+    :func:`propagate` reads them: tensor args, tensors inside list / tuple args, tensor
+    kwargs."""
     ins = [(a, layout_of(layouts, a)) for a in args if isinstance(a, Tensor)]
     ins += [(x, layout_of(layouts, x)) for a in args if isinstance(a, (list, tuple))
             for x in a if isinstance(x, Tensor)]
     ins += [(v, layout_of(layouts, v)) for v in kwargs.values() if isinstance(v, Tensor)]
-    tainted = [(t, lay) for t, lay in ins if lay is not None]
+    return [(t, lay) for t, lay in ins if lay is not None]
+
+
+def _one(func, args, kwargs, out: Tensor, tainted: list, B) -> str | None:
     if not tainted:
         return None
     if out.dim() == 0:
         return UNKNOWN
     src, lay = tainted[0]
-    if func in (torch.einsum, torch.functional.einsum):
-        return LEAD if _einsum_keeps(args, tainted) and all(
-            lay == LEAD for _, lay in tainted) and out.shape[0] == B else UNKNOWN
-    if func in _DIM_FUNCS and _touches_dim0(func, args, kwargs, src):
-        return UNKNOWN
-    if func in _TRANSPOSES and src.dim() >= 2 and not (func is _T.mT.__get__
-                                                       and src.dim() > 2):
-        return UNKNOWN
-    if func in (_T.expand, _T.expand_as) and src is args[0]:
-        return lay if out.shape[0] == src.shape[0] else UNKNOWN  # (broadcast rows)
-    if func in _VIEWLIKE and src is args[0]:
-        if lay == LEAD:
-            if out.shape[0] == B and math.prod(src.shape[1:]) == math.prod(out.shape[1:]):
-                return LEAD
-            if out.shape[0] != B and any(math.prod(src.shape[:j]) == out.shape[0]
-                                         for j in range(2, src.dim() + 1)):
-                return FLAT
+    if func in _SPECIAL:  # (every other func takes the general rule at the end)
+        if func in (torch.einsum, torch.functional.einsum):
+            return LEAD if _einsum_keeps(args, tainted) and all(
+                lay == LEAD for _, lay in tainted) and out.shape[0] == B else UNKNOWN
+        if func in _DIM_FUNCS and _touches_dim0(func, args, kwargs, src):
             return UNKNOWN
-        if lay == FLAT:
-            if out.shape[0] == src.shape[0]:
-                return FLAT
-            if out.shape[0] == B and any(B * math.prod(out.shape[1:j]) == src.shape[0]
-                                         for j in range(2, out.dim() + 1)):
-                return LEAD
-        return UNKNOWN
-    if func in _DIMMOVES:
-        return lay if _dim0_kept(func, args, kwargs, src) else UNKNOWN
-    if func is _T.__getitem__:
-        return lay if (src is args[0] and _index_keeps_dim0(args[1], src.shape[0])
-                       and out.shape[0] == src.shape[0]) else UNKNOWN
-    leads = [t for t, lay in tainted if lay == LEAD]
-    flats = [t for t, lay in tainted if lay == FLAT]
-    if len(leads) == len(tainted) and out.shape[0] == B and all(
-            t.dim() == out.dim() or t.shape[0] == B for t in leads):
-        return LEAD
-    if flats and len(flats) == len(tainted) and out.shape[0] == flats[0].shape[0]:
+        if func in _TRANSPOSES and src.dim() >= 2 and not (func is _T.mT.__get__
+                                                           and src.dim() > 2):
+            return UNKNOWN
+        if func in (_T.expand, _T.expand_as) and src is args[0]:
+            return lay if out.shape[0] == src.shape[0] else UNKNOWN  # (broadcast rows)
+        if func in _VIEWLIKE and src is args[0]:
+            if lay == LEAD:
+                if out.shape[0] == B and math.prod(src.shape[1:]) == math.prod(out.shape[1:]):
+                    return LEAD
+                if out.shape[0] != B and any(math.prod(src.shape[:j]) == out.shape[0]
+                                             for j in range(2, src.dim() + 1)):
+                    return FLAT
+                return UNKNOWN
+            if lay == FLAT:
+                if out.shape[0] == src.shape[0]:
+                    return FLAT
+                if out.shape[0] == B and any(B * math.prod(out.shape[1:j]) == src.shape[0]
+                                             for j in range(2, out.dim() + 1)):
+                    return LEAD
+            return UNKNOWN
+        if func in _DIMMOVES:
+            return lay if _dim0_kept(func, args, kwargs, src) else UNKNOWN
+        if func is _T.__getitem__:
+            return lay if (src is args[0] and _index_keeps_dim0(args[1], src.shape[0])
+                           and out.shape[0] == src.shape[0]) else UNKNOWN
+    # the general rule: LEAD when every such input is LEAD, B rows out, and each input
+    # has the output's rank or B rows; FLAT when every one is FLAT with the rows kept
+    n0 = out.shape[0]
+    if lay == LEAD:
+        ok, nd = n0 == B, out.dim()
+        for t, la in tainted:
+            if la != LEAD:
+                return UNKNOWN
+            if ok and t.dim() != nd and t.shape[0] != B:
+                ok = False
+        return LEAD if ok else UNKNOWN
+    if lay == FLAT and n0 == src.shape[0]:
+        for _, la in tainted:
+            if la != FLAT:
+                return UNKNOWN
         return FLAT
     return UNKNOWN
 
 
-def propagate(func, args, kwargs, out, layouts: Tracker, B) -> str | None:
+def propagate(func, args, kwargs, out, layouts: Tracker, B, tainted=None) -> str | None:
     """The layout of ``out`` (a tensor, or a tuple of tensors: each gets its own) after
-    ``func(*args, **kwargs)``; None when no input depends on the samples."""
+    ``func(*args, **kwargs)``; None when no input depends on the samples. ``tainted``:
+    :func:`tainted_inputs` of the call when the caller has it."""
+    if tainted is None:
+        tainted = tainted_inputs(args, kwargs, layouts)
     if isinstance(out, (tuple, list)):
         for o in out:
             if isinstance(o, Tensor):
-                lay = _one(func, args, kwargs, o, layouts, B)
+                lay = _one(func, args, kwargs, o, tainted, B)
                 if lay is not None:
                     layouts.put(o, lay)
         return None
-    return _one(func, args, kwargs, out, layouts, B)
+    return _one(func, args, kwargs, out, tainted, B)
 
 
 def per_sample(x: Tensor, lay: str, B: int) -> Tensor:

@@ -38,6 +38,7 @@ forward is detected in the same backward.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -45,12 +46,15 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from .batch import _CASTS as CASTS
+from .batch import _one as layout_one
 from .batch import FLAT, INPLACE_ADDS, LEAD, Form, Tracker, param_form, propagate
 from .rules import Rec, RULES, pending_uses, uses_of
 
 __all__ = ["Capture", "module_kind", "KINDS"]
 
 KINDS = ("op", "generic")
+_SEQ = (list, tuple)
+_NONE: list = []  # an empty list that is never appended to
 
 
 def module_kind(module: nn.Module) -> str | None:
@@ -143,6 +147,7 @@ class Capture:
         self._pending = Tracker()    # pending tensor -> (rule name, param form, inputs)
         self.forms = Tracker()       # tensor -> Form of a parameter
         self.layouts = Tracker()     # tensor -> LEAD / FLAT / "unknown"
+        self._fd, self._pd, self._ld = self.forms._d, self._pending._d, self.layouts._d
         self._unknown: dict[int, str] = {}   # id(param) -> first unknown consumer
         self._by_output = Tracker()  # recorded output -> its records
         self._generic_records: list[_ModuleRecord] = []
@@ -237,14 +242,10 @@ class Capture:
 
     # -- the mode ----------------------------------------------------------------------------
     def _on_op(self, func, args, kwargs):
-        B = self._batch
-        flat = [a for a in list(args) + list(kwargs.values())]
-        flat += [x for a in flat if isinstance(a, (list, tuple)) for x in a]
-        tensors = [a for a in flat if isinstance(a, Tensor)]
-        forms = [(t, self.forms.get(t)) for t in tensors]
-        forms = [(t, f) for t, f in forms if f is not None]
-        pend = [(t, self._pending.get(t)) for t in tensors]
-        pend = [(t, p) for t, p in pend if p is not None]
+        # Hot path: runs for every torch call of the forward. The facts it reads (forms,
+        # pending, layouts of the arguments) are looked up once, after the call (the call
+        # cannot change them: the arguments stay alive, only this method writes them), and
+        # an output with no tracked argument behind it is returned at once.
         rule = RULES.get(func)
         if rule is not None and rule.refuse is not None:
             why = rule.refuse(args, kwargs, self.layouts)
@@ -252,27 +253,78 @@ class Capture:
                 raise ValueError(f"ghost clipping refuses {func.__name__} in "
                                  f"{self.where()}: {why}")
         out = func(*args, **kwargs)
-        if not isinstance(out, Tensor) and not (isinstance(out, (tuple, list)) and out
-                                                 and isinstance(out[0], Tensor)):
+        if isinstance(out, Tensor):
+            single = True
+        elif isinstance(out, _SEQ) and out and isinstance(out[0], Tensor):
+            single = False
+        else:
             return out  # shapes, dtypes, ...
+        # the tensor arguments: top-level args, top-level kwargs, then the elements of
+        # list / tuple arguments (args', then kwargs'); propagate reads args', nested
+        # args' and kwargs' tensors in that order
+        a_top, a_sub = [], _NONE
+        for a in args:
+            if isinstance(a, Tensor):
+                a_top.append(a)
+            elif isinstance(a, _SEQ):
+                sub = [x for x in a if isinstance(x, Tensor)]
+                if sub:
+                    a_sub = sub if a_sub is _NONE else a_sub + sub
+        if kwargs:
+            k_top, k_sub = [], _NONE
+            for a in kwargs.values():
+                if isinstance(a, Tensor):
+                    k_top.append(a)
+                elif isinstance(a, _SEQ):
+                    sub = [x for x in a if isinstance(x, Tensor)]
+                    if sub:
+                        k_sub = sub if k_sub is _NONE else k_sub + sub
+            tensors = a_top + k_top + a_sub + k_sub
+            ordered = a_top + a_sub + k_top
+        elif a_sub:
+            tensors = ordered = a_top + a_sub
+        else:
+            tensors = ordered = a_top
+        fd, pd, ld = self._fd, self._pd, self._ld
+        forms, pend, tainted = _NONE, _NONE, []
+        for t in tensors:
+            k = id(t)
+            e = fd.get(k)
+            if e is not None and e[0]() is t:
+                forms = [(t, e[1])] if forms is _NONE else forms + [(t, e[1])]
+            e = pd.get(k)
+            if e is not None and e[0]() is t:
+                pend = [(t, e[1])] if pend is _NONE else pend + [(t, e[1])]
+        for t in ordered:
+            e = ld.get(id(t))
+            if e is not None and e[0]() is t:
+                tainted.append((t, e[1]))
+        if not forms and not pend and not tainted:  # nothing tracked depends on it
+            if single and func in INPLACE_ADDS:
+                for rec in self._by_output.get(out) or ():
+                    rec.version = out._version
+            return out
         if forms and not any(f.param.requires_grad for _, f in forms):
             return out
         derived = param_form(None, out, func=func, args=args, kwargs=kwargs, forms=forms) \
-            if len(forms) == 1 and isinstance(out, Tensor) and (
-                len(tensors) == 1 or func in CASTS) else None
+            if len(forms) == 1 and single and (len(tensors) == 1 or func in CASTS) else None
         if derived is not None:
             self.forms.put(out, derived)
             return out
-        if func in INPLACE_ADDS and isinstance(out, Tensor):
+        if single and func in INPLACE_ADDS:
             for rec in self._by_output.get(out) or ():  # x += b leaves x's gradient as is
                 rec.version = out._version
         if pend:
             self._consume_pending(func, args, kwargs, out, pend)
         if forms:
             self._use(func, args, kwargs, out, forms, rule)
-        layout = propagate(func, args, kwargs, out, self.layouts, B)
-        if layout is not None:
-            self.layouts.put(out, layout)
+        if tainted:
+            if single:
+                layout = layout_one(func, args, kwargs, out, tainted, self._batch)
+                if layout is not None:
+                    ld[id(out)] = (weakref.ref(out), layout)  # self.layouts.put(out, layout)
+            else:
+                propagate(func, args, kwargs, out, self.layouts, self._batch, tainted)
         return out
 
     def _use(self, func, args, kwargs, out, forms, rule) -> None:
