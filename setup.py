@@ -10,6 +10,7 @@ x86-64 baseline, and the dynamic loader picks one for the CPU the wheel runs on.
 compiler refuses that, the build retries with one baseline version (``DPK_NO_CLONES``),
 then without OpenMP (one thread), and finally skips the extension with a warning.
 """
+
 import os
 import sys
 from glob import glob
@@ -48,6 +49,7 @@ def _warn(msg):
 
 
 if Pybind11Extension is not None:
+
     class OptionalBuildExt(_build_ext):
         """Builds dpkern._C if it can; a failure is a warning, never a failed install."""
 
@@ -55,7 +57,9 @@ if Pybind11Extension is not None:
             errors = []
             for what, macros, openmp in ATTEMPTS:
                 ext.define_macros = list(macros)
-                ext.extra_compile_args = BASE_FLAGS + (OPENMP if openmp else ["-Wno-unknown-pragmas"])
+                ext.extra_compile_args = BASE_FLAGS + (
+                    OPENMP if openmp else ["-Wno-unknown-pragmas"]
+                )
                 ext.extra_link_args = OPENMP if openmp else []
                 try:
                     super().build_extension(ext)
@@ -64,9 +68,11 @@ if Pybind11Extension is not None:
                     return
                 except Exception as exc:  # CompileError, LinkError, missing compiler...
                     errors.append(f"{what}: {type(exc).__name__}: {exc}")
-            _warn("could not build the C++ CPU backend dpkern._C (backend='cpp'); "
-                  "backend='auto' will use the PyTorch reference on CPU. Errors: "
-                  + " | ".join(errors))
+            _warn(
+                "could not build the C++ CPU backend dpkern._C (backend='cpp'); "
+                "backend='auto' will use the PyTorch reference on CPU. Errors: "
+                + " | ".join(errors)
+            )
 
         def run(self):
             try:
@@ -75,13 +81,13 @@ if Pybind11Extension is not None:
                 _warn(f"skipping dpkern._C: {type(exc).__name__}: {exc}")
 
     ParallelCompile("DPKERN_BUILD_JOBS", default=0).install()
-    ext_modules = [Pybind11Extension("dpkern._C", SOURCES, depends=HEADERS,
-                                     include_dirs=["csrc"], cxx_std=17)]
+    ext_modules = [
+        Pybind11Extension("dpkern._C", SOURCES, depends=HEADERS, include_dirs=["csrc"], cxx_std=17)
+    ]
     cmdclass = {"build_ext": OptionalBuildExt}
 else:
     _warn("pybind11 is not installed: skipping the C++ CPU backend dpkern._C")
     ext_modules, cmdclass = [], {}
-
 
 
 class BuildPyWithSpec(_build_py):

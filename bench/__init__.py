@@ -9,6 +9,7 @@ This module holds the workloads both share: parameter layouts (one tensor, or a 
 set of 148 tensors), random parameters and per-sample gradients, size parsing and the list
 of dpkern backends that can run on a device.
 """
+
 from __future__ import annotations
 
 import math
@@ -61,8 +62,20 @@ def gpt2_like_shapes(d: int, n_layer: int = 12) -> list[tuple[int, ...]]:
     """
     h = max(4, 4 * round(math.sqrt(0.685 * d / (12 * n_layer)) / 4))
     while True:
-        block = [(h,), (h,), (h, 3 * h), (3 * h,), (h, h), (h,), (h,), (h,),
-                 (h, 4 * h), (4 * h,), (4 * h, h), (h,)]
+        block = [
+            (h,),
+            (h,),
+            (h, 3 * h),
+            (3 * h,),
+            (h, h),
+            (h,),
+            (h,),
+            (h,),
+            (h, 4 * h),
+            (4 * h,),
+            (4 * h, h),
+            (h,),
+        ]
         positions = max(1, (4 * h) // 3)
         rest = n_layer * sum(math.prod(s) for s in block) + positions * h + 2 * h
         vocab = (d - rest) // h
@@ -83,8 +96,9 @@ def layout_shapes(d: int, layout: str) -> list[tuple[int, ...]]:
     raise ValueError(f"invalid layout {layout!r}: expected one of {LAYOUTS}")
 
 
-def make_params(shapes, device, *, generator: torch.Generator | None = None,
-                requires_grad: bool = True) -> list[torch.Tensor]:
+def make_params(
+    shapes, device, *, generator: torch.Generator | None = None, requires_grad: bool = True
+) -> list[torch.Tensor]:
     """float32 leaf parameters of the given shapes, N(0, 0.02^2) like GPT-2's init."""
     out = []
     for s in shapes:
@@ -98,8 +112,10 @@ def make_grad_samples(params, batch_size: int, *, generator=None) -> list[torch.
 
     With d coordinates each row has norm ~0.01 sqrt(d), so C = 1 clips most rows (the
     common regime of DP training)."""
-    return [torch.randn((batch_size, *p.shape), generator=generator).mul_(0.01).to(p.device)
-            for p in params]
+    return [
+        torch.randn((batch_size, *p.shape), generator=generator).mul_(0.01).to(p.device)
+        for p in params
+    ]
 
 
 def available_backends(device) -> list[str]:

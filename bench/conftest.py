@@ -9,6 +9,7 @@ reference, only up to DPKERN_BENCH_TORCH_MAX_D coordinates, default 1M, as it is
 ``benchmark.group`` measure the same work, so ``--benchmark-group-by=group`` lines
 up each backend with its PyTorch baseline. DPKERN_BENCH_DEVICE=cuda runs on a GPU.
 """
+
 from __future__ import annotations
 
 import functools
@@ -17,8 +18,15 @@ import os
 import pytest
 import torch
 
-from bench import (LAYOUTS, available_backends, layout_shapes, make_grad_samples,
-                   make_params, parse_size, synchronize)
+from bench import (
+    LAYOUTS,
+    available_backends,
+    layout_shapes,
+    make_grad_samples,
+    make_params,
+    parse_size,
+    synchronize,
+)
 from dpkern.backends import resolve
 
 FULL = os.environ.get("DPKERN_BENCH_FULL", "0") not in ("", "0")
@@ -39,8 +47,7 @@ def pytest_collection_modifyitems(items):
 
 def skip_if_slow(backend: str, d: int) -> None:
     if backend == "torch" and d > TORCH_MAX_D:
-        pytest.skip(f"reference backend capped at d <= {TORCH_MAX_D} "
-                    "(DPKERN_BENCH_TORCH_MAX_D)")
+        pytest.skip(f"reference backend capped at d <= {TORCH_MAX_D} (DPKERN_BENCH_TORCH_MAX_D)")
 
 
 def backend_module(backend: str):
@@ -55,18 +62,22 @@ def workload(layout: str, d: int, batch: int):
     params = make_params(shapes, DEVICE, generator=gen, requires_grad=False)
     gs = make_grad_samples(params, batch, generator=gen) if batch else None
     summed = [torch.randn(s, generator=gen).to(DEVICE) for s in shapes]
-    states = {"exp_avg": [torch.zeros_like(p) for p in params],
-              "exp_avg_sq": [torch.zeros_like(p) for p in params]}
+    states = {
+        "exp_avg": [torch.zeros_like(p) for p in params],
+        "exp_avg_sq": [torch.zeros_like(p) for p in params],
+    }
     return params, gs, summed, states
 
 
 def per_sample_grid(backend: bool = True):
     """Parametrise a benchmark over (backend,) layout, per-sample d and B."""
+
     def deco(fn):
         fn = pytest.mark.parametrize("batch", BATCHES)(fn)
         fn = pytest.mark.parametrize("size", PER_SAMPLE_SIZES)(fn)
         fn = pytest.mark.parametrize("layout", LAYOUTS)(fn)
         return pytest.mark.parametrize("backend", BACKENDS)(fn) if backend else fn
+
     return deco
 
 
@@ -77,9 +88,20 @@ def run_pedantic(benchmark, fn, group: str, *, setup=None):
     def call():
         fn()
         synchronize(DEVICE)
-    return benchmark.pedantic(call, setup=setup, rounds=ROUNDS, iterations=1,
-                              warmup_rounds=1)
+
+    return benchmark.pedantic(call, setup=setup, rounds=ROUNDS, iterations=1, warmup_rounds=1)
 
 
-__all__ = ["BACKENDS", "BATCHES", "DEVICE", "LAYOUTS", "PER_SAMPLE_SIZES", "SIZES",
-           "backend_module", "per_sample_grid", "run_pedantic", "skip_if_slow", "workload"]
+__all__ = [
+    "BACKENDS",
+    "BATCHES",
+    "DEVICE",
+    "LAYOUTS",
+    "PER_SAMPLE_SIZES",
+    "SIZES",
+    "backend_module",
+    "per_sample_grid",
+    "run_pedantic",
+    "skip_if_slow",
+    "workload",
+]

@@ -78,6 +78,7 @@ Sources: Li et al. 2022 (ghost clipping, arXiv 2110.05679); Bu et al. 2023 (book
 and the per-layer Gram/instantiation choice, arXiv 2210.00038); Opacus 1.6 fast gradient
 clipping (``opacus.grad_sample.grad_sample_module_fast_gradient_clipping``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -100,9 +101,19 @@ from dpkern.ghost.norms import outer_method, outer_norm_sq
 from dpkern.models import BYTE_VOCAB, CausalLMLogits, default_model, sample_loss, token_loss
 
 from . import MI, synchronize
-from .report import (KEY, LR, RESULTS_DIR, WEIGHT_DECAY, Candidate, load_average,
-                     machine_info, peak_extra_bytes, pin_malloc_threshold, time_alternating,
-                     write_csv)
+from .report import (
+    KEY,
+    LR,
+    RESULTS_DIR,
+    WEIGHT_DECAY,
+    Candidate,
+    load_average,
+    machine_info,
+    peak_extra_bytes,
+    pin_malloc_threshold,
+    time_alternating,
+    write_csv,
+)
 
 #: Linear shapes ``(B, T, d, p)``: the default GPT-2's c_fc at block 64, GPT-2-small's
 #: attention projection at T = 128, its MLP c_fc at T = 512 (Gram and instantiation close),
@@ -112,20 +123,35 @@ DEFAULT_BLOCKS = (64, 128)
 DEFAULT_BATCHES = (16, 32)
 #: End-to-end models (see :func:`build_model`), in the order they run.
 E2E_MODELS = ("gpt2", "llama")
-MODEL_TITLES = {"gpt2": "GPT-2", "llama": "Llama-style"}   # table column
+MODEL_TITLES = {"gpt2": "GPT-2", "llama": "Llama-style"}  # table column
 MODEL_PROSE = {"gpt2": "default GPT-2", "llama": "Llama-style model"}  # notes
 #: The Llama-style model's shape (:func:`llama_model`'s defaults).
-LLAMA_SHAPE = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-               "num_key_value_heads": 2, "intermediate_size": 344}
-E2E_ROLES = ("floor:nonprivate", "dpkern:ghost", "dpkern:per_sample", "baseline:opacus",
-             "baseline:opacus-untied")
-OPACUS_QUIET = ("Full backward hook is firing", "Using a non-full backward hook",
-                "Secure RNG turned off", "Optimal order is the largest alpha")
+LLAMA_SHAPE = {
+    "hidden_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 344,
+}
+E2E_ROLES = (
+    "floor:nonprivate",
+    "dpkern:ghost",
+    "dpkern:per_sample",
+    "baseline:opacus",
+    "baseline:opacus-untied",
+)
+OPACUS_QUIET = (
+    "Full backward hook is firing",
+    "Using a non-full backward hook",
+    "Secure RNG turned off",
+    "Optimal order is the largest alpha",
+)
 
 
 @dataclass(frozen=True)
 class LayerCase:
     """A bias-free Linear ``[B, T, d] -> [B, T, p]``."""
+
     B: int
     T: int
     d: int
@@ -150,18 +176,22 @@ def parse_layer(text: str) -> LayerCase:
     except ValueError:
         vals = []
     if len(vals) != 4 or min(vals) < 1:
-        raise ValueError(f"invalid layer shape {text!r}: expected BxTxDxP with positive "
-                         "integers, e.g. 16x128x768x768")
+        raise ValueError(
+            f"invalid layer shape {text!r}: expected BxTxDxP with positive "
+            "integers, e.g. 16x128x768x768"
+        )
     return LayerCase(*vals)
 
 
 def _quiet(fn):
     """``fn`` with autograd on (the report times under no_grad) and Opacus' chatter off."""
+
     def run():
         with torch.enable_grad(), warnings.catch_warnings():
             for msg in OPACUS_QUIET:
                 warnings.filterwarnings("ignore", message=msg)
             return fn()
+
     return run
 
 
@@ -175,11 +205,14 @@ def layer_candidates(case: LayerCase, device) -> list[Candidate]:
     gen = torch.Generator().manual_seed(zlib.crc32(repr(case).encode()))
     A = torch.randn(case.B, case.T, case.d, generator=gen).to(device)
     G = torch.randn(case.B, case.T, case.p, generator=gen).mul_(1e-3).to(device)
-    cands = [Candidate("dpkern", m, lambda m=m: outer_norm_sq(G, A, method=m))
-             for m in ("gram", "instantiate")]
+    cands = [
+        Candidate("dpkern", m, lambda m=m: outer_norm_sq(G, A, method=m))
+        for m in ("gram", "instantiate")
+    ]
     if device.type == "cuda":
         try:
             from dpkern.ghost.triton_norms import gram_norm_sq
+
             cands.append(Candidate("dpkern", "triton", lambda: gram_norm_sq(G, A)))
         except ImportError:
             pass
@@ -189,8 +222,9 @@ def layer_candidates(case: LayerCase, device) -> list[Candidate]:
         return cands
     layer = torch.nn.Linear(case.d, case.p, bias=False, device=device)
     norm_fn = GSM.NORM_SAMPLERS[torch.nn.Linear]
-    cands.append(Candidate("baseline", "opacus",
-                           lambda: norm_fn(layer, [A], G)[layer.weight].square()))
+    cands.append(
+        Candidate("baseline", "opacus", lambda: norm_fn(layer, [A], G)[layer.weight].square())
+    )
     return cands
 
 
@@ -202,25 +236,32 @@ def check_agree(values: dict[str, torch.Tensor], reference: str, rtol: float = 1
     for name, v in values.items():
         err = float((v.float().cpu() - ref).abs().max()) / scale
         if not err <= rtol:
-            raise AssertionError(f"ghost bench: {name} norms differ from {reference} "
-                                 f"(max relative error {err:.2e} > {rtol})")
+            raise AssertionError(
+                f"ghost bench: {name} norms differ from {reference} "
+                f"(max relative error {err:.2e} > {rtol})"
+            )
 
 
-def layer_rows(case: LayerCase, medians: dict[str, float],
-               peaks: dict[str, int | None]) -> dict:
+def layer_rows(case: LayerCase, medians: dict[str, float], peaks: dict[str, int | None]) -> dict:
     """One summary row: medians (s), speed-ups of dpkern's rule and Gram path over Opacus."""
     auto = medians.get(f"dpkern:{case.rule}")
     opacus = medians.get("baseline:opacus")
-    row = dict(B=case.B, T=case.T, d=case.d, p=case.p, rule=case.rule,
-               gram_gflop=case.flops("gram") / 1e9,
-               instantiate_gflop=case.flops("instantiate") / 1e9)
+    row = dict(
+        B=case.B,
+        T=case.T,
+        d=case.d,
+        p=case.p,
+        rule=case.rule,
+        gram_gflop=case.flops("gram") / 1e9,
+        instantiate_gflop=case.flops("instantiate") / 1e9,
+    )
     for name in ("dpkern:gram", "dpkern:instantiate", "dpkern:triton", "baseline:opacus"):
         key = name.split(":")[1]
         row[f"{key}_s"] = medians.get(name)
         row[f"{key}_peak_bytes"] = peaks.get(name)
     row["rule_s"] = auto
     row["opacus_over_rule"] = opacus / auto if opacus and auto else None
-    row["opacus_over_gram"] = (opacus / medians["dpkern:gram"] if opacus else None)
+    row["opacus_over_gram"] = opacus / medians["dpkern:gram"] if opacus else None
     best = min((v, k) for k, v in medians.items() if k.startswith("dpkern:"))
     row["fastest_dpkern"] = best[1].split(":")[1]
     return row
@@ -237,10 +278,17 @@ def llama_model(block_size: int, *, seed: int | None = None, **shape):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from dpkern.models import EOT_ID
-    config = LlamaConfig(vocab_size=BYTE_VOCAB, max_position_embeddings=block_size,
-                         tie_word_embeddings=False, attention_dropout=0.0,
-                         bos_token_id=EOT_ID, eos_token_id=EOT_ID,
-                         attn_implementation="eager", **{**LLAMA_SHAPE, **shape})
+
+    config = LlamaConfig(
+        vocab_size=BYTE_VOCAB,
+        max_position_embeddings=block_size,
+        tie_word_embeddings=False,
+        attention_dropout=0.0,
+        bos_token_id=EOT_ID,
+        eos_token_id=EOT_ID,
+        attn_implementation="eager",
+        **{**LLAMA_SHAPE, **shape},
+    )
     if seed is not None:
         torch.manual_seed(seed)
     return LlamaForCausalLM(config)
@@ -289,12 +337,18 @@ def opacus_modes(model) -> dict[str, list[str]]:
     per-sample gradients by its grad samplers, "functorch": by its functorch fallback}
     (type names, sorted; empty lists left out). Opacus must be installed."""
     from opacus.grad_sample import GradSampleModuleFastGradientClipping as GSM
+
     modes: dict[str, set] = {"ghost": set(), "hooks": set(), "functorch": set()}
     for m in model.modules():
         if not any(p.requires_grad for p in m.parameters(recurse=False)):
             continue
-        kind = ("ghost" if type(m) in GSM.NORM_SAMPLERS else
-                "hooks" if type(m) in GSM.GRAD_SAMPLERS else "functorch")
+        kind = (
+            "ghost"
+            if type(m) in GSM.NORM_SAMPLERS
+            else "hooks"
+            if type(m) in GSM.GRAD_SAMPLERS
+            else "functorch"
+        )
         modes[kind].add(type(m).__name__)
     return {k: sorted(v) for k, v in modes.items() if v}
 
@@ -305,24 +359,40 @@ def _opacus_step(model, batch: int, ids, *, sigma: float, clip: float):
     from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
 
     gsm = GradSampleModuleFastGradientClipping(
-        CausalLMLogits(model, explicit_positions=True), batch_first=True,
-        loss_reduction="mean", max_grad_norm=clip, use_ghost_clipping=True)
+        CausalLMLogits(model, explicit_positions=True),
+        batch_first=True,
+        loss_reduction="mean",
+        max_grad_norm=clip,
+        use_ghost_clipping=True,
+    )
     opt = DPOptimizerFastGradientClipping(
         torch.optim.AdamW(gsm.parameters(), lr=LR, weight_decay=WEIGHT_DECAY),
-        noise_multiplier=sigma, max_grad_norm=clip, expected_batch_size=batch,
-        loss_reduction="mean")
+        noise_multiplier=sigma,
+        max_grad_norm=clip,
+        expected_batch_size=batch,
+        loss_reduction="mean",
+    )
 
     def step():
         opt.zero_grad(set_to_none=True)
         losses = token_loss(gsm(ids), ids)
         DPTensorFastGradientClipping(gsm, opt, losses, "mean").backward()
         opt.step()
+
     return _quiet(step)
 
 
-def e2e_candidates(block: int, batch: int, device, *, sigma: float = 1.0, clip: float = 1.0,
-                   model_kw: dict | None = None, opacus: bool = True, model: str = "gpt2"
-                   ) -> tuple[list[Candidate], list[str], int]:
+def e2e_candidates(
+    block: int,
+    batch: int,
+    device,
+    *,
+    sigma: float = 1.0,
+    clip: float = 1.0,
+    model_kw: dict | None = None,
+    opacus: bool = True,
+    model: str = "gpt2",
+) -> tuple[list[Candidate], list[str], int]:
     """(candidates, notes, trainable parameter count) for one DP step of
     ``build_model(model, block, **model_kw)`` (default: the default GPT-2) on random ids
     ``[batch, block]`` (the same ids for every model).
@@ -345,15 +415,23 @@ def e2e_candidates(block: int, batch: int, device, *, sigma: float = 1.0, clip: 
         adamw.zero_grad(set_to_none=True)
         token_loss(net(ids), ids).mean().backward()
         adamw.step()
+
     cands.append(Candidate("floor", "nonprivate", _quiet(nonprivate)))
     cands[-1].model = net
 
     def dp_opt(model):
-        return dpkern.DPAdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY,
-                              max_grad_norm=clip, noise_multiplier=sigma,
-                              expected_batch_size=batch, seed=KEY)
+        return dpkern.DPAdamW(
+            model.parameters(),
+            lr=LR,
+            weight_decay=WEIGHT_DECAY,
+            max_grad_norm=clip,
+            noise_multiplier=sigma,
+            expected_batch_size=batch,
+            seed=KEY,
+        )
 
     from dpkern.ghost import GhostClipping
+
     g_net = CausalLMLogits(copy.deepcopy(base))
     g_opt = dp_opt(g_net)
     # hooks live as long as the candidate; the one-time first-step check is timed apart
@@ -362,16 +440,19 @@ def e2e_candidates(block: int, batch: int, device, *, sigma: float = 1.0, clip: 
     def ghost_step():
         ghost.backward(token_loss(g_net(ids), ids))
         g_opt.step()
+
     cands.append(Candidate("dpkern", "ghost", _quiet(ghost_step)))
     cands[-1].model = g_net
 
     from dpkern.grad_sample import compute_grad_sample
+
     p_net = CausalLMLogits(copy.deepcopy(base))
     p_opt = dp_opt(p_net)
 
     def per_sample_step():
         compute_grad_sample(p_net, sample_loss, ids, ids)
         p_opt.step()
+
     cands.append(Candidate("dpkern", "per_sample", _quiet(per_sample_step)))
     cands[-1].model = p_net
 
@@ -382,10 +463,15 @@ def e2e_candidates(block: int, batch: int, device, *, sigma: float = 1.0, clip: 
             notes.append("Opacus not installed: no Opacus candidate")
             return cands, notes, n_params
         modes = opacus_modes(base)
-        what = {"ghost": "ghost norms", "hooks": "per-sample gradients by its hooks",
-                "functorch": "per-sample gradients by its functorch fallback"}
-        notes.append(f"Opacus on the {title}: " + "; ".join(
-            f"{what[k]} for {', '.join(v)}" for k, v in modes.items()))
+        what = {
+            "ghost": "ghost norms",
+            "hooks": "per-sample gradients by its hooks",
+            "functorch": "per-sample gradients by its functorch fallback",
+        }
+        notes.append(
+            f"Opacus on the {title}: "
+            + "; ".join(f"{what[k]} for {', '.join(v)}" for k, v in modes.items())
+        )
         variants = [("opacus", lambda: copy.deepcopy(base))]
         if _tied(base):
             variants.append(("opacus-untied", lambda: _untied_copy(base)))
@@ -396,39 +482,60 @@ def e2e_candidates(block: int, batch: int, device, *, sigma: float = 1.0, clip: 
                 step()  # probe: Opacus raises in its hooks on models it cannot serve
             except (NotImplementedError, ValueError, RuntimeError) as exc:
                 first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-                notes.append(f"Opacus fast gradient clipping ({variant}) refused the "
-                             f"{title}: {type(exc).__name__}: {first}")
+                notes.append(
+                    f"Opacus fast gradient clipping ({variant}) refused the "
+                    f"{title}: {type(exc).__name__}: {first}"
+                )
                 if "tying" not in first:
                     break  # an untied copy would not help
                 continue
             if variant == "opacus-untied":
-                notes.append(f"baseline:opacus-untied runs on a copy of the {title} with an "
-                             f"untied lm-head (+{base.get_output_embeddings().weight.numel()} "
-                             "parameters; the same FLOPs)")
+                notes.append(
+                    f"baseline:opacus-untied runs on a copy of the {title} with an "
+                    f"untied lm-head (+{base.get_output_embeddings().weight.numel()} "
+                    "parameters; the same FLOPs)"
+                )
             cands.append(Candidate("baseline", variant, step))
             cands[-1].model = m
             break
     return cands, notes, n_params
 
 
-def verify_cost(block: int, batch: int, device, *, sigma: float = 1.0, clip: float = 1.0,
-                model_kw: dict | None = None, model: str = "gpt2") -> dict:
+def verify_cost(
+    block: int,
+    batch: int,
+    device,
+    *,
+    sigma: float = 1.0,
+    clip: float = 1.0,
+    model_kw: dict | None = None,
+    model: str = "gpt2",
+) -> dict:
     """The one-time cost of ghost clipping's first-step check (``verify="first"``) on the
     e2e workload: one ghost DP step of a fresh copy of the same model and batch.
 
     Returns: {"verify_s": the check's wall time (``GhostClipping.verify_seconds``),
     "first_step_s": that whole first step (check included)}."""
     from dpkern.ghost import GhostClipping
+
     device = torch.device(device)
     net = CausalLMLogits(_seeded_model(model, block, model_kw).to(device))
     ids = _batch_ids(block, batch).to(device)
-    opt = dpkern.DPAdamW(net.parameters(), lr=LR, weight_decay=WEIGHT_DECAY,
-                         max_grad_norm=clip, noise_multiplier=sigma,
-                         expected_batch_size=batch, seed=KEY)
+    opt = dpkern.DPAdamW(
+        net.parameters(),
+        lr=LR,
+        weight_decay=WEIGHT_DECAY,
+        max_grad_norm=clip,
+        noise_multiplier=sigma,
+        expected_batch_size=batch,
+        seed=KEY,
+    )
     with GhostClipping(net, opt) as ghost:
+
         def step():
             ghost.backward(token_loss(net(ids), ids))
             opt.step()
+
         synchronize(device)
         t0 = time.perf_counter()
         _quiet(step)()
@@ -439,9 +546,15 @@ def verify_cost(block: int, batch: int, device, *, sigma: float = 1.0, clip: flo
     return {"verify_s": ghost.verify_seconds, "first_step_s": first}
 
 
-def e2e_row(block: int, batch: int, n_params: int, medians: dict[str, float],
-            peaks: dict[str, int | None], verify: dict | None = None,
-            model: str = "gpt2") -> dict:
+def e2e_row(
+    block: int,
+    batch: int,
+    n_params: int,
+    medians: dict[str, float],
+    peaks: dict[str, int | None],
+    verify: dict | None = None,
+    model: str = "gpt2",
+) -> dict:
     """One summary row of ``model``: medians (s), ratios to the non-private step, peak
     extra bytes (and the part beyond the non-private step's peak); with ``verify`` (see
     :func:`verify_cost`) the first-step check's seconds and its ratio to the ghost step."""
@@ -456,7 +569,8 @@ def e2e_row(block: int, batch: int, n_params: int, medians: dict[str, float],
         pk = peaks.get(name)
         row[f"{key}_peak_bytes"] = pk
         row[f"{key}_peak_over_nonprivate_bytes"] = (
-            pk - base_peak if pk is not None and base_peak is not None else None)
+            pk - base_peak if pk is not None and base_peak is not None else None
+        )
     v = (verify or {}).get("verify_s")
     row["verify_s"] = v
     row["verify_over_ghost"] = v / row["ghost_s"] if v is not None and row["ghost_s"] else None
@@ -466,10 +580,21 @@ def e2e_row(block: int, batch: int, n_params: int, medians: dict[str, float],
 # --------------------------------------------------------------------------------------
 # Running, tables
 # --------------------------------------------------------------------------------------
-def measure(device="cpu", *, layers=DEFAULT_LAYERS, blocks=DEFAULT_BLOCKS,
-            batches=DEFAULT_BATCHES, repeats: int = 5, warmup: int = 1, sigma: float = 1.0,
-            clip: float = 1.0, memory: bool = True, model_kw: dict | None = None,
-            models=E2E_MODELS, say=lambda *a: None) -> dict:
+def measure(
+    device="cpu",
+    *,
+    layers=DEFAULT_LAYERS,
+    blocks=DEFAULT_BLOCKS,
+    batches=DEFAULT_BATCHES,
+    repeats: int = 5,
+    warmup: int = 1,
+    sigma: float = 1.0,
+    clip: float = 1.0,
+    memory: bool = True,
+    model_kw: dict | None = None,
+    models=E2E_MODELS,
+    say=lambda *a: None,
+) -> dict:
     """Run both measurements; returns {"layers": rows, "e2e": rows, "timings": rows,
     "notes": [str], "elapsed_s"}. ``layers``: LayerCase or 'BxTxDxP' strings;
     ``models``: the e2e models (:data:`E2E_MODELS` names), each on every block and batch;
@@ -493,32 +618,52 @@ def measure(device="cpu", *, layers=DEFAULT_LAYERS, blocks=DEFAULT_BLOCKS,
         cands = layer_candidates(case, device)
         with torch.no_grad():
             check_agree({c.name: c.run() for c in cands}, "dpkern:gram")
-        meds = _timed(cands, repeats, device, warmup, timings,
-                      dict(kind="layer", B=case.B, T=case.T, d=case.d, p=case.p))
+        meds = _timed(
+            cands,
+            repeats,
+            device,
+            warmup,
+            timings,
+            dict(kind="layer", B=case.B, T=case.T, d=case.d, p=case.p),
+        )
         layer_meds.append((case, meds))
         del cands
         gc.collect()
-        say(f"layer B={case.B} T={case.T} d={case.d} p={case.p} (rule: {case.rule})  "
-            + _fmt(meds) + f"  [{time.perf_counter() - t0:.0f}s]")
+        say(
+            f"layer B={case.B} T={case.T} d={case.d} p={case.p} (rule: {case.rule})  "
+            + _fmt(meds)
+            + f"  [{time.perf_counter() - t0:.0f}s]"
+        )
     for model in models:
         kw = model_kw.get(model)
         for block in blocks:
             for batch in batches:
                 t0 = time.perf_counter()
-                cands, nts, n_params = e2e_candidates(block, batch, device, sigma=sigma,
-                                                      clip=clip, model_kw=kw, model=model)
+                cands, nts, n_params = e2e_candidates(
+                    block, batch, device, sigma=sigma, clip=clip, model_kw=kw, model=model
+                )
                 notes += [n for n in nts if n not in notes]
-                meds = _timed(cands, repeats, device, warmup, timings,
-                              dict(kind="e2e", model=model, block=block, B=batch))
+                meds = _timed(
+                    cands,
+                    repeats,
+                    device,
+                    warmup,
+                    timings,
+                    dict(kind="e2e", model=model, block=block, B=batch),
+                )
                 del cands
                 gc.collect()
-                cost = verify_cost(block, batch, device, sigma=sigma, clip=clip,
-                                   model_kw=kw, model=model)
+                cost = verify_cost(
+                    block, batch, device, sigma=sigma, clip=clip, model_kw=kw, model=model
+                )
                 e2e_meds.append((model, block, batch, n_params, meds, cost))
                 gc.collect()
-                say(f"e2e {model} block={block} B={batch}  " + _fmt(meds)
+                say(
+                    f"e2e {model} block={block} B={batch}  "
+                    + _fmt(meds)
                     + f"  first-step check={cost['verify_s'] * 1e3:.3g}ms"
-                    + f"  [{time.perf_counter() - t0:.0f}s]")
+                    + f"  [{time.perf_counter() - t0:.0f}s]"
+                )
 
     layer_peaks = [{} for _ in layer_meds]
     e2e_peaks = [{} for _ in e2e_meds]
@@ -528,29 +673,45 @@ def measure(device="cpu", *, layers=DEFAULT_LAYERS, blocks=DEFAULT_BLOCKS,
         for i, (case, _) in enumerate(layer_meds):
             layer_peaks[i] = _peaks(layer_candidates(case, device), device)
         for i, (model, block, batch, *_) in enumerate(e2e_meds):
-            cands, _, _ = e2e_candidates(block, batch, device, sigma=sigma, clip=clip,
-                                         model_kw=model_kw.get(model), model=model)
+            cands, _, _ = e2e_candidates(
+                block,
+                batch,
+                device,
+                sigma=sigma,
+                clip=clip,
+                model_kw=model_kw.get(model),
+                model=model,
+            )
             e2e_peaks[i] = _peaks(cands, device)
         say(f"ghost: peak memory measured [{time.perf_counter() - started:.0f}s so far]")
     peak_of = {("layer", c.B, c.T, c.d, c.p): pk for (c, _), pk in zip(layer_meds, layer_peaks)}
     peak_of.update({("e2e", mo, b, n): pk for (mo, b, n, *_), pk in zip(e2e_meds, e2e_peaks)})
     for t in timings:
-        key = ((t["kind"], t["B"], t["T"], t["d"], t["p"]) if t["kind"] == "layer"
-               else (t["kind"], t["model"], t["block"], t["B"]))
+        key = (
+            (t["kind"], t["B"], t["T"], t["d"], t["p"])
+            if t["kind"] == "layer"
+            else (t["kind"], t["model"], t["block"], t["B"])
+        )
         t["peak_extra_bytes"] = peak_of[key].get(t["candidate"])
-    return {"layers": [layer_rows(c, m, pk) for (c, m), pk in zip(layer_meds, layer_peaks)],
-            "e2e": [e2e_row(b, n, np_, m, pk, v, model=mo) for (mo, b, n, np_, m, v), pk
-                    in zip(e2e_meds, e2e_peaks)],
-            "timings": timings, "notes": notes,
-            "elapsed_s": time.perf_counter() - started}
+    return {
+        "layers": [layer_rows(c, m, pk) for (c, m), pk in zip(layer_meds, layer_peaks)],
+        "e2e": [
+            e2e_row(b, n, np_, m, pk, v, model=mo)
+            for (mo, b, n, np_, m, v), pk in zip(e2e_meds, e2e_peaks)
+        ],
+        "timings": timings,
+        "notes": notes,
+        "elapsed_s": time.perf_counter() - started,
+    }
 
 
 def _timed(cands, repeats, device, warmup, timings, tags) -> dict[str, float]:
     times = time_alternating(cands, repeats, device, warmup=warmup)
     meds = {k: statistics.median(v) for k, v in times.items()}
     for k, v in times.items():
-        timings.append(dict(tags, candidate=k, median_s=meds[k], min_s=min(v), max_s=max(v),
-                            repeats=len(v)))
+        timings.append(
+            dict(tags, candidate=k, median_s=meds[k], min_s=min(v), max_s=max(v), repeats=len(v))
+        )
     return meds
 
 
@@ -580,44 +741,74 @@ def _mib(b):
 
 def markdown(res: dict) -> str:
     """The two tables (and notes) of :func:`measure`'s results, as markdown."""
-    head = ("| B | T | d | p | rule picks | Gram ms | instantiate ms | triton ms | Opacus ms "
-            "| Opacus / dpkern (rule) | Opacus / Gram | peak extra MiB (Gram / inst. / Opacus) |")
-    lines = ["Per-sample weight-gradient norms of a Linear [B, T, d] -> [B, T, p] "
-             "(float32; Opacus = `GradSampleModuleFastGradientClipping.NORM_SAMPLERS"
-             "[nn.Linear]`; > 1×: dpkern faster).", "", head,
-             "|" + "---|" * (head.count("|") - 1)]
+    head = (
+        "| B | T | d | p | rule picks | Gram ms | instantiate ms | triton ms | Opacus ms "
+        "| Opacus / dpkern (rule) | Opacus / Gram | peak extra MiB (Gram / inst. / Opacus) |"
+    )
+    lines = [
+        "Per-sample weight-gradient norms of a Linear [B, T, d] -> [B, T, p] "
+        "(float32; Opacus = `GradSampleModuleFastGradientClipping.NORM_SAMPLERS"
+        "[nn.Linear]`; > 1×: dpkern faster).",
+        "",
+        head,
+        "|" + "---|" * (head.count("|") - 1),
+    ]
     for r in res["layers"]:
-        lines.append(f"| {r['B']} | {r['T']} | {r['d']} | {r['p']} | {r['rule']} | "
-                     f"{_ms(r['gram_s'])} | {_ms(r['instantiate_s'])} | {_ms(r['triton_s'])} "
-                     f"| {_ms(r['opacus_s'])} | {_x(r['opacus_over_rule'])} | "
-                     f"{_x(r['opacus_over_gram'])} | {_mib(r['gram_peak_bytes'])} / "
-                     f"{_mib(r['instantiate_peak_bytes'])} / {_mib(r['opacus_peak_bytes'])} |")
-    head = ("| model | block | B | params | non-private ms | ghost ms | × | per-sample ms | × | "
-            "Opacus ms | × | peak extra MiB (non-private / ghost / per-sample / Opacus) |")
-    lines += ["", "One DP-AdamW fine-tuning step of the default byte-level GPT-2 "
-              "(`dpkern.models.default_model`, tied embedding <-> lm-head) and of a "
-              "Llama-style model (`bench.ghost.llama_model`: RMSNorm, SwiGLU, rotary, 2 KV "
-              "heads, untied lm-head), eager attention, × = time / non-private step "
-              "(AdamW after `loss.mean().backward()`).", "", head,
-              "|" + "---|" * (head.count("|") - 1)]
+        lines.append(
+            f"| {r['B']} | {r['T']} | {r['d']} | {r['p']} | {r['rule']} | "
+            f"{_ms(r['gram_s'])} | {_ms(r['instantiate_s'])} | {_ms(r['triton_s'])} "
+            f"| {_ms(r['opacus_s'])} | {_x(r['opacus_over_rule'])} | "
+            f"{_x(r['opacus_over_gram'])} | {_mib(r['gram_peak_bytes'])} / "
+            f"{_mib(r['instantiate_peak_bytes'])} / {_mib(r['opacus_peak_bytes'])} |"
+        )
+    head = (
+        "| model | block | B | params | non-private ms | ghost ms | × | per-sample ms | × | "
+        "Opacus ms | × | peak extra MiB (non-private / ghost / per-sample / Opacus) |"
+    )
+    lines += [
+        "",
+        "One DP-AdamW fine-tuning step of the default byte-level GPT-2 "
+        "(`dpkern.models.default_model`, tied embedding <-> lm-head) and of a "
+        "Llama-style model (`bench.ghost.llama_model`: RMSNorm, SwiGLU, rotary, 2 KV "
+        "heads, untied lm-head), eager attention, × = time / non-private step "
+        "(AdamW after `loss.mean().backward()`).",
+        "",
+        head,
+        "|" + "---|" * (head.count("|") - 1),
+    ]
     for r in res["e2e"]:
-        op = ("opacus" if r["opacus_s"] is not None else
-              "opacus_untied" if r.get("opacus_untied_s") is not None else "opacus")
+        op = (
+            "opacus"
+            if r["opacus_s"] is not None
+            else "opacus_untied"
+            if r.get("opacus_untied_s") is not None
+            else "opacus"
+        )
         title = MODEL_TITLES.get(r.get("model", "gpt2"), r.get("model"))
-        lines.append(f"| {title} | {r['block']} | {r['batch']} | {r['params'] / 1e6:.2f}M | "
-                     f"{_ms(r['nonprivate_s'])} | {_ms(r['ghost_s'])} | {_x(r['ghost_ratio'])} "
-                     f"| {_ms(r['per_sample_s'])} | {_x(r['per_sample_ratio'])} | "
-                     f"{_ms(r[op + '_s'])}{' (untied)' if op == 'opacus_untied' else ''} | "
-                     f"{_x(r[op + '_ratio'])} | "
-                     f"{_mib(r['nonprivate_peak_bytes'])} / {_mib(r['ghost_peak_bytes'])} / "
-                     f"{_mib(r['per_sample_peak_bytes'])} / {_mib(r[op + '_peak_bytes'])} |")
-    checks = [f"{MODEL_TITLES.get(r.get('model', 'gpt2'), r.get('model'))} block {r['block']} "
-              f"B {r['batch']}: {_ms(r['verify_s'])} ms ({_x(r['verify_over_ghost'])} a ghost "
-              "step)" for r in res["e2e"] if r.get("verify_s") is not None]
+        lines.append(
+            f"| {title} | {r['block']} | {r['batch']} | {r['params'] / 1e6:.2f}M | "
+            f"{_ms(r['nonprivate_s'])} | {_ms(r['ghost_s'])} | {_x(r['ghost_ratio'])} "
+            f"| {_ms(r['per_sample_s'])} | {_x(r['per_sample_ratio'])} | "
+            f"{_ms(r[op + '_s'])}{' (untied)' if op == 'opacus_untied' else ''} | "
+            f"{_x(r[op + '_ratio'])} | "
+            f"{_mib(r['nonprivate_peak_bytes'])} / {_mib(r['ghost_peak_bytes'])} / "
+            f"{_mib(r['per_sample_peak_bytes'])} / {_mib(r[op + '_peak_bytes'])} |"
+        )
+    checks = [
+        f"{MODEL_TITLES.get(r.get('model', 'gpt2'), r.get('model'))} block {r['block']} "
+        f"B {r['batch']}: {_ms(r['verify_s'])} ms ({_x(r['verify_over_ghost'])} a ghost "
+        "step)"
+        for r in res["e2e"]
+        if r.get("verify_s") is not None
+    ]
     if checks:
-        lines += ["", "Ghost clipping's one-time first-step check (`verify=\"first\"`: exact "
-                  "norms of 4 samples by autograd, compared with the ghost norms): "
-                  + "; ".join(checks) + "."]
+        lines += [
+            "",
+            'Ghost clipping\'s one-time first-step check (`verify="first"`: exact '
+            "norms of 4 samples by autograd, compared with the ghost norms): "
+            + "; ".join(checks)
+            + ".",
+        ]
     if res["notes"]:
         lines += [""] + [f"Note: {n}." for n in res["notes"]]
     return "\n".join(lines)
@@ -636,15 +827,23 @@ def write(res: dict, out: Path) -> None:
 def main(argv=None) -> dict:
     """``python -m bench.ghost``: the ghost part alone; prints the tables, writes the files
     under ``--out`` and returns the results (with "machine" and "command" added)."""
-    ap = argparse.ArgumentParser(prog="python -m bench.ghost",
-                                 description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.ghost", description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--layers", nargs="+", default=list(DEFAULT_LAYERS),
-                    help="Linear shapes BxTxDxP (default: %(default)s)")
+    ap.add_argument(
+        "--layers",
+        nargs="+",
+        default=list(DEFAULT_LAYERS),
+        help="Linear shapes BxTxDxP (default: %(default)s)",
+    )
     ap.add_argument("--blocks", nargs="+", type=int, default=list(DEFAULT_BLOCKS))
     ap.add_argument("--batches", nargs="+", type=int, default=list(DEFAULT_BATCHES))
-    ap.add_argument("--models", nargs="+", choices=E2E_MODELS, default=list(E2E_MODELS),
-                    help="end-to-end models (default: %(default)s)")
+    ap.add_argument(
+        "--models",
+        nargs="+",
+        choices=E2E_MODELS,
+        default=list(E2E_MODELS),
+        help="end-to-end models (default: %(default)s)",
+    )
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--sigma", type=float, default=1.0)
@@ -664,24 +863,41 @@ def main(argv=None) -> dict:
         ap.error("--blocks must be >= 2")
     if args.threads:
         from .report import set_threads
+
         set_threads(args.threads)
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
     info = machine_info(args.device)
-    say(f"# dpkern ghost bench on {info['cpu']} ({info['cores']} cores, torch threads "
-        f"{info['torch_threads']}), load average {info['loadavg'][0]:.1f}")
-    res = measure(args.device, layers=layers, blocks=args.blocks, batches=args.batches,
-                  repeats=args.repeats, warmup=args.warmup, sigma=args.sigma, clip=args.clip,
-                  memory=not args.no_memory, models=args.models, say=say)
+    say(
+        f"# dpkern ghost bench on {info['cpu']} ({info['cores']} cores, torch threads "
+        f"{info['torch_threads']}), load average {info['loadavg'][0]:.1f}"
+    )
+    res = measure(
+        args.device,
+        layers=layers,
+        blocks=args.blocks,
+        batches=args.batches,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        sigma=args.sigma,
+        clip=args.clip,
+        memory=not args.no_memory,
+        models=args.models,
+        say=say,
+    )
     info["loadavg_end"] = load_average()[0]
     res["machine"] = info
     res["command"] = "python -m bench.ghost " + " ".join(
-        map(str, argv if argv is not None else sys.argv[1:]))
-    out = args.out or RESULTS_DIR / (_dt.datetime.now(_dt.timezone.utc)
-                                     .strftime("%Y%m%dT%H%M%SZ") + "-ghost")
+        map(str, argv if argv is not None else sys.argv[1:])
+    )
+    out = args.out or RESULTS_DIR / (
+        _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-ghost"
+    )
     write(res, out)
     say("\n" + markdown(res))
-    say(f"\n(ghost part {res['elapsed_s']:.0f}s; load average {info['loadavg'][0]:.1f} -> "
-        f"{info['loadavg_end']:.1f}; results in {out})")
+    say(
+        f"\n(ghost part {res['elapsed_s']:.0f}s; load average {info['loadavg'][0]:.1f} -> "
+        f"{info['loadavg_end']:.1f}; results in {out})"
+    )
     return res
 
 

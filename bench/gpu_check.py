@@ -19,6 +19,7 @@ Achieved GB/s = floor bytes / time, compared with the measured device copy bandw
 ``--smoke`` runs every code path on tiny sizes (CPU under TRITON_INTERPRET=1 is fine):
 that is how the script is tested without a GPU.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,20 @@ def gpt2_shapes(vocab: int, ctx: int, d: int, layers: int) -> list[tuple[int, ..
     """Trainable parameter shapes of GPT-2 (HF GPT2LMHeadModel; lm_head tied to wte)."""
     shapes = [(vocab, d), (ctx, d)]
     for _ in range(layers):
-        shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,),   # ln_1, attn
-                   (d,), (d,), (d, 4 * d), (4 * d,), (4 * d, d), (d,)]  # ln_2, mlp
+        shapes += [
+            (d,),
+            (d,),
+            (d, 3 * d),
+            (3 * d,),
+            (d, d),
+            (d,),  # ln_1, attn
+            (d,),
+            (d,),
+            (d, 4 * d),
+            (4 * d,),
+            (4 * d, d),
+            (d,),
+        ]  # ln_2, mlp
     return shapes + [(d,), (d,)]  # ln_f
 
 
@@ -96,8 +109,10 @@ class Model:
         g = torch.Generator(device="cpu").manual_seed(0)
         self.params = [(0.02 * torch.randn(s, generator=g)).to(device) for s in shapes]
         self.d = sum(p.numel() for p in self.params)
-        self.states = {"exp_avg": [torch.zeros_like(p) for p in self.params],
-                       "exp_avg_sq": [torch.zeros_like(p) for p in self.params]}
+        self.states = {
+            "exp_avg": [torch.zeros_like(p) for p in self.params],
+            "exp_avg_sq": [torch.zeros_like(p) for p in self.params],
+        }
         self.offsets, off = [], 0
         for p in self.params:
             self.offsets.append(off)
@@ -111,13 +126,14 @@ def run(args) -> int:
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("gpu_check: no CUDA device here; nothing to time (use --smoke to test the "
-              "script on CPU under TRITON_INTERPRET=1)")
+        print(
+            "gpu_check: no CUDA device here; nothing to time (use --smoke to test the "
+            "script on CPU under TRITON_INTERPRET=1)"
+        )
         return 0
     tr = resolve("triton", device)
     timer = Timer(device, args.reps, args.warmup)
-    shapes = gpt2_shapes(**(dict(vocab=97, ctx=16, d=32, layers=2) if args.smoke
-                            else GPT2_SMALL))
+    shapes = gpt2_shapes(**(dict(vocab=97, ctx=16, d=32, layers=2) if args.smoke else GPT2_SMALL))
     model = Model(shapes, device)
     d = model.d
     gs_dtype = getattr(torch, args.gs_dtype)
@@ -135,8 +151,9 @@ def run(args) -> int:
 
     def report(path, B, impl, seconds, floor, base=None):
         gbs = floor / seconds / 1e9
-        rows.append((path, B, impl, seconds * 1e3, gbs, 100 * gbs / bw,
-                     (base / seconds) if base else None))
+        rows.append(
+            (path, B, impl, seconds * 1e3, gbs, 100 * gbs / bw, (base / seconds) if base else None)
+        )
         return seconds
 
     def clip_factors(norms):
@@ -145,18 +162,21 @@ def run(args) -> int:
     def fused_per_sample(gs, noise_std):
         B = gs[0].shape[0]
         c = clip_factors(tr.per_sample_norms(gs, B, device))
-        tr.step(hyper, dp(noise_std), model.params, gs, c, [None] * len(gs), model.states,
-                model.offsets)
+        tr.step(
+            hyper, dp(noise_std), model.params, gs, c, [None] * len(gs), model.states, model.offsets
+        )
 
     def reference_per_sample(gs):
         B = gs[0].shape[0]
         c = clip_factors(ref.per_sample_norms(gs, B, device))
-        ref.step(hyper, dp(sigma * C), model.params, gs, c, [None] * len(gs), model.states,
-                 model.offsets)
+        ref.step(
+            hyper, dp(sigma * C), model.params, gs, c, [None] * len(gs), model.states, model.offsets
+        )
 
     torch_params = [p.clone().requires_grad_(True) for p in model.params]
-    adamw = torch.optim.AdamW(torch_params, lr=1e-4, weight_decay=0.01,
-                              fused=device.type in ("cuda", "cpu"))
+    adamw = torch.optim.AdamW(
+        torch_params, lr=1e-4, weight_decay=0.01, fused=device.type in ("cuda", "cpu")
+    )
 
     def opacus_per_sample(gs):
         B = gs[0].shape[0]
@@ -171,15 +191,22 @@ def run(args) -> int:
     for B in args.batches:
         gs = [torch.randn((B, *p.shape), device=device, dtype=gs_dtype) for p in model.params]
         floor = floor_per_sample(B, d, gs_bytes)
-        base = report("per-sample", B, "opacus-style", timer(lambda: opacus_per_sample(gs)),
-                      floor)
-        report("per-sample", B, "fused", timer(lambda: fused_per_sample(gs, sigma * C)),
-               floor, base)
-        report("per-sample", B, "fused sigma=0", timer(lambda: fused_per_sample(gs, 0.0)),
-               floor, base)
+        base = report("per-sample", B, "opacus-style", timer(lambda: opacus_per_sample(gs)), floor)
+        report(
+            "per-sample", B, "fused", timer(lambda: fused_per_sample(gs, sigma * C)), floor, base
+        )
+        report(
+            "per-sample", B, "fused sigma=0", timer(lambda: fused_per_sample(gs, 0.0)), floor, base
+        )
         if not args.skip_reference:
-            report("per-sample", B, "reference", timer(lambda: reference_per_sample(gs),
-                                                       reps=args.ref_reps), floor, base)
+            report(
+                "per-sample",
+                B,
+                "reference",
+                timer(lambda: reference_per_sample(gs), reps=args.ref_reps),
+                floor,
+                base,
+            )
         gs = None  # free this size's tensors before the next
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -188,8 +215,9 @@ def run(args) -> int:
     nones = [None] * len(summed)
 
     def fused_summed(noise_std):
-        tr.step(hyper, dp(noise_std), model.params, nones, None, summed, model.states,
-                model.offsets)
+        tr.step(
+            hyper, dp(noise_std), model.params, nones, None, summed, model.states, model.offsets
+        )
 
     def torch_summed():
         for p, s in zip(torch_params, summed):
@@ -208,12 +236,15 @@ def run(args) -> int:
 
 def print_table(rows, d, n_tensors, bw, gs_dtype, device):
     import triton
+
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
-    print(f"\ndpkern gpu_check {datetime.date.today()} | {name} | torch {torch.__version__} | "
-          f"triton {triton.__version__} | d={d / 1e6:.1f}M in {n_tensors} tensors | "
-          f"grad_samples {str(gs_dtype).replace('torch.', '')} | copy bandwidth {bw:.0f} GB/s")
+    print(
+        f"\ndpkern gpu_check {datetime.date.today()} | {name} | torch {torch.__version__} | "
+        f"triton {triton.__version__} | d={d / 1e6:.1f}M in {n_tensors} tensors | "
+        f"grad_samples {str(gs_dtype).replace('torch.', '')} | copy bandwidth {bw:.0f} GB/s"
+    )
     print("GB/s = bytes floor / time (per-sample: 2*B*d*sizeof(grad) + 24*d; summed: 28*d)\n")
-    head = ("| path | B | implementation | ms | GB/s | % of copy BW | speed-up vs baseline |")
+    head = "| path | B | implementation | ms | GB/s | % of copy BW | speed-up vs baseline |"
     print(head)
     print("|" + "---|" * 7)
     for path, B, impl, ms, gbs, pct, speed in rows:
@@ -232,17 +263,25 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--copy-mib", type=int, default=2048)
     ap.add_argument("--skip-reference", action="store_true")
-    ap.add_argument("--smoke", action="store_true",
-                    help="tiny model, 1 rep: test the script itself (CPU + TRITON_INTERPRET=1)")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny model, 1 rep: test the script itself (CPU + TRITON_INTERPRET=1)",
+    )
     args = ap.parse_args(argv)
     if args.smoke:
         args.reps, args.ref_reps, args.warmup, args.copy_mib = 1, 1, 0, 1
         args.batches = [b for b in args.batches if b <= 2] or [1]
         if not torch.cuda.is_available():
             args.device = "cpu"
-    if torch.device(args.device).type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        print("gpu_check: no CUDA device; on CPU the Triton kernels need TRITON_INTERPRET=1 "
-              "(use --smoke). Nothing to time.")
+    if torch.device(args.device).type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in (
+        "",
+        "0",
+    ):
+        print(
+            "gpu_check: no CUDA device; on CPU the Triton kernels need TRITON_INTERPRET=1 "
+            "(use --smoke). Nothing to time."
+        )
         return 0
     return run(args)
 

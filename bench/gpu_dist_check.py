@@ -20,6 +20,7 @@ and exits 1 if any is above ``--atol``. The collectives run on the parameters' d
 so on CUDA this exercises NCCL's all-reduce, reduce-scatter, all-to-all, all-gather and
 broadcast.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,10 +38,20 @@ STEPS, B, T, VOCAB = 3, 6, 12, 97
 
 def _model(device):
     from transformers import GPT2Config, GPT2LMHeadModel
+
     torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=VOCAB, n_positions=T, n_embd=32, n_layer=2, n_head=2,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
-                     eos_token_id=0)
+    cfg = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=T,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return GPT2LMHeadModel(cfg).to(device)
 
 
@@ -51,20 +62,31 @@ def _batches():
 
 def _opt(name, params):
     import dpkern
+
     if name == "macadam":
-        return dpkern.DPMacAdam(params, lr=1e-2, noise_multiplier=0.7, expected_batch_size=B,
-                                seed=11, backend="auto")
+        return dpkern.DPMacAdam(
+            params, lr=1e-2, noise_multiplier=0.7, expected_batch_size=B, seed=11, backend="auto"
+        )
     # DP-SGD, not AdamW: the ways differ from one process by float rounding (other GEMM
     # buffers, summation orders), which Adam's normalised first step can turn into
     # lr-sized flips where the noisy gradient is ~0; SGD keeps them at rounding size
-    return dpkern.DPSGD(params, lr=0.5, momentum=0.9, max_grad_norm=0.5,
-                        noise_multiplier=0.7, expected_batch_size=B, seed=11, backend="auto")
+    return dpkern.DPSGD(
+        params,
+        lr=0.5,
+        momentum=0.9,
+        max_grad_norm=0.5,
+        noise_multiplier=0.7,
+        expected_batch_size=B,
+        seed=11,
+        backend="auto",
+    )
 
 
 def _single(device, way):
     """The reference: one process, per-sample gradients of the whole batch."""
     from dpkern import models
     from dpkern.grad_sample import compute_grad_sample
+
     model = _model(device)
     net = models.CausalLMLogits(model)
     opt = _opt("macadam" if way == "fsdp_macadam" else "sgd", list(model.parameters()))
@@ -81,29 +103,46 @@ def _worker(rank, world, tmp, device_type, way):
     device = torch.device(f"cuda:{rank}" if device_type == "cuda" else "cpu")
     if device_type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo",
-                            init_method="file://" + os.path.join(tmp, "rdv"),
-                            rank=rank, world_size=world)
+    dist.init_process_group(
+        "nccl" if device_type == "cuda" else "gloo",
+        init_method="file://" + os.path.join(tmp, "rdv"),
+        rank=rank,
+        world_size=world,
+    )
     try:
         from dpkern import models
-        from dpkern.distributed import (DistributedDPOptimizer, disable_gradient_allreduce,
-                                        shard_grad_samples)
+        from dpkern.distributed import (
+            DistributedDPOptimizer,
+            disable_gradient_allreduce,
+            shard_grad_samples,
+        )
         from dpkern.grad_sample import compute_grad_sample
+
         if way != "noise":
             model = _model(device)
             net = models.CausalLMLogits(model)
         if way == "noise":
             import dpkern
+
             p = torch.nn.Parameter(torch.zeros(100_003, device=device))
-            opt = DistributedDPOptimizer(dpkern.DPSGD([p], lr=1.0, max_grad_norm=0.5,
-                                                      noise_multiplier=2.0,
-                                                      expected_batch_size=4.0, seed=5))
+            opt = DistributedDPOptimizer(
+                dpkern.DPSGD(
+                    [p],
+                    lr=1.0,
+                    max_grad_norm=0.5,
+                    noise_multiplier=2.0,
+                    expected_batch_size=4.0,
+                    seed=5,
+                )
+            )
             opt.step()
             out = [-p.detach().cpu()]
         elif way == "ddp":
             from torch.nn.parallel import DistributedDataParallel
-            ddp = DistributedDataParallel(model, device_ids=[rank] if device.type == "cuda"
-                                          else None)
+
+            ddp = DistributedDataParallel(
+                model, device_ids=[rank] if device.type == "cuda" else None
+            )
             disable_gradient_allreduce(ddp)
             opt = DistributedDPOptimizer(_opt("sgd", list(model.parameters())))
             for ids in _batches():
@@ -116,16 +155,19 @@ def _worker(rank, world, tmp, device_type, way):
         else:
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
+
             replica = _model(device)
             mesh = init_device_mesh(device.type, (world,))
             for block in model.transformer.h:
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)
             params = list(model.parameters())
-            opt = DistributedDPOptimizer(_opt("macadam" if way == "fsdp_macadam" else "sgd",
-                                              params))
+            opt = DistributedDPOptimizer(
+                _opt("macadam" if way == "fsdp_macadam" else "sgd", params)
+            )
             if way == "fsdp_ghost":
                 from dpkern.ghost import GhostClipping
+
                 gc = GhostClipping(net, opt).attach()
             for ids in _batches():
                 local = ids[rank::world].to(device)
@@ -141,9 +183,12 @@ def _worker(rank, world, tmp, device_type, way):
                     rnet = models.CausalLMLogits(replica)
                     if local.shape[0]:
                         compute_grad_sample(rnet, models.sample_loss, local, local)
-                    gs = [r.grad_sample if local.shape[0] else
-                          torch.zeros((0, *r.shape), device=device)
-                          for r in replica.parameters()]
+                    gs = [
+                        r.grad_sample
+                        if local.shape[0]
+                        else torch.zeros((0, *r.shape), device=device)
+                        for r in replica.parameters()
+                    ]
                     shard_grad_samples(params, gs)
                     replica.zero_grad(set_to_none=True)
                     for r in replica.parameters():
@@ -177,16 +222,18 @@ def main(argv=None) -> int:
             got = torch.load(os.path.join(tmp, "out.pt"))
         if way == "noise":
             from dpkern.functional import gaussian_noise
-            want = [2.0 * 0.5 / 4.0 * gaussian_noise(100_003, key=5, step=1, device=device)
-                    .cpu()]
+
+            want = [2.0 * 0.5 / 4.0 * gaussian_noise(100_003, key=5, step=1, device=device).cpu()]
         else:
             want = _single(device, way)
         diff = max(float((a - b).abs().max()) for a, b in zip(got, want))
         ok = diff <= args.atol
         status |= not ok
         backend = "nccl" if args.device == "cuda" else "gloo"
-        print(f"gpu_dist_check: {way:13s} W={world} {backend}: max |diff| vs one process "
-              f"{diff:.2e} {'ok' if ok else 'FAILED'}")
+        print(
+            f"gpu_dist_check: {way:13s} W={world} {backend}: max |diff| vs one process "
+            f"{diff:.2e} {'ok' if ok else 'FAILED'}"
+        )
     return status
 
 

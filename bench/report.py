@@ -28,6 +28,7 @@ median), ``timings.csv``, ``summary.csv``, ``targets.csv``, ``results.png`` and
 ``results.md``, the markdown block printed at the end, which README.md shows. The run
 committed to the repository is written with ``--out bench/results``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,8 +55,17 @@ import dpkern
 from dpkern import backends
 from dpkern import functional as F
 
-from . import (LAYOUTS, MI, available_backends, format_size, layout_shapes, make_grad_samples,
-               make_params, parse_size, synchronize)
+from . import (
+    LAYOUTS,
+    MI,
+    available_backends,
+    format_size,
+    layout_shapes,
+    make_grad_samples,
+    make_params,
+    parse_size,
+    synchronize,
+)
 
 PATHS = ("noise", "summed", "per_sample")
 BYTES_F32 = 4
@@ -65,13 +75,30 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 # The speed targets of issue 4 (C++ CPU backend); checked for every fused backend.
 TARGETS = (
-    dict(name="noise generation vs torch.randn", path="noise", layout="tensor",
-         d=16 * MI, batch=0, required=3.0),
-    dict(name="summed DP-AdamW step vs torch.normal+add+div+AdamW(foreach)", path="summed",
-         layout="tensor", d=16 * MI, batch=0, required=3.0),
-    dict(name="per-sample DP-AdamW step (GPT-2-like tensors) vs Opacus DPOptimizer+"
-              "AdamW(foreach)", path="per_sample", layout="gpt2", d=4 * MI, batch=16,
-         required=1.5),
+    dict(
+        name="noise generation vs torch.randn",
+        path="noise",
+        layout="tensor",
+        d=16 * MI,
+        batch=0,
+        required=3.0,
+    ),
+    dict(
+        name="summed DP-AdamW step vs torch.normal+add+div+AdamW(foreach)",
+        path="summed",
+        layout="tensor",
+        d=16 * MI,
+        batch=0,
+        required=3.0,
+    ),
+    dict(
+        name="per-sample DP-AdamW step (GPT-2-like tensors) vs Opacus DPOptimizer+AdamW(foreach)",
+        path="per_sample",
+        layout="gpt2",
+        d=4 * MI,
+        batch=16,
+        required=1.5,
+    ),
 )
 
 
@@ -82,6 +109,7 @@ TARGETS = (
 class Case:
     """One measurement point: ``path`` in PATHS, ``layout`` in LAYOUTS, d coordinates
     requested (the GPT-2-like layout holds slightly fewer), batch B (0 for noise)."""
+
     path: str
     layout: str
     d: int
@@ -93,6 +121,7 @@ class Candidate:
     """Something timed in a case. ``role``: "dpkern", "baseline" or "floor";
     ``variant``: the dpkern backend, or "foreach"/"fused" for torch.optim.AdamW.
     ``prepare`` runs untimed before every ``run`` (e.g. re-attaching grad_sample)."""
+
     role: str
     variant: str
     run: Callable[[], object]
@@ -131,12 +160,19 @@ def adamw_variants(device) -> list[str]:
 
 
 def _adamw(params, variant: str):
-    return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY,
-                             **{variant: True})
+    return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, **{variant: True})
 
 
-def build_candidates(case: Case, backends: list[str], device, *, sigma: float, clip: float,
-                     adamw: list[str], skip_baseline: bool = False) -> list[Candidate]:
+def build_candidates(
+    case: Case,
+    backends: list[str],
+    device,
+    *,
+    sigma: float,
+    clip: float,
+    adamw: list[str],
+    skip_baseline: bool = False,
+) -> list[Candidate]:
     """Fresh tensors and the callables to time for ``case`` (each candidate owns its
     parameters and states; per-sample gradients and summed buffers are shared, read-only)."""
     gen = torch.Generator().manual_seed(zlib.crc32(repr(case).encode()))
@@ -146,10 +182,16 @@ def build_candidates(case: Case, backends: list[str], device, *, sigma: float, c
     if case.path == "noise":
         for be in backends:
             t = iter(range(1, 1 << 40))
-            cands.append(Candidate("dpkern", be, lambda be=be, t=t: F.gaussian_noise(
-                d, key=KEY, step=next(t), device=device, backend=be)))
-        cands.append(Candidate("baseline", "foreach",
-                               lambda: torch.randn(d, device=device)))
+            cands.append(
+                Candidate(
+                    "dpkern",
+                    be,
+                    lambda be=be, t=t: F.gaussian_noise(
+                        d, key=KEY, step=next(t), device=device, backend=be
+                    ),
+                )
+            )
+        cands.append(Candidate("baseline", "foreach", lambda: torch.randn(d, device=device)))
         return cands
 
     base = make_params(shapes, device, generator=gen)
@@ -162,16 +204,28 @@ def build_candidates(case: Case, backends: list[str], device, *, sigma: float, c
         gs = make_grad_samples(base, case.batch, generator=gen)
         for be in backends:
             ps = params_copy()
-            opt = dpkern.DPAdamW(ps, lr=LR, weight_decay=WEIGHT_DECAY, max_grad_norm=clip,
-                                 noise_multiplier=sigma, expected_batch_size=B_e, seed=KEY,
-                                 backend=be)
+            opt = dpkern.DPAdamW(
+                ps,
+                lr=LR,
+                weight_decay=WEIGHT_DECAY,
+                max_grad_norm=clip,
+                noise_multiplier=sigma,
+                expected_batch_size=B_e,
+                seed=KEY,
+                backend=be,
+            )
             cands.append(Candidate("dpkern", be, opt.step, _attach(ps, gs, None)))
         if not skip_baseline:
             from opacus.optimizers import DPOptimizer
+
             for v in adamw:
                 ps = params_copy()
-                opt = DPOptimizer(_adamw(ps, v), noise_multiplier=sigma, max_grad_norm=clip,
-                                  expected_batch_size=B_e)
+                opt = DPOptimizer(
+                    _adamw(ps, v),
+                    noise_multiplier=sigma,
+                    max_grad_norm=clip,
+                    expected_batch_size=B_e,
+                )
                 cands.append(Candidate("baseline", v, opt.step, _attach(ps, gs, opt)))
     elif case.path == "summed":
         sums = [torch.randn(s, generator=gen).to(device) for s in shapes]
@@ -180,11 +234,27 @@ def build_candidates(case: Case, backends: list[str], device, *, sigma: float, c
             m = [torch.zeros_like(p) for p in ps]
             v2 = [torch.zeros_like(p) for p in ps]
             t = iter(range(1, 1 << 40))
-            cands.append(Candidate("dpkern", be, lambda ps=ps, m=m, v2=v2, be=be, t=t:
-                                   F.dp_adamw(ps, None, m, v2, step=next(t), key=KEY, lr=LR,
-                                              weight_decay=WEIGHT_DECAY, max_grad_norm=clip,
-                                              noise_multiplier=sigma, expected_batch_size=B_e,
-                                              summed_grads=sums, backend=be)))
+            cands.append(
+                Candidate(
+                    "dpkern",
+                    be,
+                    lambda ps=ps, m=m, v2=v2, be=be, t=t: F.dp_adamw(
+                        ps,
+                        None,
+                        m,
+                        v2,
+                        step=next(t),
+                        key=KEY,
+                        lr=LR,
+                        weight_decay=WEIGHT_DECAY,
+                        max_grad_norm=clip,
+                        noise_multiplier=sigma,
+                        expected_batch_size=B_e,
+                        summed_grads=sums,
+                        backend=be,
+                    ),
+                )
+            )
         for v in adamw:
             ps = params_copy()
             for p, s in zip(ps, sums):
@@ -193,9 +263,11 @@ def build_candidates(case: Case, backends: list[str], device, *, sigma: float, c
 
             def noisy_step(ps=ps, opt=opt):
                 for p in ps:  # what a hand-written DP loop does after clipping + summing
-                    p.grad.add_(torch.normal(0.0, sigma * clip, size=p.shape,
-                                             device=device)).div_(B_e)
+                    p.grad.add_(torch.normal(0.0, sigma * clip, size=p.shape, device=device)).div_(
+                        B_e
+                    )
                 opt.step()
+
             cands.append(Candidate("baseline", v, noisy_step))
     else:
         raise ValueError(f"invalid path {case.path!r}: expected one of {PATHS}")
@@ -210,19 +282,22 @@ def build_candidates(case: Case, backends: list[str], device, *, sigma: float, c
 def _attach(params, grad_samples, opacus_opt):
     """prepare(): give each parameter its per-sample gradient (a fresh view for Opacus,
     which marks the tensors it consumed, after clearing its summed_grad via zero_grad)."""
+
     def prepare():
         if opacus_opt is not None:
             opacus_opt.zero_grad(set_to_none=True)
         for p, g in zip(params, grad_samples):
             p.grad_sample = g.view_as(g)
+
     return prepare
 
 
 # --------------------------------------------------------------------------------------
 # Timing, memory and bandwidth
 # --------------------------------------------------------------------------------------
-def time_alternating(cands: list[Candidate], repeats: int, device, warmup: int = 1
-                     ) -> dict[str, list[float]]:
+def time_alternating(
+    cands: list[Candidate], repeats: int, device, warmup: int = 1
+) -> dict[str, list[float]]:
     """Seconds of each candidate's ``run`` over ``repeats`` rounds, one call of each per
     round, the order rotated by one every round; ``warmup`` untimed rounds first (they
     also create lazily-allocated optimizer states)."""
@@ -346,8 +421,10 @@ def copy_bandwidth(device, *, nbytes: int | None = None, repeats: int = 5) -> di
         dst.copy_(src)
         synchronize(device)
         times.append(time.perf_counter() - t0)
-    return {"bytes_per_s": 2 * n * BYTES_F32 / statistics.median(times),
-            "buffer_bytes": n * BYTES_F32}
+    return {
+        "bytes_per_s": 2 * n * BYTES_F32 / statistics.median(times),
+        "buffer_bytes": n * BYTES_F32,
+    }
 
 
 def set_threads(n: int) -> None:
@@ -364,10 +441,18 @@ def _meminfo_kib(key: str) -> int | None:
 # --------------------------------------------------------------------------------------
 # Grid, summary, targets, output
 # --------------------------------------------------------------------------------------
-DEFAULT_GRID = {"noise": ["1M", "16M"], "summed": ["1M", "16M"], "per_sample": ["1M", "4M"],
-                "batch": [1, 8, 16]}
-FULL_GRID = {"noise": ["1M", "4M", "16M", "64M"], "summed": ["1M", "4M", "16M", "64M"],
-             "per_sample": ["1M", "4M", "16M", "64M"], "batch": [1, 8, 16, 32]}
+DEFAULT_GRID = {
+    "noise": ["1M", "16M"],
+    "summed": ["1M", "16M"],
+    "per_sample": ["1M", "4M"],
+    "batch": [1, 8, 16],
+}
+FULL_GRID = {
+    "noise": ["1M", "4M", "16M", "64M"],
+    "summed": ["1M", "4M", "16M", "64M"],
+    "per_sample": ["1M", "4M", "16M", "64M"],
+    "batch": [1, 8, 16, 32],
+}
 
 
 def build_cases(paths, layouts, noise_d, summed_d, per_sample_d, batches) -> list[Case]:
@@ -378,13 +463,20 @@ def build_cases(paths, layouts, noise_d, summed_d, per_sample_d, batches) -> lis
     if "summed" in paths:
         cases += [Case("summed", lay, d, 0) for d in summed_d for lay in layouts]
     if "per_sample" in paths:
-        cases += [Case("per_sample", lay, d, b) for d in per_sample_d for b in batches
-                  for lay in layouts]
+        cases += [
+            Case("per_sample", lay, d, b) for d in per_sample_d for b in batches for lay in layouts
+        ]
     return cases
 
 
-def summarize(case: Case, d_actual: int, n_tensors: int, medians: dict[str, float],
-              peaks: dict[str, int | None], bandwidth: float) -> list[dict]:
+def summarize(
+    case: Case,
+    d_actual: int,
+    n_tensors: int,
+    medians: dict[str, float],
+    peaks: dict[str, int | None],
+    bandwidth: float,
+) -> list[dict]:
     """One row per dpkern backend of a case: medians (seconds), ratios baseline/dpkern
     and AdamW-alone/dpkern, and the bandwidth floor (seconds) for the bytes that must move."""
     floor_s = bytes_floor(case.path, d_actual, case.batch) / bandwidth
@@ -393,9 +485,18 @@ def summarize(case: Case, d_actual: int, n_tensors: int, medians: dict[str, floa
         role, variant = name.split(":")
         if role != "dpkern":
             continue
-        row = dict(path=case.path, layout=case.layout, d=d_actual, tensors=n_tensors,
-                   batch=case.batch, backend=variant, dpkern_s=t, bw_floor_s=floor_s,
-                   bw_fraction=floor_s / t, dpkern_peak_bytes=peaks.get(name))
+        row = dict(
+            path=case.path,
+            layout=case.layout,
+            d=d_actual,
+            tensors=n_tensors,
+            batch=case.batch,
+            backend=variant,
+            dpkern_s=t,
+            bw_floor_s=floor_s,
+            bw_fraction=floor_s / t,
+            dpkern_peak_bytes=peaks.get(name),
+        )
         for v in ("foreach", "fused"):
             for role2, key in (("baseline", "baseline"), ("floor", "adamw")):
                 other = medians.get(f"{role2}:{v}")
@@ -413,15 +514,29 @@ def check_targets(summary: list[dict], fused_backends: list[str]) -> list[dict]:
     names = fused_backends or ["cpp"]
     for tg in TARGETS:
         for be in names:
-            row = dict(target=tg["name"], backend=be, layout=tg["layout"], d=tg["d"],
-                       batch=tg["batch"], required=tg["required"], measured=None, met=None,
-                       note="")
+            row = dict(
+                target=tg["name"],
+                backend=be,
+                layout=tg["layout"],
+                d=tg["d"],
+                batch=tg["batch"],
+                required=tg["required"],
+                measured=None,
+                met=None,
+                note="",
+            )
             if be not in fused_backends:
                 row["note"] = f"backend {be!r} not available (not built / not importable)"
             else:
-                hits = [r for r in summary if r["backend"] == be and r["path"] == tg["path"]
-                        and r["layout"] == tg["layout"] and r["batch"] == tg["batch"]
-                        and tg["d"] - 4 * 1024 <= r["d"] <= tg["d"]]  # gpt2: d minus < h
+                hits = [
+                    r
+                    for r in summary
+                    if r["backend"] == be
+                    and r["path"] == tg["path"]
+                    and r["layout"] == tg["layout"]
+                    and r["batch"] == tg["batch"]
+                    and tg["d"] - 4 * 1024 <= r["d"] <= tg["d"]
+                ]  # gpt2: d minus < h
                 if not hits:
                     row["note"] = "case not in this run's grid"
                 elif hits[0]["baseline_foreach_ratio"] is None:
@@ -447,15 +562,20 @@ def _mib(b):
     return f"{b / MI:.0f}" if b >= 10 * MI else f"{b / MI:.1f}"
 
 
-BASELINE_NAMES = {"noise": "torch.randn", "summed": "normal+add+div+AdamW",
-                  "per_sample": "Opacus DPOptimizer+AdamW"}
+BASELINE_NAMES = {
+    "noise": "torch.randn",
+    "summed": "normal+add+div+AdamW",
+    "per_sample": "Opacus DPOptimizer+AdamW",
+}
 
 
 def markdown_table(summary: list[dict]) -> str:
     """The README table: medians in ms, speed-up = baseline / dpkern (> 1: dpkern faster)."""
-    head = ("| path | layout | d | B | backend | dpkern ms | baseline | foreach ms | "
-            "speed-up | fused ms | speed-up | AdamW alone ms (foreach/fused) | bw floor ms "
-            "| peak extra MiB (dpkern / foreach / fused) |")
+    head = (
+        "| path | layout | d | B | backend | dpkern ms | baseline | foreach ms | "
+        "speed-up | fused ms | speed-up | AdamW alone ms (foreach/fused) | bw floor ms "
+        "| peak extra MiB (dpkern / foreach / fused) |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in summary:
         tensors = "1 tensor" if r["layout"] == "tensor" else f"GPT-2-like, {r['tensors']} t."
@@ -467,20 +587,24 @@ def markdown_table(summary: list[dict]) -> str:
             f"{_ms(r['adamw_foreach_s'])} / {_ms(r['adamw_fused_s'])} | "
             f"{_ms(r['bw_floor_s'])} | {_mib(r['dpkern_peak_bytes'])} / "
             f"{_mib(r['baseline_foreach_peak_bytes'])} / "
-            f"{_mib(r['baseline_fused_peak_bytes'])} |")
+            f"{_mib(r['baseline_fused_peak_bytes'])} |"
+        )
     return "\n".join(lines)
 
 
 def markdown_targets(targets: list[dict]) -> str:
-    lines = ["| target (issue 4) | backend | case | required | measured | met |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| target (issue 4) | backend | case | required | measured | met |",
+        "|---|---|---|---|---|---|",
+    ]
     for t in targets:
         case = f"d={format_size(t['d'])}" + (f", B={t['batch']}" if t["batch"] else "")
         case += ", GPT-2-like" if t["layout"] == "gpt2" else ", 1 tensor"
         measured = _x(t["measured"]) if t["measured"] is not None else t["note"]
         met = "–" if t["met"] is None else ("yes" if t["met"] else "**no**")
-        lines.append(f"| {t['target']} | {t['backend']} | {case} | ≥ {t['required']}× | "
-                     f"{measured} | {met} |")
+        lines.append(
+            f"| {t['target']} | {t['backend']} | {case} | ≥ {t['required']}× | {measured} | {met} |"
+        )
     return "\n".join(lines)
 
 
@@ -491,15 +615,20 @@ def render_markdown(results: dict) -> str:
     ghost_md = ""
     if results.get("ghost"):  # python -m bench.report --ghost
         from .ghost import markdown as ghost_markdown
+
         ghost_md = "\n\n" + ghost_markdown(results["ghost"])
-    return (f"Command: `{results['command']}` — {info['cpu']}, {info['cores']} cores, "
-            f"{info['torch_threads']} thread(s), torch {info['torch']}, dpkern "
-            f"{info['dpkern']} ({info['git_commit']}), {info['date']}; load average "
-            f"{info['loadavg'][0]:.1f} -> {info.get('loadavg_end', float('nan')):.1f}; "
-            f"copy bandwidth {bw['bytes_per_s'] / 1e9:.1f} GB/s; medians of "
-            f"{cfg['repeats']} alternating repeats; speed-up = baseline / dpkern.\n\n"
-            + markdown_table(results["summary"]) + "\n\n"
-            + markdown_targets(results["targets"]) + ghost_md)
+    return (
+        f"Command: `{results['command']}` — {info['cpu']}, {info['cores']} cores, "
+        f"{info['torch_threads']} thread(s), torch {info['torch']}, dpkern "
+        f"{info['dpkern']} ({info['git_commit']}), {info['date']}; load average "
+        f"{info['loadavg'][0]:.1f} -> {info.get('loadavg_end', float('nan')):.1f}; "
+        f"copy bandwidth {bw['bytes_per_s'] / 1e9:.1f} GB/s; medians of "
+        f"{cfg['repeats']} alternating repeats; speed-up = baseline / dpkern.\n\n"
+        + markdown_table(results["summary"])
+        + "\n\n"
+        + markdown_targets(results["targets"])
+        + ghost_md
+    )
 
 
 def load_average() -> list[float]:
@@ -515,14 +644,20 @@ def machine_info(device) -> dict:
             cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    info = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "llc_bytes": last_level_cache_bytes(),
-            "ram_bytes": (_meminfo_kib("MemTotal") or 0) * 1024,
-            "device": str(device), "platform": platform.platform(terse=True),
-            "python": platform.python_version(), "torch": torch.__version__,
-            "loadavg": load_average(),
-            "dpkern": dpkern.__version__}
+    info = {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "llc_bytes": last_level_cache_bytes(),
+        "ram_bytes": (_meminfo_kib("MemTotal") or 0) * 1024,
+        "device": str(device),
+        "platform": platform.platform(terse=True),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "loadavg": load_average(),
+        "dpkern": dpkern.__version__,
+    }
     if backends.is_available("cpp"):
         info["cpp_threads"] = backends.resolve("cpp", "cpu").get_num_threads()
     if torch.device(device).type == "cuda":
@@ -534,9 +669,16 @@ def machine_info(device) -> dict:
             info[mod] = None
     try:
         root = Path(__file__).resolve().parent.parent
-        info["git_commit"] = subprocess.run(
-            ["git", "describe", "--always", "--dirty"], cwd=root, capture_output=True,
-            text=True, timeout=10).stdout.strip() or None
+        info["git_commit"] = (
+            subprocess.run(
+                ["git", "describe", "--always", "--dirty"],
+                cwd=root,
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         info["git_commit"] = None
     return info
@@ -557,6 +699,7 @@ def plot(timings: list[dict], bandwidth: float, path: Path) -> None:
     colour per candidate, solid for one tensor and dashed for the GPT-2-like layout, and
     the bandwidth floor."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -569,14 +712,26 @@ def plot(timings: list[dict], bandwidth: float, path: Path) -> None:
         bmax = max(t["batch"] for t in rows)
         rows = [t for t in rows if t["batch"] == bmax]
         cands = sorted({t["candidate"] for t in rows})
-        for (cand, lay) in sorted({(t["candidate"], t["layout"]) for t in rows}):
-            pts = sorted((t["d"], t["median_s"] * 1e3) for t in rows
-                         if t["candidate"] == cand and t["layout"] == lay)
-            ax.plot(*zip(*pts), "o-" if lay == "tensor" else "s--", markersize=4,
-                    color=f"C{cands.index(cand)}", label=f"{cand} ({lay})")
+        for cand, lay in sorted({(t["candidate"], t["layout"]) for t in rows}):
+            pts = sorted(
+                (t["d"], t["median_s"] * 1e3)
+                for t in rows
+                if t["candidate"] == cand and t["layout"] == lay
+            )
+            ax.plot(
+                *zip(*pts),
+                "o-" if lay == "tensor" else "s--",
+                markersize=4,
+                color=f"C{cands.index(cand)}",
+                label=f"{cand} ({lay})",
+            )
         ds = sorted({t["d"] for t in rows})
-        ax.plot(ds, [bytes_floor(p, d, bmax) / bandwidth * 1e3 for d in ds], "k:",
-                label="bandwidth floor")
+        ax.plot(
+            ds,
+            [bytes_floor(p, d, bmax) / bandwidth * 1e3 for d in ds],
+            "k:",
+            label="bandwidth floor",
+        )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("d (coordinates)")
@@ -593,10 +748,17 @@ def plot(timings: list[dict], bandwidth: float, path: Path) -> None:
 # Main
 # --------------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.split(
-        "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--full", action="store_true", help="the full grid: d up to 64M, "
-                    "B in {1, 8, 16, 32} (default: a subset that runs in < 10 min)")
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.report",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--full",
+        action="store_true",
+        help="the full grid: d up to 64M, "
+        "B in {1, 8, 16, 32} (default: a subset that runs in < 10 min)",
+    )
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     ap.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
     ap.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
@@ -606,32 +768,59 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--batch", nargs="+", type=int, help="B for the per-sample path")
     ap.add_argument("--repeats", type=int, default=5, help="timed rounds per case (median)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed rounds per case")
-    ap.add_argument("--torch-max-d", default="1M", help="largest d for the (slow) "
-                    "pure-PyTorch reference backend (default 1M; 0 = skip it)")
-    ap.add_argument("--torch-max-bd", default="1M", help="largest B x d for the reference "
-                    "(B = 1 off the per-sample path; default 1M: per-sample only B = 1, d = 1M)")
+    ap.add_argument(
+        "--torch-max-d",
+        default="1M",
+        help="largest d for the (slow) pure-PyTorch reference backend (default 1M; 0 = skip it)",
+    )
+    ap.add_argument(
+        "--torch-max-bd",
+        default="1M",
+        help="largest B x d for the reference "
+        "(B = 1 off the per-sample path; default 1M: per-sample only B = 1, d = 1M)",
+    )
     ap.add_argument("--backends", nargs="+", help="dpkern backends (default: all available)")
-    ap.add_argument("--threads", type=int, help="CPU threads for torch and the cpp backend "
-                    "(default: torch's default, usually one per core)")
-    ap.add_argument("--bandwidth-mib", type=int, help="copy-bandwidth buffer size in MiB "
-                    "(default: 2 x last-level cache, at least 256 MiB)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        help="CPU threads for torch and the cpp backend "
+        "(default: torch's default, usually one per core)",
+    )
+    ap.add_argument(
+        "--bandwidth-mib",
+        type=int,
+        help="copy-bandwidth buffer size in MiB (default: 2 x last-level cache, at least 256 MiB)",
+    )
     ap.add_argument("--sigma", type=float, default=1.0, help="noise multiplier")
     ap.add_argument("--clip", type=float, default=1.0, help="max_grad_norm C")
-    ap.add_argument("--memory-fraction", type=float, default=0.7, help="skip a case (or "
-                    "Opacus) whose estimated memory exceeds this share of MemAvailable")
+    ap.add_argument(
+        "--memory-fraction",
+        type=float,
+        default=0.7,
+        help="skip a case (or Opacus) whose estimated memory exceeds this share of MemAvailable",
+    )
     ap.add_argument("--no-memory", action="store_true", help="skip peak-memory measurement")
-    ap.add_argument("--ghost", action=argparse.BooleanOptionalAction, default=True,
-                    help="the ghost-clipping part (bench/ghost.py: per-layer norms, "
-                    "end-to-end GPT-2 DP step; about 30 s; default on)")
+    ap.add_argument(
+        "--ghost",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the ghost-clipping part (bench/ghost.py: per-layer norms, "
+        "end-to-end GPT-2 DP step; about 30 s; default on)",
+    )
     ap.add_argument("--no-plot", action="store_true")
-    ap.add_argument("--out", type=Path, help="output folder (default "
-                    "bench/results/<UTC date-time>/; the committed run: --out bench/results)")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        help="output folder (default "
+        "bench/results/<UTC date-time>/; the committed run: --out bench/results)",
+    )
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0:
         ap.error("--repeats must be >= 1 and --warmup >= 0")
     if (args.threads is not None and args.threads < 1) or (
-            args.bandwidth_mib is not None and args.bandwidth_mib < 1):
+        args.bandwidth_mib is not None and args.bandwidth_mib < 1
+    ):
         ap.error("--threads and --bandwidth-mib must be >= 1")
     grid = FULL_GRID if args.full else DEFAULT_GRID
     try:
@@ -639,8 +828,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.summed_d = [parse_size(s) for s in (args.summed_d or grid["summed"])]
         args.per_sample_d = [parse_size(s) for s in (args.per_sample_d or grid["per_sample"])]
         args.torch_max_d = 0 if str(args.torch_max_d) == "0" else parse_size(args.torch_max_d)
-        args.torch_max_bd = (0 if str(args.torch_max_bd) == "0"
-                             else parse_size(args.torch_max_bd))
+        args.torch_max_bd = 0 if str(args.torch_max_bd) == "0" else parse_size(args.torch_max_bd)
     except ValueError as exc:
         ap.error(str(exc))
     args.batch = args.batch or grid["batch"]
@@ -678,22 +866,33 @@ def main(argv=None) -> dict:
     adamw = adamw_variants(device)
     started = time.perf_counter()
     info = machine_info(device)
-    say(f"# dpkern report on {info['cpu']} ({info['cores']} cores, torch threads "
-        f"{info['torch_threads']}), device {device}; backends {names}; AdamW {adamw}")
+    say(
+        f"# dpkern report on {info['cpu']} ({info['cores']} cores, torch threads "
+        f"{info['torch_threads']}), device {device}; backends {names}; AdamW {adamw}"
+    )
     if info["loadavg"][0] > 0.5 * (info["cores"] or 1):
-        say(f"WARNING: load average {info['loadavg'][0]:.1f} on {info['cores']} cores: other "
-            "processes compete for the CPU, timings will be noisy and slow")
+        say(
+            f"WARNING: load average {info['loadavg'][0]:.1f} on {info['cores']} cores: other "
+            "processes compete for the CPU, timings will be noisy and slow"
+        )
     bw = copy_bandwidth(device, nbytes=args.bandwidth_mib * MI if args.bandwidth_mib else None)
-    say(f"copy bandwidth {bw['bytes_per_s'] / 1e9:.1f} GB/s "
-        f"(buffers of {bw['buffer_bytes'] / MI:.0f} MiB)")
+    say(
+        f"copy bandwidth {bw['bytes_per_s'] / 1e9:.1f} GB/s "
+        f"(buffers of {bw['buffer_bytes'] / MI:.0f} MiB)"
+    )
 
-    cases = build_cases(args.paths, args.layouts, args.noise_d, args.summed_d,
-                        args.per_sample_d, args.batch)
+    cases = build_cases(
+        args.paths, args.layouts, args.noise_d, args.summed_d, args.per_sample_d, args.batch
+    )
     avail = (_meminfo_kib("MemAvailable") or 1 << 40) * 1024 * args.memory_fraction
     plan = []
     for case in cases:
-        bes = [b for b in names if b != "torch" or (
-            case.d <= args.torch_max_d and case.d * max(case.batch, 1) <= args.torch_max_bd)]
+        bes = [
+            b
+            for b in names
+            if b != "torch"
+            or (case.d <= args.torch_max_d and case.d * max(case.batch, 1) <= args.torch_max_bd)
+        ]
         need, opacus_extra = _estimate_bytes(case, len(bes), len(adamw))
         if need > avail:
             say(f"skip {case}: needs ~{need / 2**30:.1f} GiB")
@@ -703,31 +902,57 @@ def main(argv=None) -> dict:
     timings, summary, per_case = [], [], []
     for case, bes, skip_baseline in plan:
         t0 = time.perf_counter()
-        cands = build_candidates(case, bes, device, sigma=args.sigma, clip=args.clip,
-                                 adamw=adamw, skip_baseline=skip_baseline)
+        cands = build_candidates(
+            case,
+            bes,
+            device,
+            sigma=args.sigma,
+            clip=args.clip,
+            adamw=adamw,
+            skip_baseline=skip_baseline,
+        )
         shapes = layout_shapes(case.d, case.layout)
         d_actual = sum(math.prod(s) for s in shapes)
         times = time_alternating(cands, args.repeats, device, warmup=args.warmup)
         medians = {k: statistics.median(v) for k, v in times.items()}
         for c in cands:
             ts = times[c.name]
-            timings.append(dict(path=case.path, layout=case.layout, d=d_actual,
-                                tensors=len(shapes), batch=case.batch, candidate=c.name,
-                                median_s=medians[c.name], min_s=min(ts), max_s=max(ts),
-                                repeats=len(ts)))
+            timings.append(
+                dict(
+                    path=case.path,
+                    layout=case.layout,
+                    d=d_actual,
+                    tensors=len(shapes),
+                    batch=case.batch,
+                    candidate=c.name,
+                    median_s=medians[c.name],
+                    min_s=min(ts),
+                    max_s=max(ts),
+                    repeats=len(ts),
+                )
+            )
         per_case.append((case, bes, skip_baseline, d_actual, len(shapes), medians))
         del cands
         gc.collect()
-        say(f"{case.path:10s} {case.layout:6s} d={format_size(case.d):>4s} B={case.batch:<2d} "
+        say(
+            f"{case.path:10s} {case.layout:6s} d={format_size(case.d):>4s} B={case.batch:<2d} "
             + "  ".join(f"{k}={v * 1e3:.3g}ms" for k, v in medians.items())
-            + f"  [{time.perf_counter() - t0:.0f}s]")
+            + f"  [{time.perf_counter() - t0:.0f}s]"
+        )
 
     ghost_res = None
     if args.ghost:  # its timings before the memory phase below (which slows allocation)
         from . import ghost
-        ghost_res = ghost.measure(device, repeats=args.repeats, warmup=args.warmup,
-                                  sigma=args.sigma, clip=args.clip,
-                                  memory=not args.no_memory, say=say)
+
+        ghost_res = ghost.measure(
+            device,
+            repeats=args.repeats,
+            warmup=args.warmup,
+            sigma=args.sigma,
+            clip=args.clip,
+            memory=not args.no_memory,
+            say=say,
+        )
 
     peaks_by_case = [{} for _ in per_case]
     if not args.no_memory:  # after all timings: pinning malloc's threshold slows allocation
@@ -735,32 +960,51 @@ def main(argv=None) -> dict:
             pin_malloc_threshold()
         for i, (case, bes, skip_baseline, *_rest) in enumerate(per_case):
             bes = [b for b in bes if b != "torch"]  # the reference is not a speed claim
-            cands = build_candidates(case, bes, device, sigma=args.sigma, clip=args.clip,
-                                     adamw=adamw, skip_baseline=skip_baseline)
+            cands = build_candidates(
+                case,
+                bes,
+                device,
+                sigma=args.sigma,
+                clip=args.clip,
+                adamw=adamw,
+                skip_baseline=skip_baseline,
+            )
             time_alternating(cands, 0, device, warmup=1)  # create the states
             peaks_by_case[i] = {c.name: peak_extra_bytes(c, device) for c in cands}
             del cands
             gc.collect()
         say(f"peak memory measured [{time.perf_counter() - started:.0f}s so far]")
 
-    for (case, bes, skip_baseline, d_actual, n_t, medians), peaks in zip(per_case,
-                                                                        peaks_by_case):
+    for (case, bes, skip_baseline, d_actual, n_t, medians), peaks in zip(per_case, peaks_by_case):
         summary += summarize(case, d_actual, n_t, medians, peaks, bw["bytes_per_s"])
         for t in timings:
-            if (t["path"], t["layout"], t["batch"], t["d"]) == (case.path, case.layout,
-                                                               case.batch, d_actual):
+            if (t["path"], t["layout"], t["batch"], t["d"]) == (
+                case.path,
+                case.layout,
+                case.batch,
+                d_actual,
+            ):
                 t["peak_extra_bytes"] = peaks.get(t["candidate"])
     fused = [b for b in names if b != "torch"]
     targets = check_targets(summary, fused if fused or device.type == "cpu" else [])
 
     command = "python -m bench.report " + " ".join(
-        sys.argv[1:] if argv is None else [str(a) for a in argv])
-    results = {"command": command.strip(), "machine": info, "bandwidth": bw,
-               "config": {k: (str(v) if isinstance(v, Path) else v)
-                          for k, v in vars(args).items() if k != "out"},
-               "backends": names, "adamw_variants": adamw,
-               "elapsed_s": time.perf_counter() - started,
-               "timings": timings, "summary": summary, "targets": targets}
+        sys.argv[1:] if argv is None else [str(a) for a in argv]
+    )
+    results = {
+        "command": command.strip(),
+        "machine": info,
+        "bandwidth": bw,
+        "config": {
+            k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "out"
+        },
+        "backends": names,
+        "adamw_variants": adamw,
+        "elapsed_s": time.perf_counter() - started,
+        "timings": timings,
+        "summary": summary,
+        "targets": targets,
+    }
     if ghost_res is not None:
         results["ghost"] = ghost_res
         ghost.write(ghost_res, args.out)
@@ -776,8 +1020,10 @@ def main(argv=None) -> dict:
 
     (args.out / "results.md").write_text(render_markdown(results) + "\n")
     say("\n" + render_markdown(results))
-    say(f"\n(total {results['elapsed_s']:.0f}s; load average at start "
-        f"{info['loadavg'][0]:.1f}, at end {load:.1f}; results in {args.out.name}/)")
+    say(
+        f"\n(total {results['elapsed_s']:.0f}s; load average at start "
+        f"{info['loadavg'][0]:.1f}, at end {load:.1f}; results in {args.out.name}/)"
+    )
     return results
 
 

@@ -2,11 +2,18 @@
 Opacus' ghost-clipping norm sampler) and one end-to-end DP step of the default GPT-2
 (ghost, per-sample, Opacus fast gradient clipping, non-private), each a benchmark group.
 The same workloads as ``python -m bench.ghost`` (see bench/ghost.py)."""
+
 import pytest
 
 from bench.conftest import DEVICE, FULL, run_pedantic
-from bench.ghost import (DEFAULT_BATCHES, DEFAULT_BLOCKS, DEFAULT_LAYERS, e2e_candidates,
-                         layer_candidates, parse_layer)
+from bench.ghost import (
+    DEFAULT_BATCHES,
+    DEFAULT_BLOCKS,
+    DEFAULT_LAYERS,
+    e2e_candidates,
+    layer_candidates,
+    parse_layer,
+)
 
 LAYERS = list(DEFAULT_LAYERS) if FULL else list(DEFAULT_LAYERS[:2])
 BLOCKS = list(DEFAULT_BLOCKS) if FULL else [DEFAULT_BLOCKS[0]]

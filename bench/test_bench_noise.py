@@ -1,4 +1,5 @@
 """Noise stream v1 (SPEC section 3) per backend vs torch.randn of the same size."""
+
 import pytest
 import torch
 
@@ -12,8 +13,11 @@ def test_noise(benchmark, backend, size):
     d = parse_size(size)
     skip_if_slow(backend, d)
     be = backend_module(backend)
-    run_pedantic(benchmark, lambda: be.gaussian_noise(d, key=7, step=1, offset=0, stream=0,
-                                                      device=DEVICE), f"noise d={size}")
+    run_pedantic(
+        benchmark,
+        lambda: be.gaussian_noise(d, key=7, step=1, offset=0, stream=0, device=DEVICE),
+        f"noise d={size}",
+    )
 
 
 @pytest.mark.parametrize("size", SIZES)

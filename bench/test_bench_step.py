@@ -1,11 +1,21 @@
 """Pass 2 (clip + sum + noise + AdamW update, fused) and the summed-gradient step, per
 backend, vs torch.optim.AdamW(foreach) alone (the non-private floor)."""
+
 import pytest
 import torch
 
 from bench import parse_size
-from bench.conftest import (BACKENDS, DEVICE, LAYOUTS, SIZES, backend_module,
-                            per_sample_grid, run_pedantic, skip_if_slow, workload)
+from bench.conftest import (
+    BACKENDS,
+    DEVICE,
+    LAYOUTS,
+    SIZES,
+    backend_module,
+    per_sample_grid,
+    run_pedantic,
+    skip_if_slow,
+    workload,
+)
 from dpkern.hyper import AdamWHyper, DPStep
 
 HYPER = AdamWHyper(lr=1e-3)
@@ -26,6 +36,7 @@ def _fused_step(be, params, grad_samples, clip, summed, states):
     def run():
         dp = DPStep(key=7, step=next(step), noise_std=1.0, expected_batch_size=16.0)
         be.step(HYPER, dp, params, grad_samples, clip, summed, states, offsets)
+
     return run
 
 
@@ -46,8 +57,7 @@ def test_summed_step(benchmark, backend, layout, size):
     d = parse_size(size)
     skip_if_slow(backend, d)
     params, _, summed, states = workload(layout, d, 0)
-    run = _fused_step(backend_module(backend), params, [None] * len(params), None, summed,
-                      states)
+    run = _fused_step(backend_module(backend), params, [None] * len(params), None, summed, states)
     run_pedantic(benchmark, run, f"summed {layout} d={size}")
 
 

@@ -16,6 +16,7 @@ RDP uses Opacus' (and TF Privacy's) grid of orders, so epsilons agree with Opacu
 dp-accounting drops low orders whose series does not converge and reports a larger,
 still valid, epsilon); PLD is tighter.
 """
+
 from __future__ import annotations
 
 import math
@@ -71,13 +72,16 @@ def _fresh(accountant: str):
 def dpsgd_event(noise_multiplier: float, sample_rate: float, steps: int) -> dp_accounting.DpEvent:
     """The DpEvent of ``steps`` Poisson-subsampled Gaussian steps (Abadi et al. 2016)."""
     return dp_accounting.SelfComposedDpEvent(
-        dp_accounting.PoissonSampledDpEvent(sample_rate,
-                                            dp_accounting.GaussianDpEvent(noise_multiplier)),
-        steps)
+        dp_accounting.PoissonSampledDpEvent(
+            sample_rate, dp_accounting.GaussianDpEvent(noise_multiplier)
+        ),
+        steps,
+    )
 
 
-def get_epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: float,
-                accountant: str = "rdp") -> float:
+def get_epsilon(
+    noise_multiplier: float, sample_rate: float, steps: int, delta: float, accountant: str = "rdp"
+) -> float:
     """Epsilon spent by ``steps`` DP-SGD steps (Poisson rate q, noise multiplier sigma).
 
     Args: noise_multiplier sigma >= 0; sample_rate q in [0, 1]; steps >= 0;
@@ -98,8 +102,15 @@ def get_epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: 
     return float(acc.get_epsilon(delta))
 
 
-def get_noise_multiplier(target_epsilon: float, target_delta: float, sample_rate: float,
-                         steps: int, accountant: str = "rdp", *, tol: float = 1e-3) -> float:
+def get_noise_multiplier(
+    target_epsilon: float,
+    target_delta: float,
+    sample_rate: float,
+    steps: int,
+    accountant: str = "rdp",
+    *,
+    tol: float = 1e-3,
+) -> float:
     """The noise multiplier sigma such that ``steps`` steps at rate q spend at most
     ``target_epsilon`` at ``target_delta`` (and sigma - tol would spend more).
 
@@ -117,13 +128,21 @@ def get_noise_multiplier(target_epsilon: float, target_delta: float, sample_rate
     if T == 0 or q == 0.0:
         return 0.0
     if get_epsilon(MAX_NOISE_MULTIPLIER, q, T, target_delta, accountant) > target_epsilon:
-        raise ValueError(f"no noise_multiplier <= {MAX_NOISE_MULTIPLIER:g} reaches "
-                         f"epsilon={target_epsilon!r} at delta={target_delta!r} with "
-                         f"sample_rate={q!r} and steps={T!r}")
-    return float(dp_accounting.calibrate_dp_mechanism(
-        lambda: _fresh(accountant), lambda s: dpsgd_event(s, q, T), target_epsilon,
-        target_delta, dp_accounting.ExplicitBracketInterval(0.0, MAX_NOISE_MULTIPLIER),
-        tol=tol))
+        raise ValueError(
+            f"no noise_multiplier <= {MAX_NOISE_MULTIPLIER:g} reaches "
+            f"epsilon={target_epsilon!r} at delta={target_delta!r} with "
+            f"sample_rate={q!r} and steps={T!r}"
+        )
+    return float(
+        dp_accounting.calibrate_dp_mechanism(
+            lambda: _fresh(accountant),
+            lambda s: dpsgd_event(s, q, T),
+            target_epsilon,
+            target_delta,
+            dp_accounting.ExplicitBracketInterval(0.0, MAX_NOISE_MULTIPLIER),
+            tol=tol,
+        )
+    )
 
 
 def truncation_delta(steps: int, numel: int) -> float:
@@ -145,13 +164,15 @@ def _check_run(k: int, run) -> list:
     """``history[k]`` as ``[float sigma, float q, int steps]``, or ValueError naming it."""
     where = f"history[{k}]"
     if not isinstance(run, (list, tuple)) or len(run) != 3:
-        raise ValueError(f"invalid {where}={run!r}: expected [noise_multiplier, sample_rate, "
-                         "steps]")
+        raise ValueError(
+            f"invalid {where}={run!r}: expected [noise_multiplier, sample_rate, steps]"
+        )
     sigma, q, T = run
     for name, v in (("noise_multiplier", sigma), ("sample_rate", q)):
         try:
-            finite = not isinstance(v, bool) and isinstance(v, numbers.Real) \
-                and math.isfinite(float(v))
+            finite = (
+                not isinstance(v, bool) and isinstance(v, numbers.Real) and math.isfinite(float(v))
+            )
         except OverflowError:  # an int beyond float range
             finite = False
         if not finite:
@@ -311,30 +332,40 @@ class PrivacyAccountant:
                 ``PrivacyAccountant(accountant=...)`` of the checkpoint's kind to resume
                 it)."""
         if not isinstance(state, Mapping):
-            raise ValueError(f"PrivacyAccountant.load_state_dict: expected a dict with keys "
-                             f"{list(STATE_KEYS)} (from state_dict()), got "
-                             f"{type(state).__name__}")
+            raise ValueError(
+                f"PrivacyAccountant.load_state_dict: expected a dict with keys "
+                f"{list(STATE_KEYS)} (from state_dict()), got "
+                f"{type(state).__name__}"
+            )
         missing = [k for k in STATE_KEYS if k not in state]
         unknown = sorted(map(repr, set(state) - set(STATE_KEYS)))
         if missing or unknown:
-            raise ValueError("PrivacyAccountant.load_state_dict: "
-                             + (f"missing key(s) {missing}" if missing else "")
-                             + ("; " if missing and unknown else "")
-                             + (f"unknown key(s) [{', '.join(unknown)}]" if unknown else "")
-                             + f" (expected exactly {list(STATE_KEYS)}, from state_dict())")
+            raise ValueError(
+                "PrivacyAccountant.load_state_dict: "
+                + (f"missing key(s) {missing}" if missing else "")
+                + ("; " if missing and unknown else "")
+                + (f"unknown key(s) [{', '.join(unknown)}]" if unknown else "")
+                + f" (expected exactly {list(STATE_KEYS)}, from state_dict())"
+            )
         kind = state["accountant"]
         if not isinstance(kind, str) or kind not in ACCOUNTANTS:
-            raise ValueError(f"PrivacyAccountant.load_state_dict: invalid accountant={kind!r}: "
-                             f"expected one of {ACCOUNTANTS}")
+            raise ValueError(
+                f"PrivacyAccountant.load_state_dict: invalid accountant={kind!r}: "
+                f"expected one of {ACCOUNTANTS}"
+            )
         if kind != self.accountant:
-            raise ValueError(f"PrivacyAccountant.load_state_dict: the checkpoint is a "
-                             f"{kind!r} ledger, this is a {self.accountant!r} accountant; "
-                             f"construct PrivacyAccountant(accountant={kind!r}) to resume it "
-                             "(the accountant kind is fixed when it is constructed)")
+            raise ValueError(
+                f"PrivacyAccountant.load_state_dict: the checkpoint is a "
+                f"{kind!r} ledger, this is a {self.accountant!r} accountant; "
+                f"construct PrivacyAccountant(accountant={kind!r}) to resume it "
+                "(the accountant kind is fixed when it is constructed)"
+            )
         runs = state["history"]
         if not isinstance(runs, (list, tuple)):
-            raise ValueError(f"PrivacyAccountant.load_state_dict: invalid history of type "
-                             f"{type(runs).__name__}: expected a list of [noise_multiplier, "
-                             "sample_rate, steps] runs")
+            raise ValueError(
+                f"PrivacyAccountant.load_state_dict: invalid history of type "
+                f"{type(runs).__name__}: expected a list of [noise_multiplier, "
+                "sample_rate, steps] runs"
+            )
         history = [_check_run(k, r) for k, r in enumerate(runs)]
         self.history = history

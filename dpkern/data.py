@@ -11,6 +11,7 @@ about adding or removing one block of the training text.
 - :func:`make_blocks` -- non-overlapping ``[N, block_size]`` blocks;
 - :func:`split_blocks` -- a held-out validation split, the same for every run.
 """
+
 from __future__ import annotations
 
 import json
@@ -64,6 +65,7 @@ def default_text() -> str:
     """The default corpus: CPython's ``pydoc_data.topics`` help pages (English prose about
     Python, shipped with every CPython), joined in sorted topic order."""
     from pydoc_data.topics import topics
+
     return DOC_SEPARATOR.join(topics[k].strip() for k in sorted(topics))
 
 
@@ -90,8 +92,9 @@ def split_blocks(blocks: Tensor, val_fraction: float) -> tuple[Tensor, Tensor]:
         raise ValueError(f"invalid val_fraction={val_fraction!r}: must be in (0, 1)")
     n = blocks.shape[0]
     if n < 2:
-        raise ValueError(f"only {n} block(s) of text: need at least 2 (one to train on, "
-                         "one to validate)")
+        raise ValueError(
+            f"only {n} block(s) of text: need at least 2 (one to train on, one to validate)"
+        )
     n_val = min(n - 1, max(1, round(n * val_fraction)))
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(SPLIT_SEED))
     return blocks[perm[n_val:]], blocks[perm[:n_val]]

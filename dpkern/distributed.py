@@ -114,6 +114,7 @@ The wrapper skips its all-reduce for sharded parameters (the sums are already gl
 unsharded until the next forward/backward: call ``model.reshard()`` before reading
 ``p.full_tensor()`` (:class:`dpkern.ghost.GhostClipping` reshards at construction).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -126,20 +127,31 @@ from torch import Tensor
 from .keys import NoiseKey, as_key, key_fingerprint, reveal, secure_key
 from .optim import DPOptimizer
 from .sampling import PoissonBatchSampler
-from .sharding import (chunk_rows, common_mesh, is_sharded, local_shard, row_numel,
-                       shard_offsets)
+from .sharding import chunk_rows, common_mesh, is_sharded, local_shard, row_numel, shard_offsets
 
-__all__ = ["DistributedDPError", "DistributedDPOptimizer", "DistributedPoissonSampler",
-           "all_reduce_clipped_sums", "broadcast_key", "disable_gradient_allreduce",
-           "key_fingerprint", "reduce_scatter_clipped_sums", "shard_grad_samples",
-           "shard_offsets", "sync_key", "verify_lockstep"]
+__all__ = [
+    "DistributedDPError",
+    "DistributedDPOptimizer",
+    "DistributedPoissonSampler",
+    "all_reduce_clipped_sums",
+    "broadcast_key",
+    "disable_gradient_allreduce",
+    "key_fingerprint",
+    "reduce_scatter_clipped_sums",
+    "shard_grad_samples",
+    "shard_offsets",
+    "sync_key",
+    "verify_lockstep",
+]
 
 _BUCKET_NUMEL = 1 << 24  # 64 MiB of fp32 per all-reduce bucket
 # torch 2.13 renamed the tensor-in/tensor-out collectives (the old names warn)
-_all_gather_single = (getattr(dist, "all_gather_single", None)
-                      or getattr(dist, "all_gather_into_tensor", None))
-_reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
-                          or getattr(dist, "reduce_scatter_tensor", None))
+_all_gather_single = getattr(dist, "all_gather_single", None) or getattr(
+    dist, "all_gather_into_tensor", None
+)
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or getattr(
+    dist, "reduce_scatter_tensor", None
+)
 
 
 class DistributedDPError(RuntimeError):
@@ -156,11 +168,14 @@ def _fingerprint(data: bytes, key: bytes = b"") -> int:
 def _describe(optimizer: DPOptimizer) -> dict:
     """Non-secret configuration that must be identical on every rank."""
     params = optimizer.trainable_params()
-    return {"class": type(optimizer).__name__, "shapes": [tuple(p.shape) for p in params],
-            "max_grad_norm": optimizer.max_grad_norm,
-            "noise_multiplier": optimizer.noise_multiplier,
-            "expected_batch_size": optimizer.expected_batch_size,
-            "hyper": [repr(optimizer._hyper(g)) for g in optimizer.param_groups]}
+    return {
+        "class": type(optimizer).__name__,
+        "shapes": [tuple(p.shape) for p in params],
+        "max_grad_norm": optimizer.max_grad_norm,
+        "noise_multiplier": optimizer.noise_multiplier,
+        "expected_batch_size": optimizer.expected_batch_size,
+        "hyper": [repr(optimizer._hyper(g)) for g in optimizer.param_groups],
+    }
 
 
 def _device(optimizer: DPOptimizer) -> torch.device:
@@ -173,17 +188,30 @@ def _device(optimizer: DPOptimizer) -> torch.device:
 # columns of the lockstep check: ok flag, secure flag, configuration, step, key, and
 # whether the rank holds per-sample gradients (must agree for sharded parameters only)
 _OK, _SECURE, _CONFIG, _STEP, _KEY, _PER_SAMPLE = range(6)
-_WHAT = {_SECURE: "secure mode (seed=None) vs seed=", _CONFIG: "optimizer configuration",
-         _STEP: "DP step counters", _KEY: "noise keys",
-         _PER_SAMPLE: "per-sample gradients present (sharded: every rank or none)"}
+_WHAT = {
+    _SECURE: "secure mode (seed=None) vs seed=",
+    _CONFIG: "optimizer configuration",
+    _STEP: "DP step counters",
+    _KEY: "noise keys",
+    _PER_SAMPLE: "per-sample gradients present (sharded: every rank or none)",
+}
 
 
-def _gather_checks(optimizer: DPOptimizer, group, ok: bool = True,
-                   per_sample: bool = False) -> Tensor:
-    row = torch.tensor([int(ok), int(optimizer.secure),
-                        _fingerprint(repr(_describe(optimizer)).encode()),
-                        optimizer.dp_step, optimizer.key_fingerprint(), int(per_sample)],
-                       dtype=torch.int64, device=_device(optimizer))
+def _gather_checks(
+    optimizer: DPOptimizer, group, ok: bool = True, per_sample: bool = False
+) -> Tensor:
+    row = torch.tensor(
+        [
+            int(ok),
+            int(optimizer.secure),
+            _fingerprint(repr(_describe(optimizer)).encode()),
+            optimizer.dp_step,
+            optimizer.key_fingerprint(),
+            int(per_sample),
+        ],
+        dtype=torch.int64,
+        device=_device(optimizer),
+    )
     rows = [torch.empty_like(row) for _ in range(dist.get_world_size(group))]
     dist.all_gather(rows, row, group=group)
     return torch.stack(rows).cpu()
@@ -212,8 +240,12 @@ def _raise_on_mismatch(optimizer: DPOptimizer, table: Tensor, group, columns) ->
             fields = sorted(k for k in descs[0] if any(d[k] != descs[0][k] for d in descs))
             detail = f" (differing: {', '.join(fields)})"
         parts.append(f"{_WHAT[c]} differ across ranks: {_ranks_by_value(table[:, c])}{detail}")
-    hint = (" -- call dpkern.distributed.sync_key(optimizer) after constructing or "
-            "loading the optimizer on every rank" if _KEY in bad or _STEP in bad else "")
+    hint = (
+        " -- call dpkern.distributed.sync_key(optimizer) after constructing or "
+        "loading the optimizer on every rank"
+        if _KEY in bad or _STEP in bad
+        else ""
+    )
     raise DistributedDPError("; ".join(parts) + hint)
 
 
@@ -227,8 +259,9 @@ def verify_lockstep(optimizer: DPOptimizer, group=None) -> None:
         DistributedDPError: on every rank, naming what differs and which ranks hold which
             value (steps are shown, keys never).
     """
-    _raise_on_mismatch(optimizer, _gather_checks(optimizer, group), group,
-                       (_SECURE, _CONFIG, _STEP, _KEY))
+    _raise_on_mismatch(
+        optimizer, _gather_checks(optimizer, group), group, (_SECURE, _CONFIG, _STEP, _KEY)
+    )
 
 
 def sync_key(optimizer: DPOptimizer, group=None) -> None:
@@ -259,14 +292,18 @@ def broadcast_key(key=None, group=None, device=None) -> NoiseKey:
             CUDA for NCCL); default CPU.
     Returns: the key, a :class:`dpkern.keys.NoiseKey` (never printed)."""
     key = secure_key() if key is None else as_key(key)
-    buf = torch.tensor(list(reveal(key).to_bytes(8, "little")), dtype=torch.uint8,
-                       device=device if device is not None else "cpu")
+    buf = torch.tensor(
+        list(reveal(key).to_bytes(8, "little")),
+        dtype=torch.uint8,
+        device=device if device is not None else "cpu",
+    )
     dist.broadcast(buf, group=group, group_src=0)
     return NoiseKey(int.from_bytes(bytes(buf.cpu().tolist()), "little"))
 
 
-def all_reduce_clipped_sums(optimizer: DPOptimizer, group=None,
-                            bucket_numel: int = _BUCKET_NUMEL) -> None:
+def all_reduce_clipped_sums(
+    optimizer: DPOptimizer, group=None, bucket_numel: int = _BUCKET_NUMEL
+) -> None:
     """Sum ``optimizer.clipped_sum_buffers()`` over the ranks of ``group``, in place.
 
     The buffers (fp32, one per trainable parameter, zeros where a rank had no sample) are
@@ -282,7 +319,7 @@ def all_reduce_clipped_sums(optimizer: DPOptimizer, group=None,
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
             pos = 0
             for b in bucket:
-                b.copy_(flat[pos:pos + b.numel()].view_as(b))
+                b.copy_(flat[pos : pos + b.numel()].view_as(b))
                 pos += b.numel()
             bucket.clear()
 
@@ -303,6 +340,7 @@ def disable_gradient_allreduce(ddp_model) -> None:
     sums itself (:func:`all_reduce_clipped_sums`); DDP's average of the raw gradients would
     only cost bandwidth. Call once, right after wrapping the model."""
     from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
+
     ddp_model.register_comm_hook(None, noop_hook)
 
 
@@ -348,8 +386,7 @@ class DistributedDPOptimizer:
             ``step()`` on every rank); under FSDP2 they are raised on every rank.
     """
 
-    def __init__(self, optimizer: DPOptimizer, group=None, *,
-                 bucket_numel: int = _BUCKET_NUMEL):
+    def __init__(self, optimizer: DPOptimizer, group=None, *, bucket_numel: int = _BUCKET_NUMEL):
         if not isinstance(optimizer, DPOptimizer):
             raise TypeError(f"expected a dpkern DPOptimizer, got {type(optimizer).__name__}")
         self.optimizer, self.group = optimizer, group
@@ -363,8 +400,9 @@ class DistributedDPOptimizer:
         return getattr(self.optimizer, name)
 
     def _has_grad_sample(self) -> bool:
-        return any(getattr(p, "grad_sample", None) is not None
-                   for p in self.optimizer.trainable_params())
+        return any(
+            getattr(p, "grad_sample", None) is not None for p in self.optimizer.trainable_params()
+        )
 
     def accumulate(self) -> None:
         """Fold this rank's micro-batch into its local clipped sum (no communication).
@@ -378,17 +416,19 @@ class DistributedDPOptimizer:
                 self.optimizer._check_inputs()
             except ValueError as exc:
                 error = exc
-            self._agree(error, self._has_grad_sample(), (_PER_SAMPLE,),
-                        "have invalid per-sample gradients; nothing was accumulated on any "
-                        "rank")
+            self._agree(
+                error,
+                self._has_grad_sample(),
+                (_PER_SAMPLE,),
+                "have invalid per-sample gradients; nothing was accumulated on any rank",
+            )
         self.optimizer.accumulate()
 
     def _agree(self, error, per_sample: bool, columns, failure: str) -> None:
         """The lockstep all-gather with this rank's outcome: re-raise this rank's
         ``error``, else DistributedDPError if another rank failed (``failure`` says
         what happened) or the ``columns`` of the check differ across ranks."""
-        table = _gather_checks(self.optimizer, self.group, ok=error is None,
-                               per_sample=per_sample)
+        table = _gather_checks(self.optimizer, self.group, ok=error is None, per_sample=per_sample)
         failed = [r for r, ok in enumerate(table[:, _OK].tolist()) if not ok]
         if error is not None:
             raise error
@@ -396,8 +436,9 @@ class DistributedDPOptimizer:
             raise DistributedDPError(f"ranks {failed} {failure}")
         _raise_on_mismatch(self.optimizer, table, self.group, columns)
 
-    def accumulate_clipped(self, clipped_sums: Sequence[Tensor | None],
-                           batch_size: int = 0) -> None:
+    def accumulate_clipped(
+        self, clipped_sums: Sequence[Tensor | None], batch_size: int = 0
+    ) -> None:
         """Add this rank's clipped sums (ghost clipping: pass the wrapper to
         :class:`dpkern.ghost.GhostClipping`); see the inner optimizer.
 
@@ -407,8 +448,9 @@ class DistributedDPOptimizer:
         reduce-scattered ``p.grad``) are already global and are taken as they are."""
         clipped_sums = list(clipped_sums)
         if self.sharded and not any(is_sharded(s) for s in clipped_sums if s is not None):
-            clipped_sums = reduce_scatter_clipped_sums(self.optimizer.trainable_params(),
-                                                       clipped_sums, self.bucket_numel)
+            clipped_sums = reduce_scatter_clipped_sums(
+                self.optimizer.trainable_params(), clipped_sums, self.bucket_numel
+            )
         self.optimizer.accumulate_clipped(clipped_sums, batch_size)
 
     @torch.no_grad()
@@ -428,10 +470,13 @@ class DistributedDPOptimizer:
             except (ValueError, FloatingPointError) as exc:
                 error = exc
         try:
-            self._agree(error, per_sample, (_SECURE, _CONFIG, _STEP, _KEY)
-                        + ((_PER_SAMPLE,) if self.sharded else ()),
-                        "failed to clip their local batch; the logical batch was dropped "
-                        "on every rank, nothing was updated")
+            self._agree(
+                error,
+                per_sample,
+                (_SECURE, _CONFIG, _STEP, _KEY) + ((_PER_SAMPLE,) if self.sharded else ()),
+                "failed to clip their local batch; the logical batch was dropped "
+                "on every rank, nothing was updated",
+            )
             if per_sample and self.sharded:  # every rank: same rows, all-reduced norms,
                 self.optimizer.accumulate()  # so a non-finite row fails on every rank
         except Exception:
@@ -456,14 +501,21 @@ class DistributedDPOptimizer:
         if not (full and self.sharded):
             return sd
         from torch.distributed.tensor import DTensor
+
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         state = {}
         for idx, st in sorted(sd["state"].items()):  # the same order on every rank
             p, st = params[idx], dict(st)  # (a copy: sd's dicts are the live state)
             for k, v in sorted(st.items()):
                 if isinstance(v, Tensor) and v.dim() > 0 and is_sharded(p):
-                    st[k] = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False,
-                                               shape=p.shape, stride=p.stride()).full_tensor()
+                    st[k] = DTensor.from_local(
+                        v,
+                        p.device_mesh,
+                        p.placements,
+                        run_check=False,
+                        shape=p.shape,
+                        stride=p.stride(),
+                    ).full_tensor()
             state[idx] = st
         return {**sd, "state": state}
 
@@ -495,8 +547,7 @@ class DistributedDPOptimizer:
         except (ValueError, KeyError, TypeError) as exc:
             error = exc
         try:  # every rank loaded, or none keeps the new state (no rank left waiting)
-            _raise_if_any_failed(error, self.group, _device(self.optimizer),
-                                 "load_state_dict")
+            _raise_if_any_failed(error, self.group, _device(self.optimizer), "load_state_dict")
         except DistributedDPError:
             self.optimizer.load_state_dict(backup)
             raise
@@ -532,9 +583,17 @@ class DistributedPoissonSampler(torch.utils.data.Sampler[list[int]]):
     Source: Poisson subsampling as in Abadi et al. 2016; sharding keeps independence.
     """
 
-    def __init__(self, num_samples: int, sample_rate: float, steps: int, *,
-                 num_replicas: int | None = None, rank: int | None = None,
-                 seed: int | None = None, group=None):
+    def __init__(
+        self,
+        num_samples: int,
+        sample_rate: float,
+        steps: int,
+        *,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        seed: int | None = None,
+        group=None,
+    ):
         if num_replicas is None:
             num_replicas = dist.get_world_size(group)
         if rank is None:
@@ -549,8 +608,11 @@ class DistributedPoissonSampler(torch.utils.data.Sampler[list[int]]):
         self.shard = range(rank, num_samples, num_replicas)
         # a shard may be empty (N < world size): sample a dummy element and drop it
         self._local = PoissonBatchSampler(
-            max(len(self.shard), 1), sample_rate, steps,
-            seed=None if seed is None else _rank_seed(seed, rank))
+            max(len(self.shard), 1),
+            sample_rate,
+            steps,
+            seed=None if seed is None else _rank_seed(seed, rank),
+        )
         self.sample_rate, self.steps = self._local.sample_rate, self._local.steps
 
     @property
@@ -581,8 +643,9 @@ def _mesh_group(params: Sequence[Tensor]):
 def _check_fsdp_params(params: Sequence[Tensor], what: str) -> None:
     """Every parameter a DTensor in FSDP2's layout, all on one mesh. Raises ValueError."""
     if common_mesh(params, what) is None:
-        raise ValueError(f"{what}: every parameter must be a DTensor on one device mesh "
-                         "(FSDP2 fully_shard)")
+        raise ValueError(
+            f"{what}: every parameter must be a DTensor on one device mesh (FSDP2 fully_shard)"
+        )
     for k, p in enumerate(params):
         local_shard(p, f"params[{k}]")  # validates the layout
 
@@ -592,14 +655,16 @@ def _raise_if_any_failed(error: Exception | None, group, device, what: str) -> N
     input is bad re-raises its own error, every other rank raises DistributedDPError,
     instead of leaving them waiting in a collective the bad rank never joins."""
     flags = torch.zeros(dist.get_world_size(group), dtype=torch.int64, device=device)
-    _all_gather_single(flags, torch.tensor([int(error is None)], dtype=torch.int64,
-                                           device=device), group=group)
+    _all_gather_single(
+        flags, torch.tensor([int(error is None)], dtype=torch.int64, device=device), group=group
+    )
     failed = [r for r, ok in enumerate(flags.tolist()) if not ok]
     if error is not None:
         raise error
     if failed:
-        raise DistributedDPError(f"{what}: ranks {failed} failed (see their error); "
-                                 "nothing was communicated or changed")
+        raise DistributedDPError(
+            f"{what}: ranks {failed} failed (see their error); nothing was communicated or changed"
+        )
 
 
 @torch.no_grad()
@@ -637,9 +702,12 @@ def shard_grad_samples(params: Sequence[Tensor], grad_samples: Sequence[Tensor])
         B_r = _check_grad_samples(params, grad_samples)
     except ValueError as exc:
         error = exc
-    _raise_if_any_failed(error, _mesh_group(params),
-                         params[0].device if params else torch.device("cpu"),
-                         "shard_grad_samples")
+    _raise_if_any_failed(
+        error,
+        _mesh_group(params),
+        params[0].device if params else torch.device("cpu"),
+        "shard_grad_samples",
+    )
     mesh = params[0].device_mesh
     group, world, me = mesh.get_group(), mesh.size(), mesh.get_local_rank()
     dtypes = {g.dtype for g in grad_samples}
@@ -651,17 +719,25 @@ def shard_grad_samples(params: Sequence[Tensor], grad_samples: Sequence[Tensor])
 def _check_grad_samples(params, grad_samples) -> int:
     """shard_grad_samples' local checks; returns B_r. Raises ValueError."""
     if len(params) != len(grad_samples):
-        raise ValueError(f"shard_grad_samples: {len(grad_samples)} grad_samples for "
-                         f"{len(params)} parameters")
+        raise ValueError(
+            f"shard_grad_samples: {len(grad_samples)} grad_samples for {len(params)} parameters"
+        )
     if not params:
         raise ValueError("shard_grad_samples: no parameters")
     _check_fsdp_params(params, "shard_grad_samples")
     B_r = None
     for k, (p, g) in enumerate(zip(params, grad_samples)):
-        if not isinstance(g, Tensor) or is_sharded(g) or not g.is_floating_point() \
-                or tuple(g.shape[1:]) != tuple(p.shape) or g.device != p.device:
-            raise ValueError(f"grad_samples[{k}]: expected a plain float tensor "
-                             f"[B_r, *{tuple(p.shape)}] on {p.device}")
+        if (
+            not isinstance(g, Tensor)
+            or is_sharded(g)
+            or not g.is_floating_point()
+            or tuple(g.shape[1:]) != tuple(p.shape)
+            or g.device != p.device
+        ):
+            raise ValueError(
+                f"grad_samples[{k}]: expected a plain float tensor "
+                f"[B_r, *{tuple(p.shape)}] on {p.device}"
+            )
         if B_r is None:
             B_r = g.shape[0]
         elif g.shape[0] != B_r:
@@ -672,8 +748,7 @@ def _check_grad_samples(params, grad_samples) -> int:
 def _exchange_grad_samples(params, grad_samples, B_r, group, world, me, dtype, device) -> int:
     """shard_grad_samples' communication (inputs checked on every rank)."""
     sizes = torch.zeros(world, dtype=torch.int64, device=device)
-    _all_gather_single(sizes, torch.tensor([B_r], dtype=torch.int64, device=device),
-                       group=group)
+    _all_gather_single(sizes, torch.tensor([B_r], dtype=torch.int64, device=device), group=group)
     sizes = sizes.tolist()
 
     def cols(rank):  # elements per sample that rank owns, param by param
@@ -686,28 +761,40 @@ def _exchange_grad_samples(params, grad_samples, B_r, group, world, me, dtype, d
     def block(rank):  # a [B_r, n_rank] block (the params' slices side by side), flattened
         if not B_r:
             return torch.zeros(0, dtype=dtype, device=device)
-        return torch.cat([g[:, slice(*chunk_rows(p.shape[0], world, rank))].reshape(B_r, -1)
-                          .to(dtype) for p, g in zip(params, grad_samples)], dim=1).reshape(-1)
+        return torch.cat(
+            [
+                g[:, slice(*chunk_rows(p.shape[0], world, rank))].reshape(B_r, -1).to(dtype)
+                for p, g in zip(params, grad_samples)
+            ],
+            dim=1,
+        ).reshape(-1)
 
     mine = cols(me)
     blocks = [block(rank) for rank in range(world)]
     out = torch.empty(sum(sizes) * sum(mine), dtype=dtype, device=device)
-    dist.all_to_all_single(out, torch.cat(blocks),
-                           output_split_sizes=[b * sum(mine) for b in sizes],
-                           input_split_sizes=[blk.numel() for blk in blocks], group=group)
+    dist.all_to_all_single(
+        out,
+        torch.cat(blocks),
+        output_split_sizes=[b * sum(mine) for b in sizes],
+        input_split_sizes=[blk.numel() for blk in blocks],
+        group=group,
+    )
     B = sum(sizes)
     rows = out.view(B, sum(mine))
     pos = 0
     for p, n in zip(params, mine):
         local = p.to_local()
-        p.grad_sample = rows[:, pos:pos + n].reshape(B, *local.shape).contiguous()
+        p.grad_sample = rows[:, pos : pos + n].reshape(B, *local.shape).contiguous()
         pos += n
     return B
 
 
 @torch.no_grad()
-def reduce_scatter_clipped_sums(params: Sequence[Tensor], clipped_sums: Sequence[Tensor | None],
-                                bucket_numel: int = _BUCKET_NUMEL) -> list[Tensor]:
+def reduce_scatter_clipped_sums(
+    params: Sequence[Tensor],
+    clipped_sums: Sequence[Tensor | None],
+    bucket_numel: int = _BUCKET_NUMEL,
+) -> list[Tensor]:
     """SUM over ranks of each rank's full-shape clipped sums, each rank keeping its shard.
 
     For ghost clipping under FSDP2: book-keeping builds sum_i c_i g_i of this rank's
@@ -731,29 +818,40 @@ def reduce_scatter_clipped_sums(params: Sequence[Tensor], clipped_sums: Sequence
         _check_clipped_sums(params, clipped_sums)
     except ValueError as exc:
         error = exc
-    _raise_if_any_failed(error, _mesh_group(params),
-                         params[0].device if params else torch.device("cpu"),
-                         "reduce_scatter_clipped_sums")
+    _raise_if_any_failed(
+        error,
+        _mesh_group(params),
+        params[0].device if params else torch.device("cpu"),
+        "reduce_scatter_clipped_sums",
+    )
     return _reduce_scatter(params, clipped_sums, bucket_numel)
 
 
 def _check_clipped_sums(params, clipped_sums) -> None:
     """reduce_scatter_clipped_sums' local checks. Raises ValueError."""
     if len(params) != len(clipped_sums) or not params:
-        raise ValueError(f"reduce_scatter_clipped_sums: {len(clipped_sums)} sums for "
-                         f"{len(params)} parameters")
+        raise ValueError(
+            f"reduce_scatter_clipped_sums: {len(clipped_sums)} sums for {len(params)} parameters"
+        )
     _check_fsdp_params(params, "reduce_scatter_clipped_sums")
     for k, (p, s) in enumerate(zip(params, clipped_sums)):
-        if s is not None and (not isinstance(s, Tensor) or is_sharded(s)
-                              or tuple(s.shape) != tuple(p.shape) or s.device != p.device
-                              or not s.is_floating_point()):
-            raise ValueError(f"clipped_sums[{k}]: expected None or a plain float tensor of "
-                             f"shape {tuple(p.shape)} on {p.device}")
+        if s is not None and (
+            not isinstance(s, Tensor)
+            or is_sharded(s)
+            or tuple(s.shape) != tuple(p.shape)
+            or s.device != p.device
+            or not s.is_floating_point()
+        ):
+            raise ValueError(
+                f"clipped_sums[{k}]: expected None or a plain float tensor of "
+                f"shape {tuple(p.shape)} on {p.device}"
+            )
 
 
 def _reduce_scatter(params, clipped_sums, bucket_numel) -> list[Tensor]:
     """reduce_scatter_clipped_sums' communication (inputs checked on every rank)."""
     from torch.distributed.tensor import DTensor
+
     mesh = params[0].device_mesh
     group, world = mesh.get_group(), mesh.size()
     out: list[Tensor] = [None] * len(params)
@@ -767,10 +865,11 @@ def _reduce_scatter(params, clipped_sums, bucket_numel) -> list[Tensor]:
             for k in idx:
                 p, s = params[k], clipped_sums[k]
                 first, end = chunk_rows(p.shape[0], world, rank)
-                block = torch.zeros((padded_rows(p), *p.shape[1:]), dtype=torch.float32,
-                                    device=p.device)
+                block = torch.zeros(
+                    (padded_rows(p), *p.shape[1:]), dtype=torch.float32, device=p.device
+                )
                 if s is not None:
-                    block[:end - first] = s[first:end]
+                    block[: end - first] = s[first:end]
                 blocks.append(block.reshape(-1))
         flat = torch.cat(blocks)
         mine = torch.empty(flat.numel() // world, dtype=torch.float32, device=flat.device)
@@ -780,9 +879,15 @@ def _reduce_scatter(params, clipped_sums, bucket_numel) -> list[Tensor]:
             p = params[k]
             local = local_shard(p)[0]
             n = padded_rows(p) * row_numel(p)
-            shard = mine[pos:pos + n].view(padded_rows(p), *p.shape[1:])[:local.shape[0]]
-            out[k] = DTensor.from_local(shard.contiguous(), mesh, p.placements,
-                                        run_check=False, shape=p.shape, stride=p.stride())
+            shard = mine[pos : pos + n].view(padded_rows(p), *p.shape[1:])[: local.shape[0]]
+            out[k] = DTensor.from_local(
+                shard.contiguous(),
+                mesh,
+                p.placements,
+                run_check=False,
+                shape=p.shape,
+                stride=p.stride(),
+            )
             pos += n
 
     idx, size = [], 0
@@ -796,4 +901,3 @@ def _reduce_scatter(params, clipped_sums, bucket_numel) -> list[Tensor]:
     if idx:
         flush(idx)
     return out
-

@@ -18,6 +18,7 @@ Errors: ``ValueError`` for bad hyper-parameters and bad tensors (naming the para
 ``FloatingPointError`` for non-finite per-sample gradients with ``nonfinite="error"``;
 in every error case nothing has been modified.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -27,8 +28,19 @@ import torch
 from torch import Tensor
 
 from . import backends
-from .hyper import (AdamBCHyper, AdamHyper, AdamWBCHyper, AdamWHyper, DPStep, Hyper,
-                    MacAdamHyper, SGDHyper, check_betas, check_nonnegative, check_positive)
+from .hyper import (
+    AdamBCHyper,
+    AdamHyper,
+    AdamWBCHyper,
+    AdamWHyper,
+    DPStep,
+    Hyper,
+    MacAdamHyper,
+    SGDHyper,
+    check_betas,
+    check_nonnegative,
+    check_positive,
+)
 
 NONFINITE_MODES = ("error", "zero")
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -39,8 +51,16 @@ Reduce = Callable[[Tensor], None]  # in-place SUM over the ranks of sharded para
 # --------------------------------------------------------------------------------------
 # Noise and pass 1, public building blocks
 # --------------------------------------------------------------------------------------
-def gaussian_noise(numel: int, *, key: int, step: int, offset: int = 0, stream: int = 0,
-                   device=None, backend: str = "auto") -> Tensor:
+def gaussian_noise(
+    numel: int,
+    *,
+    key: int,
+    step: int,
+    offset: int = 0,
+    stream: int = 0,
+    device=None,
+    backend: str = "auto",
+) -> Tensor:
     """Standard normals of the dpkern noise stream v1 (SPEC section 3).
 
     Returns a float32 tensor ``[numel]`` holding z_j for global element indices
@@ -64,8 +84,7 @@ def gaussian_noise(numel: int, *, key: int, step: int, offset: int = 0, stream: 
     DPStep(key=key, step=step, noise_std=0.0, expected_batch_size=1.0, stream=stream)
     device = torch.device(device) if device is not None else torch.device("cpu")
     be = backends.resolve(backends.check_name(backend), device)
-    return be.gaussian_noise(numel, key=key, step=step, offset=offset, stream=stream,
-                             device=device)
+    return be.gaussian_noise(numel, key=key, step=step, offset=offset, stream=stream, device=device)
 
 
 def per_sample_norms(grad_samples: Sequence[Tensor | None], *, backend: str = "auto") -> Tensor:
@@ -85,7 +104,8 @@ def per_sample_norms(grad_samples: Sequence[Tensor | None], *, backend: str = "a
     B = _check_rows([(f"grad_samples[{k}]", g) for k, g in present])
     device = present[0][1].device
     return backends.resolve(backends.check_name(backend), device).per_sample_norms(
-        list(grad_samples), B, device)
+        list(grad_samples), B, device
+    )
 
 
 def clip_factors(norms: Tensor, max_grad_norm: float) -> Tensor:
@@ -103,13 +123,17 @@ def _check_rows(named: list[tuple[str, Tensor]]) -> int:
         if g.is_sparse or g.layout != torch.strided:
             raise ValueError(f"{name}: sparse per-sample gradients are not supported")
         if not g.is_floating_point() or g.dim() == 0:
-            raise ValueError(f"{name}: expected a floating tensor [B, ...], got "
-                             f"{g.dtype} of shape {tuple(g.shape)}")
+            raise ValueError(
+                f"{name}: expected a floating tensor [B, ...], got "
+                f"{g.dtype} of shape {tuple(g.shape)}"
+            )
         if B is None:
             B, device = g.shape[0], g.device
         elif g.shape[0] != B:
-            raise ValueError(f"{name}: batch size {g.shape[0]} differs from {B} "
-                             "(all grad_sample tensors of one step share B)")
+            raise ValueError(
+                f"{name}: batch size {g.shape[0]} differs from {B} "
+                "(all grad_sample tensors of one step share B)"
+            )
         elif g.device != device:
             raise ValueError(f"{name}: on {g.device}, others on {device}")
     return B
@@ -126,6 +150,7 @@ class Group:
     ``noise_var_avg``: phi_t for the BC rules (already updated for this step).
     ``step``: the update rule's t for these parameters (their own step count, as
     torch.optim's ``state["step"]``); ``None``: the step's global t."""
+
     hyper: Hyper
     params: list[Tensor]
     grad_samples: list[Tensor | None]
@@ -140,6 +165,7 @@ class Group:
 @dataclass
 class StepResult:
     """What one step measured: batch size, clip factors, zeroed rows, MacAdam's sum."""
+
     batch_size: int = 0
     clipped_samples: int = 0
     nonfinite_samples: int = 0
@@ -156,8 +182,10 @@ def check_params(groups: list[Group]) -> torch.device:
         for k, p in enumerate(grp.params):
             name = grp.names[k]
             if p.dtype not in PARAM_DTYPES:
-                raise ValueError(f"{name}: unsupported parameter dtype {p.dtype} "
-                                 f"(expected one of {PARAM_DTYPES})")
+                raise ValueError(
+                    f"{name}: unsupported parameter dtype {p.dtype} "
+                    f"(expected one of {PARAM_DTYPES})"
+                )
             if device is None:
                 device = p.device
             elif p.device != device:
@@ -165,20 +193,28 @@ def check_params(groups: list[Group]) -> torch.device:
             gs = grp.grad_samples[k]
             if gs is not None:
                 if not isinstance(gs, Tensor):
-                    raise ValueError(f"{name}: grad_sample is a {type(gs).__name__}, "
-                                     "expected a tensor")
+                    raise ValueError(
+                        f"{name}: grad_sample is a {type(gs).__name__}, expected a tensor"
+                    )
                 if gs.device != p.device:
-                    raise ValueError(f"{name}: grad_sample on {gs.device}, parameter on "
-                                     f"{p.device}")
+                    raise ValueError(f"{name}: grad_sample on {gs.device}, parameter on {p.device}")
                 if not gs.is_sparse and tuple(gs.shape[1:]) != tuple(p.shape):
-                    raise ValueError(f"{name}: grad_sample has shape {tuple(gs.shape)}, "
-                                     f"expected [B, *{tuple(p.shape)}]")
+                    raise ValueError(
+                        f"{name}: grad_sample has shape {tuple(gs.shape)}, "
+                        f"expected [B, *{tuple(p.shape)}]"
+                    )
                 rows.append((name + " grad_sample", gs))
             s = grp.summed[k]
-            if s is not None and (s.shape != p.shape or s.dtype != torch.float32
-                                  or s.device != p.device or s.is_sparse):
-                raise ValueError(f"{name}: summed gradient must be a dense float32 tensor "
-                                 f"of shape {tuple(p.shape)} on {p.device}")
+            if s is not None and (
+                s.shape != p.shape
+                or s.dtype != torch.float32
+                or s.device != p.device
+                or s.is_sparse
+            ):
+                raise ValueError(
+                    f"{name}: summed gradient must be a dense float32 tensor "
+                    f"of shape {tuple(p.shape)} on {p.device}"
+                )
     if rows:
         _check_rows(rows)
     return device if device is not None else torch.device("cpu")
@@ -187,25 +223,40 @@ def check_params(groups: list[Group]) -> torch.device:
 def _pass1(groups: list[Group], backend, batch_size: int, device, dp_step: int) -> Tensor:
     """Per-sample norms over every parameter of every group (whitened for MacAdam)."""
     if groups[0].hyper.rule != "macadam":
-        return backend.per_sample_norms([g for grp in groups for g in grp.grad_samples],
-                                        batch_size, device)
+        return backend.per_sample_norms(
+            [g for grp in groups for g in grp.grad_samples], batch_size, device
+        )
     # MacAdam whitens with each group's own m_hat = m / (1 - beta1^(t-1)): one call per
     # group, then the norm over all coordinates (the clipped vector is the summed one).
     if len(groups) == 1:
         grp = groups[0]
-        return backend.whitened_norms(grp.grad_samples, grp.states["exp_avg"],
-                                      grp.states["scale"], 1.0 - grp.hyper.beta1 ** (dp_step - 1),
-                                      batch_size, device)
+        return backend.whitened_norms(
+            grp.grad_samples,
+            grp.states["exp_avg"],
+            grp.states["scale"],
+            1.0 - grp.hyper.beta1 ** (dp_step - 1),
+            batch_size,
+            device,
+        )
     sq = torch.zeros(batch_size, dtype=torch.float32, device=device)
     for grp in groups:
         bc1 = 1.0 - grp.hyper.beta1 ** (dp_step - 1)
-        sq += backend.whitened_norms(grp.grad_samples, grp.states["exp_avg"],
-                                     grp.states["scale"], bc1, batch_size, device).square()
+        sq += backend.whitened_norms(
+            grp.grad_samples, grp.states["exp_avg"], grp.states["scale"], bc1, batch_size, device
+        ).square()
     return sq.sqrt()
 
 
-def clip_and_check(groups: list[Group], *, backend, device, step: int, max_grad_norm: float,
-                   nonfinite: str, reduce: Reduce | None = None) -> StepResult:
+def clip_and_check(
+    groups: list[Group],
+    *,
+    backend,
+    device,
+    step: int,
+    max_grad_norm: float,
+    nonfinite: str,
+    reduce: Reduce | None = None,
+) -> StepResult:
     """Pass 1 and the clip factors; raise FloatingPointError on non-finite rows if asked.
 
     ``reduce``: for coordinate-sharded parameters (FSDP, tensor parallel), an in-place SUM
@@ -229,20 +280,30 @@ def clip_and_check(groups: list[Group], *, backend, device, step: int, max_grad_
         raise FloatingPointError(
             f"non-finite per-sample gradient (NaN/Inf, or a squared norm overflowing "
             f"float32) in sample rows {bad[:20]}{' ...' if len(bad) > 20 else ''}; "
-            "nothing was updated (pass nonfinite='zero' to drop such samples)")
+            "nothing was updated (pass nonfinite='zero' to drop such samples)"
+        )
     c = torch.clamp(max_grad_norm / (norms + CLIP_EPS), max=1.0)
     if groups[0].hyper.rule == "macadam":  # w_bar = w / max(1, ||w||), bound 1 (SPEC 7)
         c = 1.0 / torch.clamp(norms, min=1.0)
     c = torch.where(finite, c, torch.zeros_like(c))
     clipped = int((finite & (c < 1.0)).sum()) if B else 0
-    return StepResult(batch_size=B, clipped_samples=clipped, nonfinite_samples=len(bad),
-                      clip_factors=c)
+    return StepResult(
+        batch_size=B, clipped_samples=clipped, nonfinite_samples=len(bad), clip_factors=c
+    )
 
 
-def dp_step_groups(groups: list[Group], *, key, step: int, max_grad_norm: float,
-                   noise_multiplier: float, expected_batch_size: float,
-                   backend: str = "auto", nonfinite: str = "error",
-                   reduce: Reduce | None = None) -> StepResult:
+def dp_step_groups(
+    groups: list[Group],
+    *,
+    key,
+    step: int,
+    max_grad_norm: float,
+    noise_multiplier: float,
+    expected_batch_size: float,
+    backend: str = "auto",
+    nonfinite: str = "error",
+    reduce: Reduce | None = None,
+) -> StepResult:
     """One DP step over several parameter groups sharing one noise index space and step.
 
     Validates everything first (nothing is modified on error), then runs pass 1 over all
@@ -259,31 +320,67 @@ def dp_step_groups(groups: list[Group], *, key, step: int, max_grad_norm: float,
     B samples on every rank) and, for DP-MacAdam, on the one-element sum
     sum_j sqrt(S_hat_j) (SPEC section 7): the only two global reductions of a step. Every
     rank must then call this function (a collective)."""
-    be, pass1 = prepare_step(groups, step=step, max_grad_norm=max_grad_norm, backend=backend,
-                             nonfinite=nonfinite, reduce=reduce)
-    apply_step(groups, be, pass1, key=key, step=step, max_grad_norm=max_grad_norm,
-               noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size,
-               reduce=reduce)
+    be, pass1 = prepare_step(
+        groups,
+        step=step,
+        max_grad_norm=max_grad_norm,
+        backend=backend,
+        nonfinite=nonfinite,
+        reduce=reduce,
+    )
+    apply_step(
+        groups,
+        be,
+        pass1,
+        key=key,
+        step=step,
+        max_grad_norm=max_grad_norm,
+        noise_multiplier=noise_multiplier,
+        expected_batch_size=expected_batch_size,
+        reduce=reduce,
+    )
     return pass1
 
 
-def prepare_step(groups: list[Group], *, step: int, max_grad_norm: float,
-                 backend: str = "auto", nonfinite: str = "error",
-                 reduce: Reduce | None = None):
+def prepare_step(
+    groups: list[Group],
+    *,
+    step: int,
+    max_grad_norm: float,
+    backend: str = "auto",
+    nonfinite: str = "error",
+    reduce: Reduce | None = None,
+):
     """The first half of :func:`dp_step_groups`: validation, pass 1 and the clip factors.
 
     Returns (backend module, StepResult). Modifies nothing; raises ValueError /
     FloatingPointError as :func:`dp_step_groups`."""
     device = check_params(groups)
     be = backends.resolve(backends.check_name(backend), device)
-    pass1 = clip_and_check(groups, backend=be, device=device, step=step,
-                           max_grad_norm=max_grad_norm, nonfinite=nonfinite, reduce=reduce)
+    pass1 = clip_and_check(
+        groups,
+        backend=be,
+        device=device,
+        step=step,
+        max_grad_norm=max_grad_norm,
+        nonfinite=nonfinite,
+        reduce=reduce,
+    )
     return be, pass1
 
 
-def apply_step(groups: list[Group], be, pass1: StepResult, *, key, step: int,
-               max_grad_norm: float, noise_multiplier: float, expected_batch_size: float,
-               reduce: Reduce | None = None) -> None:
+def apply_step(
+    groups: list[Group],
+    be,
+    pass1: StepResult,
+    *,
+    key,
+    step: int,
+    max_grad_norm: float,
+    noise_multiplier: float,
+    expected_batch_size: float,
+    reduce: Reduce | None = None,
+) -> None:
     """The second half of :func:`dp_step_groups`: pass 2 (noise at ``step``) and
     DP-MacAdam's scale update, in place. Only errors of the machine (out of memory) can
     stop it midway; callers that must stay consistent treat that as a failed step."""
@@ -293,20 +390,34 @@ def apply_step(groups: list[Group], be, pass1: StepResult, *, key, step: int,
     sqrt_sum = 0.0
     steps = []
     for grp in groups:
-        dp = DPStep(key=key, step=grp.step if grp.step is not None else step,
-                    noise_step=step, noise_std=noise_std,
-                    expected_batch_size=expected_batch_size, noise_var_avg=grp.noise_var_avg)
+        dp = DPStep(
+            key=key,
+            step=grp.step if grp.step is not None else step,
+            noise_step=step,
+            noise_std=noise_std,
+            expected_batch_size=expected_batch_size,
+            noise_var_avg=grp.noise_var_avg,
+        )
         steps.append(dp)
-        sqrt_sum += be.step(grp.hyper, dp, grp.params, grp.grad_samples, pass1.clip_factors,
-                            grp.summed, grp.states, grp.offsets)
+        sqrt_sum += be.step(
+            grp.hyper,
+            dp,
+            grp.params,
+            grp.grad_samples,
+            pass1.clip_factors,
+            grp.summed,
+            grp.states,
+            grp.offsets,
+        )
     if macadam and reduce is not None:
         total = torch.tensor([sqrt_sum], dtype=torch.float64, device=device)
         reduce(total)
         sqrt_sum = float(total)
     if macadam:
         for grp, dp in zip(groups, steps):
-            be.macadam_update_scale(grp.hyper, dp, grp.states["exp_var"],
-                                    grp.states["scale"], sqrt_sum)
+            be.macadam_update_scale(
+                grp.hyper, dp, grp.states["exp_var"], grp.states["scale"], sqrt_sum
+            )
 
 
 def check_privacy(max_grad_norm, noise_multiplier, expected_batch_size) -> None:
@@ -321,9 +432,23 @@ def check_nonfinite(nonfinite) -> str:
     return nonfinite
 
 
-def _single(hyper: Hyper, params, grad_samples, summed_grads, states: dict, *, step, key,
-            max_grad_norm, noise_multiplier, expected_batch_size, offset, nonfinite,
-            backend, noise_var_avg: float = 0.0) -> StepResult:
+def _single(
+    hyper: Hyper,
+    params,
+    grad_samples,
+    summed_grads,
+    states: dict,
+    *,
+    step,
+    key,
+    max_grad_norm,
+    noise_multiplier,
+    expected_batch_size,
+    offset,
+    nonfinite,
+    backend,
+    noise_var_avg: float = 0.0,
+) -> StepResult:
     check_privacy(max_grad_norm, noise_multiplier, expected_batch_size)
     check_nonfinite(nonfinite)
     n = len(params)
@@ -331,17 +456,22 @@ def _single(hyper: Hyper, params, grad_samples, summed_grads, states: dict, *, s
         raise ValueError("give grad_samples (per-sample gradients) or summed_grads")
     grad_samples = list(grad_samples) if grad_samples is not None else [None] * n
     summed = list(summed_grads) if summed_grads is not None else [None] * n
-    for name, lst in [("grad_samples", grad_samples), ("summed_grads", summed),
-                      *states.items()]:
+    for name, lst in [("grad_samples", grad_samples), ("summed_grads", summed), *states.items()]:
         if len(lst) != n:
             raise ValueError(f"{name}: {len(lst)} entries for {n} params")
     for name, lst in states.items():
         for k, (s, p) in enumerate(zip(lst, params)):
             if s is None and name == "momentum_buffer" and hyper.momentum == 0:
                 continue  # unused without momentum (torch.optim's functional sgd allows it)
-            if not isinstance(s, Tensor) or s.shape != p.shape or s.dtype != torch.float32 or s.device != p.device:
-                raise ValueError(f"{name}[{k}]: expected float32 of shape {tuple(p.shape)} "
-                                 f"on {p.device}")
+            if (
+                not isinstance(s, Tensor)
+                or s.shape != p.shape
+                or s.dtype != torch.float32
+                or s.device != p.device
+            ):
+                raise ValueError(
+                    f"{name}[{k}]: expected float32 of shape {tuple(p.shape)} on {p.device}"
+                )
     if not isinstance(offset, int) or offset < 0:
         raise ValueError(f"invalid offset={offset!r}: expected an int >= 0")
     offsets, off = [], offset
@@ -350,12 +480,17 @@ def _single(hyper: Hyper, params, grad_samples, summed_grads, states: dict, *, s
         off += p.numel()
     names = [f"params[{k}] (shape {tuple(p.shape)})" for k, p in enumerate(params)]
     DPStep(key=key, step=step, noise_std=0.0, expected_batch_size=1.0)  # validates key/step
-    grp = Group(hyper, list(params), grad_samples, summed, states, offsets, names,
-                noise_var_avg)
-    return dp_step_groups([grp], key=key, step=step, max_grad_norm=max_grad_norm,
-                          noise_multiplier=noise_multiplier,
-                          expected_batch_size=expected_batch_size, backend=backend,
-                          nonfinite=nonfinite)
+    grp = Group(hyper, list(params), grad_samples, summed, states, offsets, names, noise_var_avg)
+    return dp_step_groups(
+        [grp],
+        key=key,
+        step=step,
+        max_grad_norm=max_grad_norm,
+        noise_multiplier=noise_multiplier,
+        expected_batch_size=expected_batch_size,
+        backend=backend,
+        nonfinite=nonfinite,
+    )
 
 
 _COMMON_DOC = """
@@ -375,31 +510,77 @@ _COMMON_DOC = """
 """
 
 
-def dp_sgd(params, grad_samples, momentum_buffers, *, step, key, lr, momentum=0.0,
-           dampening=0.0, weight_decay=0.0, nesterov=False, max_grad_norm,
-           noise_multiplier, expected_batch_size, summed_grads=None, offset=0,
-           nonfinite="error", backend="auto") -> StepResult:
+def dp_sgd(
+    params,
+    grad_samples,
+    momentum_buffers,
+    *,
+    step,
+    key,
+    lr,
+    momentum=0.0,
+    dampening=0.0,
+    weight_decay=0.0,
+    nesterov=False,
+    max_grad_norm,
+    noise_multiplier,
+    expected_batch_size,
+    summed_grads=None,
+    offset=0,
+    nonfinite="error",
+    backend="auto",
+) -> StepResult:
     """DP-SGD (Abadi et al. 2016, Algorithm 1) with torch.optim.SGD's update (SPEC 5.1).
 
     ``momentum_buffers``: float32 tensors like the params; with momentum = 0 they are
     unused and may be None (the whole list or entries: nothing is allocated).
     Raises: ValueError (momentum != 0 and a buffer missing), see below."""
-    hyper = SGDHyper(lr=lr, momentum=momentum, dampening=dampening,
-                     weight_decay=weight_decay, nesterov=nesterov)
+    hyper = SGDHyper(
+        lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov
+    )
     if momentum_buffers is None:
         if momentum != 0:
             raise ValueError("momentum_buffers: required when momentum != 0")
         momentum_buffers = [None] * len(params)
-    return _single(hyper, params, grad_samples, summed_grads,
-                   {"momentum_buffer": list(momentum_buffers)}, step=step, key=key,
-                   max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
-                   expected_batch_size=expected_batch_size, offset=offset,
-                   nonfinite=nonfinite, backend=backend)
+    return _single(
+        hyper,
+        params,
+        grad_samples,
+        summed_grads,
+        {"momentum_buffer": list(momentum_buffers)},
+        step=step,
+        key=key,
+        max_grad_norm=max_grad_norm,
+        noise_multiplier=noise_multiplier,
+        expected_batch_size=expected_batch_size,
+        offset=offset,
+        nonfinite=nonfinite,
+        backend=backend,
+    )
 
 
-def _adam_family(cls, params, grad_samples, exp_avgs, exp_avg_sqs, *, step, key, lr, betas,
-                 weight_decay, max_grad_norm, noise_multiplier, expected_batch_size,
-                 summed_grads, offset, nonfinite, backend, noise_var_avg=None, **extra):
+def _adam_family(
+    cls,
+    params,
+    grad_samples,
+    exp_avgs,
+    exp_avg_sqs,
+    *,
+    step,
+    key,
+    lr,
+    betas,
+    weight_decay,
+    max_grad_norm,
+    noise_multiplier,
+    expected_batch_size,
+    summed_grads,
+    offset,
+    nonfinite,
+    backend,
+    noise_var_avg=None,
+    **extra,
+):
     beta1, beta2 = check_betas(betas)
     hyper = cls(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, **extra)
     phi = 0.0
@@ -409,88 +590,266 @@ def _adam_family(cls, params, grad_samples, exp_avgs, exp_avg_sqs, *, step, key,
         check_privacy(max_grad_norm, noise_multiplier, expected_batch_size)
         Phi = (noise_multiplier * max_grad_norm / expected_batch_size) ** 2
         phi = beta2 * float(noise_var_avg) + (1 - beta2) * Phi
-    result = _single(hyper, params, grad_samples, summed_grads,
-                     {"exp_avg": list(exp_avgs), "exp_avg_sq": list(exp_avg_sqs)},
-                     step=step, key=key, max_grad_norm=max_grad_norm,
-                     noise_multiplier=noise_multiplier,
-                     expected_batch_size=expected_batch_size, offset=offset,
-                     nonfinite=nonfinite, backend=backend, noise_var_avg=phi)
+    result = _single(
+        hyper,
+        params,
+        grad_samples,
+        summed_grads,
+        {"exp_avg": list(exp_avgs), "exp_avg_sq": list(exp_avg_sqs)},
+        step=step,
+        key=key,
+        max_grad_norm=max_grad_norm,
+        noise_multiplier=noise_multiplier,
+        expected_batch_size=expected_batch_size,
+        offset=offset,
+        nonfinite=nonfinite,
+        backend=backend,
+        noise_var_avg=phi,
+    )
     if noise_var_avg is not None:
         noise_var_avg.fill_(phi)
     return result
 
 
-def dp_adam(params, grad_samples, exp_avgs, exp_avg_sqs, *, step, key, lr, betas=(0.9, 0.999),
-            eps=1e-8, weight_decay=0.0, max_grad_norm, noise_multiplier, expected_batch_size,
-            summed_grads=None, offset=0, nonfinite="error", backend="auto") -> StepResult:
+def dp_adam(
+    params,
+    grad_samples,
+    exp_avgs,
+    exp_avg_sqs,
+    *,
+    step,
+    key,
+    lr,
+    betas=(0.9, 0.999),
+    eps=1e-8,
+    weight_decay=0.0,
+    max_grad_norm,
+    noise_multiplier,
+    expected_batch_size,
+    summed_grads=None,
+    offset=0,
+    nonfinite="error",
+    backend="auto",
+) -> StepResult:
     """DP-Adam (TensorFlow Privacy / Opacus + torch.optim.Adam, SPEC 5.2), coupled L2."""
-    return _adam_family(AdamHyper, params, grad_samples, exp_avgs, exp_avg_sqs, step=step,
-                        key=key, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                        max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
-                        expected_batch_size=expected_batch_size, summed_grads=summed_grads,
-                        offset=offset, nonfinite=nonfinite, backend=backend)
+    return _adam_family(
+        AdamHyper,
+        params,
+        grad_samples,
+        exp_avgs,
+        exp_avg_sqs,
+        step=step,
+        key=key,
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        max_grad_norm=max_grad_norm,
+        noise_multiplier=noise_multiplier,
+        expected_batch_size=expected_batch_size,
+        summed_grads=summed_grads,
+        offset=offset,
+        nonfinite=nonfinite,
+        backend=backend,
+    )
 
 
-def dp_adamw(params, grad_samples, exp_avgs, exp_avg_sqs, *, step, key, lr, betas=(0.9, 0.999),
-             eps=1e-8, weight_decay=1e-2, max_grad_norm, noise_multiplier, expected_batch_size,
-             summed_grads=None, offset=0, nonfinite="error", backend="auto") -> StepResult:
+def dp_adamw(
+    params,
+    grad_samples,
+    exp_avgs,
+    exp_avg_sqs,
+    *,
+    step,
+    key,
+    lr,
+    betas=(0.9, 0.999),
+    eps=1e-8,
+    weight_decay=1e-2,
+    max_grad_norm,
+    noise_multiplier,
+    expected_batch_size,
+    summed_grads=None,
+    offset=0,
+    nonfinite="error",
+    backend="auto",
+) -> StepResult:
     """DP-AdamW (arXiv 2511.07843, Algorithm 1; SPEC 5.4): decoupled weight decay."""
-    return _adam_family(AdamWHyper, params, grad_samples, exp_avgs, exp_avg_sqs, step=step,
-                        key=key, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                        max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
-                        expected_batch_size=expected_batch_size, summed_grads=summed_grads,
-                        offset=offset, nonfinite=nonfinite, backend=backend)
+    return _adam_family(
+        AdamWHyper,
+        params,
+        grad_samples,
+        exp_avgs,
+        exp_avg_sqs,
+        step=step,
+        key=key,
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        max_grad_norm=max_grad_norm,
+        noise_multiplier=noise_multiplier,
+        expected_batch_size=expected_batch_size,
+        summed_grads=summed_grads,
+        offset=offset,
+        nonfinite=nonfinite,
+        backend=backend,
+    )
 
 
-def dp_adam_bc(params, grad_samples, exp_avgs, exp_avg_sqs, noise_var_avg, *, step, key, lr,
-               betas=(0.9, 0.999), gamma=1e-8, weight_decay=0.0, max_grad_norm,
-               noise_multiplier, expected_batch_size, summed_grads=None, offset=0,
-               nonfinite="error", backend="auto") -> StepResult:
+def dp_adam_bc(
+    params,
+    grad_samples,
+    exp_avgs,
+    exp_avg_sqs,
+    noise_var_avg,
+    *,
+    step,
+    key,
+    lr,
+    betas=(0.9, 0.999),
+    gamma=1e-8,
+    weight_decay=0.0,
+    max_grad_norm,
+    noise_multiplier,
+    expected_batch_size,
+    summed_grads=None,
+    offset=0,
+    nonfinite="error",
+    backend="auto",
+) -> StepResult:
     """DP-AdamBC (Tang et al., arXiv 2312.14334; SPEC 5.3).
 
     ``noise_var_avg``: a one-element float tensor holding phi_{t-1} (0 at the start),
     the EMA of the noise variance Phi = (sigma C / B_e)^2; updated in place to phi_t."""
-    return _adam_family(AdamBCHyper, params, grad_samples, exp_avgs, exp_avg_sqs, step=step,
-                        key=key, lr=lr, betas=betas, gamma=gamma, weight_decay=weight_decay,
-                        max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
-                        expected_batch_size=expected_batch_size, summed_grads=summed_grads,
-                        offset=offset, nonfinite=nonfinite, backend=backend,
-                        noise_var_avg=noise_var_avg)
+    return _adam_family(
+        AdamBCHyper,
+        params,
+        grad_samples,
+        exp_avgs,
+        exp_avg_sqs,
+        step=step,
+        key=key,
+        lr=lr,
+        betas=betas,
+        gamma=gamma,
+        weight_decay=weight_decay,
+        max_grad_norm=max_grad_norm,
+        noise_multiplier=noise_multiplier,
+        expected_batch_size=expected_batch_size,
+        summed_grads=summed_grads,
+        offset=offset,
+        nonfinite=nonfinite,
+        backend=backend,
+        noise_var_avg=noise_var_avg,
+    )
 
 
-def dp_adamw_bc(params, grad_samples, exp_avgs, exp_avg_sqs, noise_var_avg, *, step, key, lr,
-                betas=(0.9, 0.999), gamma=1e-8, weight_decay=1e-2, max_grad_norm,
-                noise_multiplier, expected_batch_size, summed_grads=None, offset=0,
-                nonfinite="error", backend="auto") -> StepResult:
+def dp_adamw_bc(
+    params,
+    grad_samples,
+    exp_avgs,
+    exp_avg_sqs,
+    noise_var_avg,
+    *,
+    step,
+    key,
+    lr,
+    betas=(0.9, 0.999),
+    gamma=1e-8,
+    weight_decay=1e-2,
+    max_grad_norm,
+    noise_multiplier,
+    expected_batch_size,
+    summed_grads=None,
+    offset=0,
+    nonfinite="error",
+    backend="auto",
+) -> StepResult:
     """DP-AdamW-BC (arXiv 2511.07843, Algorithm 2; SPEC 5.5). ``noise_var_avg`` as in
     :func:`dp_adam_bc`."""
-    return _adam_family(AdamWBCHyper, params, grad_samples, exp_avgs, exp_avg_sqs, step=step,
-                        key=key, lr=lr, betas=betas, gamma=gamma, weight_decay=weight_decay,
-                        max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
-                        expected_batch_size=expected_batch_size, summed_grads=summed_grads,
-                        offset=offset, nonfinite=nonfinite, backend=backend,
-                        noise_var_avg=noise_var_avg)
+    return _adam_family(
+        AdamWBCHyper,
+        params,
+        grad_samples,
+        exp_avgs,
+        exp_avg_sqs,
+        step=step,
+        key=key,
+        lr=lr,
+        betas=betas,
+        gamma=gamma,
+        weight_decay=weight_decay,
+        max_grad_norm=max_grad_norm,
+        noise_multiplier=noise_multiplier,
+        expected_batch_size=expected_batch_size,
+        summed_grads=summed_grads,
+        offset=offset,
+        nonfinite=nonfinite,
+        backend=backend,
+        noise_var_avg=noise_var_avg,
+    )
 
 
-def dp_macadam(params, grad_samples, exp_avgs, exp_avg_sqs, exp_vars, scales, *, step, key, lr,
-               betas=(0.9, 0.999), gamma=1e-8, h1=1e-9, h2=1e-6,
-               variance_estimate="unbiased", noise_multiplier, expected_batch_size,
-               summed_grads=None, offset=0, nonfinite="error",
-               backend="auto") -> StepResult:
+def dp_macadam(
+    params,
+    grad_samples,
+    exp_avgs,
+    exp_avg_sqs,
+    exp_vars,
+    scales,
+    *,
+    step,
+    key,
+    lr,
+    betas=(0.9, 0.999),
+    gamma=1e-8,
+    h1=1e-9,
+    h2=1e-6,
+    variance_estimate="unbiased",
+    noise_multiplier,
+    expected_batch_size,
+    summed_grads=None,
+    offset=0,
+    nonfinite="error",
+    backend="auto",
+) -> StepResult:
     """DP-MacAdam (arXiv 2606.05435, Algorithm 1; AdaClip arXiv 1908.07643; SPEC 7).
 
     ``exp_vars`` (S, init 0) and ``scales`` (b, init b_init = 1/d) are float32 states like
     the params. There is no max_grad_norm: whitened rows are clipped to norm 1, and
     ``summed_grads`` (if given) are sums of clipped whitened rows."""
     beta1, beta2 = check_betas(betas)
-    hyper = MacAdamHyper(lr=lr, beta1=beta1, beta2=beta2, gamma=gamma, h1=h1, h2=h2,
-                         variance_estimate=variance_estimate)
-    states = {"exp_avg": list(exp_avgs), "exp_avg_sq": list(exp_avg_sqs),
-              "exp_var": list(exp_vars), "scale": list(scales)}
-    return _single(hyper, params, grad_samples, summed_grads, states, step=step, key=key,
-                   max_grad_norm=1.0, noise_multiplier=noise_multiplier,
-                   expected_batch_size=expected_batch_size, offset=offset,
-                   nonfinite=nonfinite, backend=backend)
+    hyper = MacAdamHyper(
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        gamma=gamma,
+        h1=h1,
+        h2=h2,
+        variance_estimate=variance_estimate,
+    )
+    states = {
+        "exp_avg": list(exp_avgs),
+        "exp_avg_sq": list(exp_avg_sqs),
+        "exp_var": list(exp_vars),
+        "scale": list(scales),
+    }
+    return _single(
+        hyper,
+        params,
+        grad_samples,
+        summed_grads,
+        states,
+        step=step,
+        key=key,
+        max_grad_norm=1.0,
+        noise_multiplier=noise_multiplier,
+        expected_batch_size=expected_batch_size,
+        offset=offset,
+        nonfinite=nonfinite,
+        backend=backend,
+    )
 
 
 for _f in (dp_sgd, dp_adam, dp_adamw, dp_adam_bc, dp_adamw_bc, dp_macadam):
@@ -498,9 +857,15 @@ for _f in (dp_sgd, dp_adam, dp_adamw, dp_adam_bc, dp_adamw_bc, dp_macadam):
 del _f
 
 
-def accumulate_groups(groups: list[Group], *, step: int, max_grad_norm: float,
-                      backend: str = "auto", nonfinite: str = "error",
-                      reduce: Reduce | None = None) -> StepResult:
+def accumulate_groups(
+    groups: list[Group],
+    *,
+    step: int,
+    max_grad_norm: float,
+    backend: str = "auto",
+    nonfinite: str = "error",
+    reduce: Reduce | None = None,
+) -> StepResult:
     """Fold one micro-batch into the logical batch: ``grp.summed[k] += sum_i c_i x_i``.
 
     ``grp.summed`` entries must be float32 buffers (not None); x_i is the per-sample
@@ -511,13 +876,21 @@ def accumulate_groups(groups: list[Group], *, step: int, max_grad_norm: float,
     error."""
     device = check_params(groups)
     if not any(g is not None for grp in groups for g in grp.grad_samples):
-        raise ValueError("accumulate: no parameter has a grad_sample (per-sample gradients "
-                         "were never computed for this micro-batch)")
+        raise ValueError(
+            "accumulate: no parameter has a grad_sample (per-sample gradients "
+            "were never computed for this micro-batch)"
+        )
     be = backends.resolve(backends.check_name(backend), device)
-    result = clip_and_check(groups, backend=be, device=device, step=step,
-                            max_grad_norm=max_grad_norm, nonfinite=nonfinite, reduce=reduce)
+    result = clip_and_check(
+        groups,
+        backend=be,
+        device=device,
+        step=step,
+        max_grad_norm=max_grad_norm,
+        nonfinite=nonfinite,
+        reduce=reduce,
+    )
     dp = DPStep(key=0, step=step, noise_std=0.0, expected_batch_size=1.0)
     for grp in groups:
-        be.accumulate(grp.hyper, dp, grp.grad_samples, result.clip_factors, grp.summed,
-                      grp.states)
+        be.accumulate(grp.hyper, dp, grp.grad_samples, result.clip_factors, grp.summed, grp.states)
     return result

@@ -10,6 +10,7 @@ or ``.item()`` on a padding mask, as in BERT) it falls back, with a one-time
 each. Models wrapped in Opacus' ``GradSampleModule`` need nothing from here: dpkern's
 optimizers read the same attribute.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -48,12 +49,22 @@ def _warn_fallback(module: nn.Module, err: BaseException) -> None:
         "falling back to a loop over samples, which is slower: B forward and backward passes "
         "of one sample each instead of one vectorised pass (the gradients are the same). "
         "Pass method='loop' to skip the vmap attempt. This warning is shown once per "
-        "module class.", VmapFallbackWarning, stacklevel=3)
+        "module class.",
+        VmapFallbackWarning,
+        stacklevel=3,
+    )
 
 
-def compute_grad_sample(module: nn.Module, loss_fn: Callable, inputs, targets=None, *,
-                        chunk_size: int | None = None, method: str = "auto",
-                        batch_kwargs: dict[str, Tensor] | None = None) -> Tensor:
+def compute_grad_sample(
+    module: nn.Module,
+    loss_fn: Callable,
+    inputs,
+    targets=None,
+    *,
+    chunk_size: int | None = None,
+    method: str = "auto",
+    batch_kwargs: dict[str, Tensor] | None = None,
+) -> Tensor:
     """Set ``p.grad_sample`` (``[B, *p.shape]``, the parameter's dtype) for every trainable
     parameter of ``module`` and return the per-sample losses (float32 ``[B]``).
 
@@ -95,33 +106,45 @@ def compute_grad_sample(module: nn.Module, loss_fn: Callable, inputs, targets=No
     batch_kwargs = dict(batch_kwargs or {})
     for k, v in batch_kwargs.items():
         if not isinstance(v, Tensor):
-            raise ValueError(f"compute_grad_sample: batch_kwargs[{k!r}] must be a tensor "
-                             f"[B, ...], got {type(v).__name__} (bind constant arguments "
-                             "in a wrapper module)")
+            raise ValueError(
+                f"compute_grad_sample: batch_kwargs[{k!r}] must be a tensor "
+                f"[B, ...], got {type(v).__name__} (bind constant arguments "
+                "in a wrapper module)"
+            )
     batched = [*inputs, *batch_kwargs.values()]
     if not batched:
-        raise ValueError("compute_grad_sample: no batched input (inputs and batch_kwargs "
-                         "are empty)")
+        raise ValueError(
+            "compute_grad_sample: no batched input (inputs and batch_kwargs are empty)"
+        )
     B = batched[0].shape[0]
     if any(x.shape[0] != B for x in batched) or (targets is not None and targets.shape[0] != B):
-        raise ValueError("compute_grad_sample: inputs, batch_kwargs and targets must share "
-                         "the batch size")
+        raise ValueError(
+            "compute_grad_sample: inputs, batch_kwargs and targets must share the batch size"
+        )
     names = [n for n, p in module.named_parameters() if p.requires_grad]
     if not names:
         raise ValueError("compute_grad_sample: the module has no trainable parameter")
-    mixing = [n or type(module).__name__ for n, m in module.named_modules()
-              if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+    mixing = [
+        n or type(module).__name__
+        for n, m in module.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
+    ]
     if mixing:
-        raise ValueError(f"compute_grad_sample: {mixing[0]} is batch norm in training mode, "
-                         "which normalises each sample with statistics of the whole batch "
-                         "(it mixes samples: not DP); use GroupNorm/LayerNorm, or eval()")
+        raise ValueError(
+            f"compute_grad_sample: {mixing[0]} is batch norm in training mode, "
+            "which normalises each sample with statistics of the whole batch "
+            "(it mixes samples: not DP); use GroupNorm/LayerNorm, or eval()"
+        )
     from .sharding import is_sharded
+
     if hasattr(module, "reshard") or any(is_sharded(p) for p in module.parameters()):
-        raise ValueError("compute_grad_sample: FSDP2 (fully_shard) modules are not supported "
-                         "(torch.func cannot trace through FSDP's parameter swapping); "
-                         "compute per-sample gradients on an unsharded replica refreshed "
-                         "from p.full_tensor() and pass them to "
-                         "dpkern.distributed.shard_grad_samples, or use ghost clipping")
+        raise ValueError(
+            "compute_grad_sample: FSDP2 (fully_shard) modules are not supported "
+            "(torch.func cannot trace through FSDP's parameter swapping); "
+            "compute per-sample gradients on an unsharded replica refreshed "
+            "from p.full_tensor() and pass them to "
+            "dpkern.distributed.shard_grad_samples, or use ghost clipping"
+        )
     param_of = dict(module.named_parameters())
     if B == 0:
         for n in names:
@@ -133,21 +156,24 @@ def compute_grad_sample(module: nn.Module, loss_fn: Callable, inputs, targets=No
         grads, losses = _loop(module, loss_fn, inputs, batch_kwargs, targets, names, param_of)
     else:
         try:
-            grads, losses = _vmap(module, loss_fn, inputs, batch_kwargs, targets, names,
-                                  chunk_size)
+            grads, losses = _vmap(module, loss_fn, inputs, batch_kwargs, targets, names, chunk_size)
         except RuntimeError as vmap_err:  # functorch's trace errors are RuntimeErrors
             if method == "vmap":
                 raise
             try:  # the loop on sample 0: does it run where vmap could not?
-                first = _one_sample(module, loss_fn, inputs, batch_kwargs, targets, names,
-                                    param_of, 0)
+                first = _one_sample(
+                    module, loss_fn, inputs, batch_kwargs, targets, names, param_of, 0
+                )
             except Exception as loop_err:  # noqa: BLE001 - a genuine error: the original
-                vmap_err.add_note("(compute_grad_sample's per-sample loop fallback failed "
-                                  f"on sample 0 too: {_reason(loop_err)})")
+                vmap_err.add_note(
+                    "(compute_grad_sample's per-sample loop fallback failed "
+                    f"on sample 0 too: {_reason(loop_err)})"
+                )
                 raise vmap_err from None
             _warn_fallback(module, vmap_err)
-            grads, losses = _loop(module, loss_fn, inputs, batch_kwargs, targets, names,
-                                  param_of, first=first)
+            grads, losses = _loop(
+                module, loss_fn, inputs, batch_kwargs, targets, names, param_of, first=first
+            )
     for n in names:
         param_of[n].grad_sample = grads[n].detach()
     return losses.detach().float()
@@ -165,9 +191,12 @@ def _vmap(module, loss_fn, inputs, batch_kwargs, targets, names, chunk_size):
         loss = loss_fn(out) if sample_target is None else loss_fn(out, sample_target.unsqueeze(0))
         return loss, loss.detach()  # (what grad differentiates, the loss as aux output)
 
-    per_sample = vmap(grad(sample_loss, has_aux=True),
-                      in_dims=(None, 0, 0, 0 if targets is not None else None),
-                      randomness="different", chunk_size=chunk_size)
+    per_sample = vmap(
+        grad(sample_loss, has_aux=True),
+        in_dims=(None, 0, 0, 0 if targets is not None else None),
+        randomness="different",
+        chunk_size=chunk_size,
+    )
     with torch.enable_grad():
         grads, losses = per_sample(trainable, inputs, batch_kwargs, targets)
     return grads, losses
@@ -177,12 +206,15 @@ def _one_sample(module, loss_fn, inputs, batch_kwargs, targets, names, param_of,
     """Sample i's (gradients in ``names`` order, loss) by ordinary autograd on a batch of 1."""
     params = [param_of[n] for n in names]
     with torch.enable_grad():
-        out = module(*(x[i:i + 1] for x in inputs),
-                     **{k: v[i:i + 1] for k, v in batch_kwargs.items()})
-        loss = loss_fn(out) if targets is None else loss_fn(out, targets[i:i + 1])
+        out = module(
+            *(x[i : i + 1] for x in inputs), **{k: v[i : i + 1] for k, v in batch_kwargs.items()}
+        )
+        loss = loss_fn(out) if targets is None else loss_fn(out, targets[i : i + 1])
         if not isinstance(loss, Tensor) or loss.dim() != 0:
-            raise RuntimeError("compute_grad_sample: loss_fn must return a scalar tensor "
-                               f"(the loss of one sample), got {getattr(loss, 'shape', loss)!r}")
+            raise RuntimeError(
+                "compute_grad_sample: loss_fn must return a scalar tensor "
+                f"(the loss of one sample), got {getattr(loss, 'shape', loss)!r}"
+            )
         gs = torch.autograd.grad(loss, params, allow_unused=True)
     gs = [torch.zeros_like(p) if g is None else g.detach() for g, p in zip(gs, params)]
     return gs, loss.detach()
@@ -190,12 +222,17 @@ def _one_sample(module, loss_fn, inputs, batch_kwargs, targets, names, param_of,
 
 def _loop(module, loss_fn, inputs, batch_kwargs, targets, names, param_of, first=None):
     B = next(iter([*inputs, *batch_kwargs.values()])).shape[0]
-    grads = {n: torch.empty((B, *param_of[n].shape), dtype=param_of[n].dtype,
-                            device=param_of[n].device) for n in names}
+    grads = {
+        n: torch.empty((B, *param_of[n].shape), dtype=param_of[n].dtype, device=param_of[n].device)
+        for n in names
+    }
     losses = None
     for i in range(B):
-        gs, loss = first if (i == 0 and first is not None) else _one_sample(
-            module, loss_fn, inputs, batch_kwargs, targets, names, param_of, i)
+        gs, loss = (
+            first
+            if (i == 0 and first is not None)
+            else _one_sample(module, loss_fn, inputs, batch_kwargs, targets, names, param_of, i)
+        )
         if losses is None:
             losses = torch.empty(B, dtype=torch.float32, device=loss.device)
         losses[i] = loss.float()

@@ -6,6 +6,7 @@
   delivered once the step is committed, so an interrupted step is all-or-nothing;
 - the messages that say where dpkern differs from Opacus and torch.optim.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -17,11 +18,13 @@ from contextlib import contextmanager
 import torch
 
 #: Privacy arguments: one value per optimizer (the accountant is told one sigma per step).
-PRIVACY_OPTIONS = frozenset({"max_grad_norm", "noise_multiplier", "expected_batch_size",
-                             "seed", "backend", "nonfinite"})
+PRIVACY_OPTIONS = frozenset(
+    {"max_grad_norm", "noise_multiplier", "expected_batch_size", "seed", "backend", "nonfinite"}
+)
 #: dpkern hyper-parameters that only some classes have.
-DPKERN_OPTIONS = frozenset({"gamma", "h1", "h2", "variance_estimate", "b_init",
-                            "noise_bias_correction"})
+DPKERN_OPTIONS = frozenset(
+    {"gamma", "h1", "h2", "variance_estimate", "b_init", "noise_bias_correction"}
+)
 
 
 def _torch_optim_options() -> frozenset:
@@ -38,8 +41,14 @@ KNOWN_OPTIONS = _torch_optim_options() | PRIVACY_OPTIONS | DPKERN_OPTIONS
 
 
 #: torch.optim options at the value that switches them off: harmless, accepted.
-OFF_VALUES = {"maximize": False, "amsgrad": False, "foreach": None, "fused": None,
-              "capturable": False, "differentiable": False}
+OFF_VALUES = {
+    "maximize": False,
+    "amsgrad": False,
+    "foreach": None,
+    "fused": None,
+    "capturable": False,
+    "differentiable": False,
+}
 
 
 def check_group_options(cls_name: str, group: dict, defaults: dict) -> None:
@@ -53,11 +62,15 @@ def check_group_options(cls_name: str, group: dict, defaults: dict) -> None:
         if key in OFF_VALUES and group[key] is OFF_VALUES[key]:
             continue
         if key in KNOWN_OPTIONS and key not in defaults:
-            where = ("one value per optimizer: pass it to the constructor"
-                     if key in PRIVACY_OPTIONS else
-                     "dpkern refuses it rather than ignore it (torch.optim would apply it)")
-            raise ValueError(f"param group option {key!r} is not supported by {cls_name}: "
-                             f"{where}; its options are {sorted(defaults)}")
+            where = (
+                "one value per optimizer: pass it to the constructor"
+                if key in PRIVACY_OPTIONS
+                else "dpkern refuses it rather than ignore it (torch.optim would apply it)"
+            )
+            raise ValueError(
+                f"param group option {key!r} is not supported by {cls_name}: "
+                f"{where}; its options are {sorted(defaults)}"
+            )
 
 
 DPOPTIMIZER_IS_A_BASE = (
@@ -65,7 +78,8 @@ DPOPTIMIZER_IS_A_BASE = (
     "opacus.optimizers.DPOptimizer(optimizer, ...): construct the DP optimizer over the "
     "parameters directly, e.g. dpkern.DPAdamW(model.parameters(), lr=1e-3, "
     "max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=256) (also DPSGD, DPAdam, "
-    "DPAdamBC, DPAdamWBC, DPMacAdam)")
+    "DPAdamBC, DPAdamWBC, DPMacAdam)"
+)
 
 NO_FRESH_GRAD_SAMPLE = (
     "no fresh per-sample gradients: step() consumed (and released) the p.grad_sample of "
@@ -75,12 +89,14 @@ NO_FRESH_GRAD_SAMPLE = (
     "torch.optim would silently reuse p.grad. (If per-sample gradients were never computed: "
     "wrap the model with opacus.GradSampleModule or call "
     "dpkern.grad_sample.compute_grad_sample; with ghost clipping, call gc.backward(losses) "
-    "for each micro-batch, not loss.backward().)")
+    "for each micro-batch, not loss.backward().)"
+)
 
 ALREADY_RELEASED = (
     "{name}: this grad_sample tensor was already used by an earlier step() or "
     "accumulate(); releasing it again would spend the same samples twice. Compute fresh "
-    "per-sample gradients (a new backward) for each step")
+    "per-sample gradients (a new backward) for each step"
+)
 
 
 class StepInterrupted(RuntimeError):

@@ -4,6 +4,7 @@ These travel unchanged from the front-ends (``dpkern.optim``, ``dpkern.functiona
 every backend, so a backend never re-validates and never sees a long argument list.
 Every invalid value is a ``ValueError`` naming the parameter and its value (SPEC section 9).
 """
+
 from __future__ import annotations
 
 import math
@@ -64,6 +65,7 @@ class _Base:
 @dataclass(frozen=True)
 class SGDHyper(_Base):
     """DP-SGD (SPEC 5.1): torch.optim.SGD's momentum, dampening, nesterov, coupled L2."""
+
     rule: ClassVar[str] = "sgd"
     momentum: float = 0.0
     dampening: float = 0.0
@@ -97,6 +99,7 @@ class _AdamBase(_Base):
 @dataclass(frozen=True)
 class AdamHyper(_AdamBase):
     """DP-Adam (SPEC 5.2): coupled L2 weight decay, denominator sqrt(v_hat) + eps."""
+
     rule: ClassVar[str] = "adam"
     eps: float = 1e-8
 
@@ -108,6 +111,7 @@ class AdamHyper(_AdamBase):
 @dataclass(frozen=True)
 class AdamBCHyper(_AdamBase):
     """DP-AdamBC (SPEC 5.3): denominator sqrt(max(v_hat - phi_hat, gamma))."""
+
     rule: ClassVar[str] = "adam_bc"
     gamma: float = 1e-8
 
@@ -119,6 +123,7 @@ class AdamBCHyper(_AdamBase):
 @dataclass(frozen=True)
 class AdamWHyper(AdamHyper):
     """DP-AdamW (SPEC 5.4): decoupled weight decay p <- p (1 - lr wd) first."""
+
     rule: ClassVar[str] = "adamw"
     weight_decay: float = 1e-2
 
@@ -126,6 +131,7 @@ class AdamWHyper(AdamHyper):
 @dataclass(frozen=True)
 class AdamWBCHyper(AdamBCHyper):
     """DP-AdamW-BC (SPEC 5.5): DP-AdamW with the DP-AdamBC denominator."""
+
     rule: ClassVar[str] = "adamw_bc"
     weight_decay: float = 1e-2
 
@@ -133,6 +139,7 @@ class AdamWBCHyper(AdamBCHyper):
 @dataclass(frozen=True)
 class MacAdamHyper(_AdamBase):
     """DP-MacAdam (SPEC section 7). No weight decay; gamma is added outside the sqrt."""
+
     rule: ClassVar[str] = "macadam"
     gamma: float = 1e-8
     h1: float = 1e-9
@@ -147,14 +154,17 @@ class MacAdamHyper(_AdamBase):
         if self.h1 > self.h2:
             raise _bad("h1", self.h1, f"must be <= h2={self.h2!r}")
         if self.variance_estimate not in VARIANCE_ESTIMATES:
-            raise _bad("variance_estimate", self.variance_estimate,
-                       f"expected one of {VARIANCE_ESTIMATES}")
+            raise _bad(
+                "variance_estimate", self.variance_estimate, f"expected one of {VARIANCE_ESTIMATES}"
+            )
 
 
 Hyper = Union[SGDHyper, AdamHyper, AdamBCHyper, AdamWHyper, AdamWBCHyper, MacAdamHyper]
 
-HYPER_CLASSES = {cls.rule: cls for cls in
-                 (SGDHyper, AdamHyper, AdamBCHyper, AdamWHyper, AdamWBCHyper, MacAdamHyper)}
+HYPER_CLASSES = {
+    cls.rule: cls
+    for cls in (SGDHyper, AdamHyper, AdamBCHyper, AdamWHyper, AdamWBCHyper, MacAdamHyper)
+}
 
 
 @dataclass(frozen=True)
@@ -175,6 +185,7 @@ class DPStep:
     noise_var_avg: phi_t, the EMA of Phi = (sigma C / B_e)^2 including this step
         (DP-AdamBC / DP-AdamW-BC, SPEC 5.3); unused by the other rules.
     """
+
     key: NoiseKey = field(repr=False)
     step: int
     noise_std: float

@@ -23,6 +23,7 @@ a trainable parameter whose ``p.summed_grad`` holds a tensor (Opacus' clipped su
 ``DPOptimizer.pre_step`` and cleared by its ``zero_grad``): an Opacus optimizer is clipping
 the same parameters.
 """
+
 from __future__ import annotations
 
 import sys
@@ -120,13 +121,17 @@ def refuse_opacus_wrapper(optimizer) -> None:
         return
     name = f"dpkern.{type(optimizer).__name__}"
     if wrapper is not None:
-        what = (f"{name} is wrapped by Opacus' {type(wrapper).__name__} "
-                "(PrivacyEngine.make_private or an Opacus DPOptimizer(...))")
+        what = (
+            f"{name} is wrapped by Opacus' {type(wrapper).__name__} "
+            "(PrivacyEngine.make_private or an Opacus DPOptimizer(...))"
+        )
     else:
         shown = "; ".join(clipped[:3]) + (" ..." if len(clipped) > 3 else "")
-        what = (f"parameters of {name} carry Opacus' clipped sum p.summed_grad ({shown}): "
-                "an Opacus DPOptimizer clips and noises them too (call its zero_grad() "
-                "or delete p.summed_grad if it is no longer used)")
+        what = (
+            f"parameters of {name} carry Opacus' clipped sum p.summed_grad ({shown}): "
+            "an Opacus DPOptimizer clips and noises them too (call its zero_grad() "
+            "or delete p.summed_grad if it is no longer used)"
+        )
     raise ValueError(
         f"{what}. A dpkern optimizer is a DP optimizer itself: under Opacus' wrapper every "
         "gradient would be clipped and noised twice, and Opacus' accountant would report "
@@ -135,4 +140,5 @@ def refuse_opacus_wrapper(optimizer) -> None:
         "dpkern optimizer consumes p.grad_sample directly, and the accounting is "
         "dpkern.accounting.PrivacyAccountant (or an Opacus accountant stepped by hand, "
         "accountant.step(noise_multiplier=sigma, sample_rate=q) once per optimizer step):\n"
-        + SUPPORTED_PATH)
+        + SUPPORTED_PATH
+    )

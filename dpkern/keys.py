@@ -5,6 +5,7 @@ key never appears in a repr, a str, a pickle, a log line or a traceback's locals
 hold a :class:`NoiseKey`, pass it down unchanged, and the backends unwrap it with
 :func:`reveal` only at the kernel call.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -45,8 +46,10 @@ class NoiseKey:
         return repr(self)
 
     def __reduce__(self):
-        raise TypeError("a NoiseKey cannot be pickled: the noise key must not leave the "
-                        "process (an optimizer's state_dict() never holds it)")
+        raise TypeError(
+            "a NoiseKey cannot be pickled: the noise key must not leave the "
+            "process (an optimizer's state_dict() never holds it)"
+        )
 
     def __copy__(self):
         return self
@@ -78,7 +81,10 @@ def key_fingerprint(key: NoiseKey | int) -> int:
     key means inverting a keyed hash; still, treat it as internal and do not log it.
 
     Returns a signed 64-bit int (fits an int64 tensor)."""
-    digest = hashlib.blake2b(b"dpkern noise key fingerprint",
-                             key=reveal(key).to_bytes(8, "little"),
-                             digest_size=8, person=b"dpkern-ddp-v1").digest()
+    digest = hashlib.blake2b(
+        b"dpkern noise key fingerprint",
+        key=reveal(key).to_bytes(8, "little"),
+        digest_size=8,
+        person=b"dpkern-ddp-v1",
+    ).digest()
     return int.from_bytes(digest, "little", signed=True)

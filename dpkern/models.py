@@ -5,6 +5,7 @@ The default is a GPT-2-architecture model (Radford et al. 2019, transformers'
 ``GPT2LMHeadModel``) with a byte-level vocabulary: ids 0..255 are the UTF-8 bytes and
 256 is an end-of-text token, so no tokenizer file is needed.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,8 +22,14 @@ EOT_ID = 256
 DEFAULT_SHAPE = {"n_embd": 128, "n_layer": 2, "n_head": 4}
 
 
-def default_model(block_size: int, *, n_embd: int | None = None, n_layer: int | None = None,
-                  n_head: int | None = None, seed: int | None = None) -> nn.Module:
+def default_model(
+    block_size: int,
+    *,
+    n_embd: int | None = None,
+    n_layer: int | None = None,
+    n_head: int | None = None,
+    seed: int | None = None,
+) -> nn.Module:
     """A freshly initialised byte-level ``GPT2LMHeadModel`` (transformers) with context
     ``block_size`` and no dropout (DP noise already regularises; dropout would also make
     the per-sample gradients of torch.func random).
@@ -37,12 +44,23 @@ def default_model(block_size: int, *, n_embd: int | None = None, n_layer: int | 
     from transformers import GPT2Config, GPT2LMHeadModel
 
     if block_size < 2 or n_layer < 1 or n_head < 1 or n_embd < 1 or n_embd % n_head:
-        raise ValueError(f"invalid model shape: block_size={block_size}, n_embd={n_embd}, "
-                         f"n_layer={n_layer}, n_head={n_head} (n_embd must divide by n_head)")
-    config = GPT2Config(vocab_size=BYTE_VOCAB, n_positions=block_size, n_embd=n_embd,
-                        n_layer=n_layer, n_head=n_head, resid_pdrop=0.0, embd_pdrop=0.0,
-                        attn_pdrop=0.0, bos_token_id=EOT_ID, eos_token_id=EOT_ID,
-                        attn_implementation="eager")  # see load_model
+        raise ValueError(
+            f"invalid model shape: block_size={block_size}, n_embd={n_embd}, "
+            f"n_layer={n_layer}, n_head={n_head} (n_embd must divide by n_head)"
+        )
+    config = GPT2Config(
+        vocab_size=BYTE_VOCAB,
+        n_positions=block_size,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=EOT_ID,
+        eos_token_id=EOT_ID,
+        attn_implementation="eager",
+    )  # see load_model
     if seed is not None:
         torch.manual_seed(seed)
     return GPT2LMHeadModel(config)
@@ -75,16 +93,22 @@ def load_model(path: str | Path, attn_implementation: str | None = "eager"):
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(f"{path} is not a loadable causal language model: {first}") from None
     tokenizer = None
-    if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
-                                           "vocab.json", "tokenizer.model")):
+    if any(
+        (path / f).is_file()
+        for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    ):
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"{path}: tokenizer files present but unloadable: "
-                             f"{str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}") from None
+            raise ValueError(
+                f"{path}: tokenizer files present but unloadable: "
+                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}"
+            ) from None
     if tokenizer is None and model.config.vocab_size < 256:
-        raise ValueError(f"{path} has no tokenizer and vocab_size={model.config.vocab_size} < 256, "
-                         "so byte-level ids do not fit")
+        raise ValueError(
+            f"{path} has no tokenizer and vocab_size={model.config.vocab_size} < 256, "
+            "so byte-level ids do not fit"
+        )
     return model, tokenizer
 
 
@@ -123,6 +147,7 @@ class CausalLMLogits(torch.nn.Module):
 def token_loss(logits, ids):
     """Mean next-token cross-entropy of each sample: float32 ``[B]``."""
     import torch.nn.functional as F
+
     lg = logits[:, :-1].float()
     ce = F.cross_entropy(lg.reshape(-1, lg.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
     return ce.view(ids.shape[0], -1).mean(1)
@@ -140,7 +165,7 @@ def evaluate(net, blocks, batch: int, device) -> float:
     total, count = 0.0, 0
     with torch.no_grad():
         for i in range(0, blocks.shape[0], batch):
-            ids = blocks[i:i + batch].to(device)
+            ids = blocks[i : i + batch].to(device)
             total += float(token_loss(net(ids), ids).sum())
             count += ids.shape[0]
     net.train(was_training)

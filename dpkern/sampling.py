@@ -3,6 +3,7 @@
 Each step includes every example independently with probability ``sample_rate``, so batch
 sizes vary and may be 0. Fixed-size shuffled batches would not match the accountant.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,9 @@ class PoissonBatchSampler(torch.utils.data.Sampler[list[int]]):
 
     Raises: ValueError for num_samples < 1, sample_rate outside (0, 1], steps < 1."""
 
-    def __init__(self, num_samples: int, sample_rate: float, steps: int, *,
-                 seed: int | None = None):
+    def __init__(
+        self, num_samples: int, sample_rate: float, steps: int, *, seed: int | None = None
+    ):
         if not isinstance(num_samples, int) or num_samples < 1:
             raise ValueError(f"invalid num_samples={num_samples!r}: expected an int >= 1")
         if not 0.0 < check_positive("sample_rate", sample_rate) <= 1.0:
@@ -33,8 +35,9 @@ class PoissonBatchSampler(torch.utils.data.Sampler[list[int]]):
             raise ValueError(f"invalid steps={steps!r}: expected an int >= 1")
         self.num_samples, self.sample_rate, self.steps = num_samples, float(sample_rate), steps
         self.generator = torch.Generator()
-        self.generator.manual_seed(seed if seed is not None
-                                   else int.from_bytes(os.urandom(8), "little") >> 1)
+        self.generator.manual_seed(
+            seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        )
 
     def __len__(self) -> int:
         return self.steps

@@ -13,14 +13,14 @@ rank's rows are a contiguous run of the row-major flattening, so its shard is th
 index range [offset_k + first_row * row_numel, + local numel). FSDP2's padding is not
 part of the local tensor and consumes no index.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
 
 from torch import Tensor
 
-__all__ = ["chunk_rows", "common_mesh", "is_sharded", "local_shard", "row_numel",
-           "shard_offsets"]
+__all__ = ["chunk_rows", "common_mesh", "is_sharded", "local_shard", "row_numel", "shard_offsets"]
 
 
 def is_sharded(p: Tensor) -> bool:
@@ -42,10 +42,12 @@ def common_mesh(params: Sequence[Tensor], what: str):
         return None
     meshes = {id(p.device_mesh) for p in sharded}
     if len(sharded) != len(params) or len(meshes) > 1:
-        raise ValueError(f"{what}: every parameter must be a DTensor on one device mesh "
-                         "(FSDP2 fully_shard; apply it to the root module too); got "
-                         f"{len(sharded)} DTensors among {len(params)} parameters on "
-                         f"{len(meshes)} meshes")
+        raise ValueError(
+            f"{what}: every parameter must be a DTensor on one device mesh "
+            "(FSDP2 fully_shard; apply it to the root module too); got "
+            f"{len(sharded)} DTensors among {len(params)} parameters on "
+            f"{len(meshes)} meshes"
+        )
     return sharded[0].device_mesh
 
 
@@ -76,14 +78,19 @@ def local_shard(p: Tensor, name: str = "parameter") -> tuple[Tensor, int]:
     if not is_sharded(p):
         return p.detach(), 0
     from torch.distributed.tensor import Shard
+
     if len(p.placements) != 1 or p.placements[0] != Shard(0):
-        raise ValueError(f"{name}: placements {p.placements} are not supported (dpkern "
-                         "handles FSDP2's Shard(0) on a 1-D mesh)")
+        raise ValueError(
+            f"{name}: placements {p.placements} are not supported (dpkern "
+            "handles FSDP2's Shard(0) on a 1-D mesh)"
+        )
     local, rank = p.to_local(), p.device_mesh.get_local_rank()
     first, end = chunk_rows(p.shape[0], p.device_mesh.size(), rank)
     if local.shape[0] != end - first or tuple(local.shape[1:]) != tuple(p.shape[1:]):
-        raise ValueError(f"{name}: local shard {tuple(local.shape)} does not match "
-                         f"torch.chunk rows of {tuple(p.shape)} on rank {rank}")
+        raise ValueError(
+            f"{name}: local shard {tuple(local.shape)} does not match "
+            f"torch.chunk rows of {tuple(p.shape)} on rank {rank}"
+        )
     return local.detach(), first * row_numel(p)
 
 

@@ -5,6 +5,7 @@ Docstrings cite it as "SPEC section N". An installed wheel carries a copy
 (``dpkern/SPEC.md``, written at build time); a source checkout or editable install reads
 ``docs/SPEC.md`` itself.
 """
+
 from __future__ import annotations
 
 import sys
@@ -21,8 +22,11 @@ def path() -> Path:
     for candidate in CANDIDATES:
         if candidate.is_file():
             return candidate
-    raise FileNotFoundError("dpkern's SPEC.md was not installed (looked in "
-                            + ", ".join(str(c) for c in CANDIDATES) + ")")
+    raise FileNotFoundError(
+        "dpkern's SPEC.md was not installed (looked in "
+        + ", ".join(str(c) for c in CANDIDATES)
+        + ")"
+    )
 
 
 def text() -> str:

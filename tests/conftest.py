@@ -2,6 +2,7 @@
 
 The Triton column runs only in a pytest process started with TRITON_INTERPRET=1 (on CPU)
 or on a CUDA machine; ``tests/run.sh`` runs that process separately (``-m triton``)."""
+
 from __future__ import annotations
 
 import copy
@@ -37,11 +38,17 @@ def required_backends() -> list[str]:
 
 def pytest_configure(config):
     from dpkern.backends import _load
-    missing = [(name, _load(name.strip())[1]) for name in required_backends()
-               if _load(name.strip())[0] is None]
+
+    missing = [
+        (name, _load(name.strip())[1])
+        for name in required_backends()
+        if _load(name.strip())[0] is None
+    ]
     if missing:
-        raise pytest.UsageError("DPKERN_REQUIRE_BACKENDS: required backend(s) unavailable: "
-                                + "; ".join(f"{n} ({why})" for n, why in missing))
+        raise pytest.UsageError(
+            "DPKERN_REQUIRE_BACKENDS: required backend(s) unavailable: "
+            + "; ".join(f"{n} ({why})" for n, why in missing)
+        )
 
 
 def pytest_report_header(config):
@@ -91,8 +98,10 @@ def run_step(module, hyper, case):
 
 
 #: The finetune tests' corpus vocabulary (a small language with learnable structure).
-WORDS = ("the privacy of each record is protected by noise added to the clipped sum of "
-         "gradients while the model learns which words follow which").split()
+WORDS = (
+    "the privacy of each record is protected by noise added to the clipped sum of "
+    "gradients while the model learns which words follow which"
+).split()
 
 
 @pytest.fixture
@@ -100,6 +109,7 @@ def tiny_default_model(monkeypatch):
     """Shrink finetune's built-in model (in this process) so that a run takes a second or
     two (modules that run the job use it as ``pytestmark``)."""
     from dpkern import models
+
     monkeypatch.setattr(models, "DEFAULT_SHAPE", {"n_embd": 32, "n_layer": 1, "n_head": 2})
 
 
@@ -107,8 +117,9 @@ def tiny_default_model(monkeypatch):
 def text_file(tmp_path):
     """A fresh random text with learnable structure (a small vocabulary of words)."""
     rng = random.Random()
-    sentences = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))) + "."
-                 for _ in range(400)]
+    sentences = [
+        " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))) + "." for _ in range(400)
+    ]
     path = tmp_path / "corpus.txt"
     path.write_text(" ".join(sentences))
     return path

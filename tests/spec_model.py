@@ -9,6 +9,7 @@ length d, in noise-index order (``param_groups`` order, frozen parameters skippe
 parameter flattened row-major, SPEC section 3). So the global offsets, the global clipping
 norm and DP-MacAdam's global sum are plain slices and reductions of that vector.
 """
+
 from __future__ import annotations
 
 import math
@@ -37,8 +38,7 @@ SPEC_DEFAULTS = {
     "adamw": dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2),
     "adam_bc": dict(betas=(0.9, 0.999), gamma=1e-8, weight_decay=0.0),
     "adamw_bc": dict(betas=(0.9, 0.999), gamma=1e-8, weight_decay=1e-2),
-    "macadam": dict(betas=(0.9, 0.999), gamma=1e-8, h1=1e-9, h2=1e-6,
-                    variance_estimate="unbiased"),
+    "macadam": dict(betas=(0.9, 0.999), gamma=1e-8, h1=1e-9, h2=1e-6, variance_estimate="unbiased"),
 }
 RULES = tuple(SPEC_DEFAULTS)
 
@@ -68,14 +68,28 @@ class SpecOptimizer:
     :meth:`slacks` / :meth:`state_slack` the float32 error budgets.
     """
 
-    def __init__(self, rule, groups, *, max_grad_norm=1.0, noise_multiplier=0.0,
-                 expected_batch_size=1.0, key=0, b_init=None, perturb=None):
+    def __init__(
+        self,
+        rule,
+        groups,
+        *,
+        max_grad_norm=1.0,
+        noise_multiplier=0.0,
+        expected_batch_size=1.0,
+        key=0,
+        b_init=None,
+        perturb=None,
+    ):
         assert rule in RULES
         self.rule = rule
-        self.C, self.sigma, self.B_e, self.key = max_grad_norm, noise_multiplier, \
-            expected_batch_size, key
+        self.C, self.sigma, self.B_e, self.key = (
+            max_grad_norm,
+            noise_multiplier,
+            expected_batch_size,
+            key,
+        )
         self.t = 0
-        self.groups = []   # list of (hyper, slice) per group
+        self.groups = []  # list of (hyper, slice) per group
         self.entries = []  # per trainable param: (group index, slice, shape, dtype)
         values = []
         offset = 0
@@ -94,16 +108,27 @@ class SpecOptimizer:
         self.p = torch.cat(values) if values else torch.zeros(0, dtype=F64)
         z = lambda: torch.zeros(self.d, dtype=F64)
         self.m, self.v, self.buf, self.S = z(), z(), z(), z()
-        self.b = torch.full((self.d,), b_init if b_init is not None else 1.0 / self.d,
-                            dtype=F64)
+        self.b = torch.full((self.d,), b_init if b_init is not None else 1.0 / self.d, dtype=F64)
         self.phi = [0.0 for _ in self.groups]  # DP-AdamBC's noise-variance EMA per group
         self.acc = z()
         self._gen = None if perturb is None else torch.Generator().manual_seed(perturb)
-        self.shadows = [] if perturb is not None else [
-            SpecOptimizer(rule, groups, max_grad_norm=max_grad_norm,
-                          noise_multiplier=noise_multiplier,
-                          expected_batch_size=expected_batch_size, key=key, b_init=b_init,
-                          perturb=1000 + k) for k in range(SHADOWS)]
+        self.shadows = (
+            []
+            if perturb is not None
+            else [
+                SpecOptimizer(
+                    rule,
+                    groups,
+                    max_grad_norm=max_grad_norm,
+                    noise_multiplier=noise_multiplier,
+                    expected_batch_size=expected_batch_size,
+                    key=key,
+                    b_init=b_init,
+                    perturb=1000 + k,
+                )
+                for k in range(SHADOWS)
+            ]
+        )
 
     def _r(self, x):
         """An intermediate result: exact in the model, perturbed by 2^-23 in a shadow."""
@@ -122,16 +147,22 @@ class SpecOptimizer:
     def state(self, k: int) -> dict[str, torch.Tensor]:
         """States of trainable parameter k (float64, shaped like it), torch.optim names."""
         _, sl, shape, _ = self.entries[k]
-        return {"momentum_buffer": self.buf[sl].reshape(shape),
-                "exp_avg": self.m[sl].reshape(shape), "exp_avg_sq": self.v[sl].reshape(shape),
-                "exp_var": self.S[sl].reshape(shape), "scale": self.b[sl].reshape(shape)}
+        return {
+            "momentum_buffer": self.buf[sl].reshape(shape),
+            "exp_avg": self.m[sl].reshape(shape),
+            "exp_avg_sq": self.v[sl].reshape(shape),
+            "exp_var": self.S[sl].reshape(shape),
+            "scale": self.b[sl].reshape(shape),
+        }
 
     def slacks(self) -> list[torch.Tensor]:
         """Per-parameter float32 error budgets (float64, shaped like the params)."""
         out = [torch.zeros(shape, dtype=F64) for _, _, shape, _ in self.entries]
         for sh in self.shadows:
-            out = [torch.maximum(o, SLACK_FACTOR * (q - q2).abs())
-                   for o, q, q2 in zip(out, self.params(), sh.params())]
+            out = [
+                torch.maximum(o, SLACK_FACTOR * (q - q2).abs())
+                for o, q, q2 in zip(out, self.params(), sh.params())
+            ]
         return out
 
     def state_slack(self, k: int) -> dict[str, torch.Tensor]:
@@ -140,8 +171,9 @@ class SpecOptimizer:
         out = {n: torch.zeros_like(v) for n, v in ours.items()}
         for sh in self.shadows:
             theirs = sh.state(k)
-            out = {n: torch.maximum(out[n], SLACK_FACTOR * (ours[n] - theirs[n]).abs())
-                   for n in ours}
+            out = {
+                n: torch.maximum(out[n], SLACK_FACTOR * (ours[n] - theirs[n]).abs()) for n in ours
+            }
         return out
 
     def set_privacy(self, *, max_grad_norm, noise_multiplier, expected_batch_size) -> None:
@@ -156,8 +188,9 @@ class SpecOptimizer:
         parts = []
         for (_, sl, shape, _), g in zip(self.entries, grads):
             n = sl.stop - sl.start
-            parts.append(torch.zeros(B, n, dtype=F64) if g is None
-                         else g.detach().to(F64).reshape(B, n))
+            parts.append(
+                torch.zeros(B, n, dtype=F64) if g is None else g.detach().to(F64).reshape(B, n)
+            )
         X = torch.cat(parts, dim=1) if parts else torch.zeros(B, 0, dtype=F64)
         if self.rule == "macadam":  # w_i = (g_i - m_hat_{t-1}) / b
             X = self._r(self._r(X - self._m_hat(t - 1)) / self.b)
@@ -257,9 +290,11 @@ class SpecOptimizer:
         g = r(r(b * w_tilde) + m_hat_prev)  # back to gradient scale
         m_hat, v_hat = self._moments(h, sl, g)
         self.p[sl] = r(self.p[sl] - r(h["lr"] * r(m_hat / r(r(v_hat.sqrt()) + h["gamma"]))))
-        u = {"unbiased": r(r(g - m_hat_prev) * r(g - m_hat)),
-             "paper": r(r(g - m_hat) ** 2),
-             "code": r(r(g - m_hat_prev) ** 2)}[h["variance_estimate"]]
+        u = {
+            "unbiased": r(r(g - m_hat_prev) * r(g - m_hat)),
+            "paper": r(r(g - m_hat) ** 2),
+            "code": r(r(g - m_hat_prev) ** 2),
+        }[h["variance_estimate"]]
         self.S[sl] = r(r(beta1 * self.S[sl]) + r((1 - beta1) * u))
 
     def _macadam_scale(self):

@@ -1,4 +1,5 @@
 """Accounting on dp-accounting, cross-checked against Opacus' accountants."""
+
 from __future__ import annotations
 
 import math
@@ -43,18 +44,34 @@ def test_noise_multiplier_calibration_hits_the_target(accountant):
     assert A.get_epsilon(sigma - 0.01, 0.02, 500, 1e-5, accountant) > 2.0
     if accountant == "rdp":
         from opacus.accountants.utils import get_noise_multiplier
-        want = get_noise_multiplier(target_epsilon=2.0, target_delta=1e-5, sample_rate=0.02,
-                                    steps=500, accountant="rdp", epsilon_tolerance=0.001)
+
+        want = get_noise_multiplier(
+            target_epsilon=2.0,
+            target_delta=1e-5,
+            sample_rate=0.02,
+            steps=500,
+            accountant="rdp",
+            epsilon_tolerance=0.001,
+        )
         assert sigma == pytest.approx(want, rel=5e-3)
 
 
 def test_budget_too_small_and_bad_arguments():
     with pytest.raises(ValueError, match="no noise_multiplier"):
         A.get_noise_multiplier(1e-9, 1e-12, 1.0, 10**6)
-    for kwargs in [dict(target_epsilon=0), dict(target_delta=1.0), dict(sample_rate=1.5),
-                   dict(steps=-1), dict(accountant="gdp")]:
-        args = {**dict(target_epsilon=1.0, target_delta=1e-5, sample_rate=0.01, steps=10,
-                       accountant="rdp"), **kwargs}
+    for kwargs in [
+        dict(target_epsilon=0),
+        dict(target_delta=1.0),
+        dict(sample_rate=1.5),
+        dict(steps=-1),
+        dict(accountant="gdp"),
+    ]:
+        args = {
+            **dict(
+                target_epsilon=1.0, target_delta=1e-5, sample_rate=0.01, steps=10, accountant="rdp"
+            ),
+            **kwargs,
+        }
         with pytest.raises(ValueError, match=list(kwargs)[0]):
             A.get_noise_multiplier(**args)
     assert A.get_epsilon(0.0, 0.01, 10, 1e-5) == math.inf
@@ -87,35 +104,46 @@ def _spent_ledger(accountant="rdp"):
     return acc
 
 
-@pytest.mark.parametrize("state,match", [
-    ({}, r"missing key\(s\) \['accountant', 'history'\]"),
-    ({"accountant": "rdp"}, r"missing key\(s\) \['history'\]"),
-    ({"history": []}, r"missing key\(s\) \['accountant'\]"),
-    ({"accountant": "rdp", "history": [], "steps": 5}, r"unknown key\(s\) \['steps'\]"),
-    ([["rdp"], []], "expected a dict"),
-    (None, "expected a dict"),
-    ({"accountant": "gdp", "history": []}, "invalid accountant='gdp'"),
-    ({"accountant": None, "history": []}, "invalid accountant=None"),
-    ({"accountant": "rdp", "history": "1.0,0.01,5"}, "invalid history of type str"),
-    ({"accountant": "rdp", "history": {"a": 1}}, "invalid history of type dict"),
-    ({"accountant": "rdp", "history": [[1.0, 0.01]]}, r"history\[0\]"),
-    ({"accountant": "rdp", "history": [[1.0, 0.01, 5], 7]}, r"history\[1\]"),
-    ({"accountant": "rdp", "history": [[-1.0, 0.01, 5]]}, r"noise_multiplier=-1.0: must be >= 0"),
-    ({"accountant": "rdp", "history": [[math.nan, 0.01, 5]]}, "noise_multiplier=nan"),
-    ({"accountant": "rdp", "history": [[math.inf, 0.01, 5]]}, "noise_multiplier=inf"),
-    ({"accountant": "rdp", "history": [["1.0", 0.01, 5]]}, "noise_multiplier='1.0'"),
-    ({"accountant": "rdp", "history": [[True, 0.01, 5]]}, "noise_multiplier=True"),
-    ({"accountant": "rdp", "history": [[1.0, 1.5, 5]]}, r"sample_rate=1.5: must be in \[0, 1\]"),
-    ({"accountant": "rdp", "history": [[1.0, -0.1, 5]]}, "sample_rate=-0.1"),
-    ({"accountant": "rdp", "history": [[1.0, math.nan, 5]]}, "sample_rate=nan"),
-    ({"accountant": "rdp", "history": [[1.0, 0.01, 2.5]]}, r"steps=2.5: expected an int >= 0"),
-    ({"accountant": "rdp", "history": [[1.0, 0.01, 5.0]]}, r"steps=5.0"),
-    ({"accountant": "rdp", "history": [[1.0, 0.01, -3]]}, r"steps=-3"),
-    ({"accountant": "rdp", "history": [[1.0, 0.01, "5"]]}, r"steps='5'"),
-    ({"accountant": "rdp", "history": [[1.0, 0.01, True]]}, r"steps=True"),
-    ({"accountant": "rdp", "history": [[1.0, 0.01, 5], [1.0, 0.01, None]]},
-     r"history\[1\] steps=None"),
-])
+@pytest.mark.parametrize(
+    "state,match",
+    [
+        ({}, r"missing key\(s\) \['accountant', 'history'\]"),
+        ({"accountant": "rdp"}, r"missing key\(s\) \['history'\]"),
+        ({"history": []}, r"missing key\(s\) \['accountant'\]"),
+        ({"accountant": "rdp", "history": [], "steps": 5}, r"unknown key\(s\) \['steps'\]"),
+        ([["rdp"], []], "expected a dict"),
+        (None, "expected a dict"),
+        ({"accountant": "gdp", "history": []}, "invalid accountant='gdp'"),
+        ({"accountant": None, "history": []}, "invalid accountant=None"),
+        ({"accountant": "rdp", "history": "1.0,0.01,5"}, "invalid history of type str"),
+        ({"accountant": "rdp", "history": {"a": 1}}, "invalid history of type dict"),
+        ({"accountant": "rdp", "history": [[1.0, 0.01]]}, r"history\[0\]"),
+        ({"accountant": "rdp", "history": [[1.0, 0.01, 5], 7]}, r"history\[1\]"),
+        (
+            {"accountant": "rdp", "history": [[-1.0, 0.01, 5]]},
+            r"noise_multiplier=-1.0: must be >= 0",
+        ),
+        ({"accountant": "rdp", "history": [[math.nan, 0.01, 5]]}, "noise_multiplier=nan"),
+        ({"accountant": "rdp", "history": [[math.inf, 0.01, 5]]}, "noise_multiplier=inf"),
+        ({"accountant": "rdp", "history": [["1.0", 0.01, 5]]}, "noise_multiplier='1.0'"),
+        ({"accountant": "rdp", "history": [[True, 0.01, 5]]}, "noise_multiplier=True"),
+        (
+            {"accountant": "rdp", "history": [[1.0, 1.5, 5]]},
+            r"sample_rate=1.5: must be in \[0, 1\]",
+        ),
+        ({"accountant": "rdp", "history": [[1.0, -0.1, 5]]}, "sample_rate=-0.1"),
+        ({"accountant": "rdp", "history": [[1.0, math.nan, 5]]}, "sample_rate=nan"),
+        ({"accountant": "rdp", "history": [[1.0, 0.01, 2.5]]}, r"steps=2.5: expected an int >= 0"),
+        ({"accountant": "rdp", "history": [[1.0, 0.01, 5.0]]}, r"steps=5.0"),
+        ({"accountant": "rdp", "history": [[1.0, 0.01, -3]]}, r"steps=-3"),
+        ({"accountant": "rdp", "history": [[1.0, 0.01, "5"]]}, r"steps='5'"),
+        ({"accountant": "rdp", "history": [[1.0, 0.01, True]]}, r"steps=True"),
+        (
+            {"accountant": "rdp", "history": [[1.0, 0.01, 5], [1.0, 0.01, None]]},
+            r"history\[1\] steps=None",
+        ),
+    ],
+)
 def test_load_state_dict_refuses_bad_states_and_keeps_the_ledger(state, match):
     """A junk state (``{}`` wiped a spent ledger to epsilon 0 before) is a ValueError, and
     the ledger is unchanged: validation is complete before anything is assigned."""
@@ -137,7 +165,7 @@ def test_load_state_dict_refuses_the_other_accountant_kind(saved, mine):
     with pytest.raises(ValueError, match=rf"construct PrivacyAccountant\(accountant='{saved}'\)"):
         acc.load_state_dict(_spent_ledger(saved).state_dict())
     assert acc.accountant == mine and acc.state_dict() == before
-    resumed = A.PrivacyAccountant(saved)   # the way the message gives
+    resumed = A.PrivacyAccountant(saved)  # the way the message gives
     resumed.load_state_dict(_spent_ledger(saved).state_dict())
     assert resumed.get_epsilon(1e-5) == _spent_ledger(saved).get_epsilon(1e-5)
 
@@ -148,8 +176,11 @@ def test_load_state_dict_accepts_valid_checkpoints():
     import json
 
     acc = _spent_ledger()
-    for state in [acc.state_dict(), json.loads(json.dumps(acc.state_dict())),
-                  {"accountant": "rdp", "history": ((1.1, 0.02, 300), (0.8, 0.02, 100))}]:
+    for state in [
+        acc.state_dict(),
+        json.loads(json.dumps(acc.state_dict())),
+        {"accountant": "rdp", "history": ((1.1, 0.02, 300), (0.8, 0.02, 100))},
+    ]:
         clone = A.PrivacyAccountant()
         clone.load_state_dict(state)
         assert clone.history == acc.history and clone.get_epsilon(1e-5) == acc.get_epsilon(1e-5)

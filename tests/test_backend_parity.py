@@ -3,6 +3,7 @@
 Fresh random inputs (never zeros), odd sizes, sizes that are not a multiple of any block,
 B = 0 and 1, unused parameters (grad_sample None), a zeroed non-finite row, accumulated
 sums, fp32 and bf16/fp16 parameters, t = 1 and t > 1, and noise offsets beyond 2**32."""
+
 from __future__ import annotations
 
 import copy
@@ -13,8 +14,15 @@ import torch
 
 from dpkern.backends import reference as ref
 from dpkern.backends import resolve
-from dpkern.hyper import (AdamBCHyper, AdamHyper, AdamWBCHyper, AdamWHyper, DPStep,
-                          MacAdamHyper, SGDHyper)
+from dpkern.hyper import (
+    AdamBCHyper,
+    AdamHyper,
+    AdamWBCHyper,
+    AdamWHyper,
+    DPStep,
+    MacAdamHyper,
+    SGDHyper,
+)
 
 from conftest import backend_device, case_seed, load_vectors, run_step
 
@@ -44,8 +52,9 @@ def assert_close(actual, expected, dtype=torch.float32, what=""):
     if dtype == torch.float32:
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6, msg=what)
     else:  # one rounding of the parameter dtype apart, at most
-        torch.testing.assert_close(actual.float(), expected.float(), rtol=_rtol(dtype),
-                                   atol=1e-3, msg=what)
+        torch.testing.assert_close(
+            actual.float(), expected.float(), rtol=_rtol(dtype), atol=1e-3, msg=what
+        )
 
 
 def make_case(rule, B, dtype, device, seed, *, t=3, with_summed=True, gs_dtype=None):
@@ -66,8 +75,7 @@ def make_case(rule, B, dtype, device, seed, *, t=3, with_summed=True, gs_dtype=N
         for gs in grad_samples:
             if gs is not None and gs.numel():
                 gs[1].view(-1)[0] = float("nan")
-    summed = [(rnd(*s).to(device) if with_summed and k % 2 else None)
-              for k, s in enumerate(SHAPES)]
+    summed = [(rnd(*s).to(device) if with_summed and k % 2 else None) for k, s in enumerate(SHAPES)]
     states = {}
     for name in ref.STATE_NAMES[rule]:
         vals = []
@@ -99,13 +107,15 @@ def test_noise_vectors(fused_backend):
         words = be.philox_words(index, key=key, step=step, stream=stream)
         assert words.cpu().tolist() == case["philox_r0_r1_r2_r3"]
         for i, z in zip(case["index"], case["z"]):
-            got = be.gaussian_noise(1, key=key, step=step, offset=int(i), stream=stream,
-                                    device=dev).item()
+            got = be.gaussian_noise(
+                1, key=key, step=step, offset=int(i), stream=stream, device=dev
+            ).item()
             assert abs(got - z) <= max(2e-6, 1e-6 * abs(z)), (case["key"], i)
 
 
-@pytest.mark.parametrize("numel,offset", [(1, 0), (1, 1), (1000, 3), (4099, 2**32 - 2001),
-                                          (257, 2**40 + 1)])
+@pytest.mark.parametrize(
+    "numel,offset", [(1, 0), (1, 1), (1000, 3), (4099, 2**32 - 2001), (257, 2**40 + 1)]
+)
 def test_noise_matches_reference(fused_backend, numel, offset):
     dev = backend_device(fused_backend)
     be = resolve(fused_backend, dev)
@@ -115,8 +125,10 @@ def test_noise_matches_reference(fused_backend, numel, offset):
         assert got.dtype == torch.float32 and got.shape == (numel,)
         assert ((got - want).abs() <= torch.clamp(1e-6 * want.abs(), min=2e-6)).all()
         index = torch.arange(offset, offset + numel, device=dev)
-        assert torch.equal(be.philox_words(index, key=key, step=step).cpu(),
-                           ref.philox_words(index.cpu(), key=key, step=step))
+        assert torch.equal(
+            be.philox_words(index, key=key, step=step).cpu(),
+            ref.philox_words(index.cpu(), key=key, step=step),
+        )
 
 
 @pytest.mark.parametrize("B", [0, 1, 5])
@@ -158,7 +170,9 @@ def test_step(fused_backend, name, B, dtype, t):
     hyper = HYPERS[name]
     dev = backend_device(fused_backend)
     be = resolve(fused_backend, dev)
-    case = make_case(hyper.rule, B, dtype, dev, seed=zlib.crc32(f"{name}-{B}-{t}".encode()) % 1000, t=t)
+    case = make_case(
+        hyper.rule, B, dtype, dev, seed=zlib.crc32(f"{name}-{B}-{t}".encode()) % 1000, t=t
+    )
     want_p, want_s, want_out = run_step(ref, hyper, case)
     got_p, got_s, got_out = run_step(be, hyper, case)
     for k, (a, b) in enumerate(zip(got_p, want_p)):
@@ -167,8 +181,7 @@ def test_step(fused_backend, name, B, dtype, t):
     for sname in want_s:
         for k, (a, b) in enumerate(zip(got_s[sname], want_s[sname])):
             assert a.dtype == torch.float32
-            assert_close(a, b, torch.float32 if dtype == torch.float32 else dtype,
-                         f"{sname}[{k}]")
+            assert_close(a, b, torch.float32 if dtype == torch.float32 else dtype, f"{sname}[{k}]")
     assert got_out == pytest.approx(want_out, rel=1e-4)
 
 

@@ -2,6 +2,7 @@
 with a per-sample loop, the agreement check can fail, ratios divide by the non-private
 step, Opacus' refusal of tied weights is a note, the Llama-style model runs next to the
 GPT-2, and the report wires it behind --ghost."""
+
 from __future__ import annotations
 
 import functools
@@ -15,15 +16,21 @@ from bench import ghost as GB
 from bench import report as R
 
 TINY = {"n_embd": 16, "n_layer": 1, "n_head": 2}
-TINY_LLAMA = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
-              "num_key_value_heads": 1, "intermediate_size": 24}
+TINY_LLAMA = {
+    "hidden_size": 16,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "intermediate_size": 24,
+}
 TINY_KW = {"gpt2": TINY, "llama": TINY_LLAMA}
 
 
 def _loop_norms_sq(A, G):
     """Per-example loop: the weight gradient of sample i is G_i^T A_i."""
-    return torch.stack([(G[i].T.double() @ A[i].double()).square().sum() for i in
-                        range(A.shape[0])]).float()
+    return torch.stack(
+        [(G[i].T.double() @ A[i].double()).square().sum() for i in range(A.shape[0])]
+    ).float()
 
 
 def test_parse_layer_and_rule():
@@ -39,8 +46,9 @@ def test_parse_layer_and_rule():
 
 
 def test_layer_candidates_compute_the_same_norms_as_a_loop():
-    case = GB.LayerCase(random.randint(1, 4), random.randint(2, 9), random.randint(2, 12),
-                        random.randint(2, 12))
+    case = GB.LayerCase(
+        random.randint(1, 4), random.randint(2, 9), random.randint(2, 12), random.randint(2, 12)
+    )
     cands = GB.layer_candidates(case, "cpu")
     names = {c.name for c in cands}
     assert {"dpkern:gram", "dpkern:instantiate"} <= names
@@ -83,8 +91,16 @@ def test_measure_tiny_end_to_end(tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        res = GB.measure("cpu", layers=["2x4x16x16", GB.LayerCase(1, 16, 4, 4)], blocks=[8],
-                         batches=[2], repeats=2, warmup=0, memory=False, model_kw=TINY_KW)
+        res = GB.measure(
+            "cpu",
+            layers=["2x4x16x16", GB.LayerCase(1, 16, 4, 4)],
+            blocks=[8],
+            batches=[2],
+            repeats=2,
+            warmup=0,
+            memory=False,
+            model_kw=TINY_KW,
+        )
     finally:
         torch.set_num_threads(threads)
     assert [(r["T"], r["rule"]) for r in res["layers"]] == [(4, "gram"), (16, "instantiate")]
@@ -94,8 +110,10 @@ def test_measure_tiny_end_to_end(tmp_path):
         assert (row["block"], row["batch"]) == (8, 2) and row["params"] > 0
         for key in ("ghost", "per_sample"):
             assert row[f"{key}_ratio"] == pytest.approx(row[f"{key}_s"] / row["nonprivate_s"])
-    by_model = {m: {t["candidate"] for t in res["timings"] if t["kind"] == "e2e"
-                    and t["model"] == m} for m in GB.E2E_MODELS}
+    by_model = {
+        m: {t["candidate"] for t in res["timings"] if t["kind"] == "e2e" and t["model"] == m}
+        for m in GB.E2E_MODELS
+    }
     for m, names in by_model.items():
         assert {"floor:nonprivate", "dpkern:ghost", "dpkern:per_sample"} <= names, m
     if any(n.startswith("baseline:opacus") for n in by_model["gpt2"]):
@@ -108,10 +126,10 @@ def test_measure_tiny_end_to_end(tmp_path):
         # or its refusal is a note
         llama = by_model["llama"]
         assert "baseline:opacus-untied" not in llama
-        assert "baseline:opacus" in llama or any("refused the Llama" in n
-                                                 for n in res["notes"])
-        assert any(n.startswith("Opacus on the Llama") and "LlamaRMSNorm" in n
-                   for n in res["notes"])
+        assert "baseline:opacus" in llama or any("refused the Llama" in n for n in res["notes"])
+        assert any(
+            n.startswith("Opacus on the Llama") and "LlamaRMSNorm" in n for n in res["notes"]
+        )
     md = GB.markdown(res)
     tables = [ln for ln in md.splitlines() if ln.startswith("|")]
     assert len(tables) == 2 + 2 + 2 + 2
@@ -130,8 +148,13 @@ def test_measure_tiny_end_to_end(tmp_path):
 def test_llama_model_shape():
     m = GB.llama_model(16)
     cfg = m.config
-    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads,
-            cfg.num_key_value_heads, cfg.intermediate_size) == (128, 2, 4, 2, 344)
+    assert (
+        cfg.hidden_size,
+        cfg.num_hidden_layers,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.intermediate_size,
+    ) == (128, 2, 4, 2, 344)
     assert cfg.vocab_size == GB.BYTE_VOCAB and cfg.max_position_embeddings == 16
     assert not GB._tied(m) and cfg._attn_implementation == "eager"
     assert GB._tied(GB.build_model("gpt2", 16, **TINY))
@@ -143,14 +166,15 @@ def test_llama_model_shape():
 
 @pytest.mark.parametrize("model", GB.E2E_MODELS)
 def test_candidates_train_their_own_model_copy(model):
-    cands, _, _ = GB.e2e_candidates(8, 2, "cpu", model_kw=TINY_KW[model], opacus=False,
-                                    model=model)
+    cands, _, _ = GB.e2e_candidates(8, 2, "cpu", model_kw=TINY_KW[model], opacus=False, model=model)
     by = {c.name: c for c in cands}
     start = [p.detach().clone() for p in by["dpkern:ghost"].model.parameters()]
     for name, c in by.items():
         c.run()  # each step moves its own copy and no other
-        moved = {n: any(not torch.equal(a, b) for a, b in zip(start, o.model.parameters()))
-                 for n, o in by.items()}
+        moved = {
+            n: any(not torch.equal(a, b) for a, b in zip(start, o.model.parameters()))
+            for n, o in by.items()
+        }
         assert moved[name] and not any(moved[n] for n in by if n != name), name
         for p, s in zip(c.model.parameters(), start):
             p.data.copy_(s)
@@ -158,18 +182,41 @@ def test_candidates_train_their_own_model_copy(model):
 
 def test_report_runs_the_ghost_part_by_default(tmp_path, monkeypatch):
     assert R.parse_args([]).ghost is True and R.parse_args(["--no-ghost"]).ghost is False
-    monkeypatch.setattr(GB, "measure", functools.partial(
-        GB.measure, layers=["2x4x16x16"], blocks=[8], batches=[2], model_kw=TINY_KW))
+    monkeypatch.setattr(
+        GB,
+        "measure",
+        functools.partial(
+            GB.measure, layers=["2x4x16x16"], blocks=[8], batches=[2], model_kw=TINY_KW
+        ),
+    )
     threads = torch.get_num_threads()
     try:
-        res = R.main(["--paths", "noise", "--noise-d", "4K", "--repeats", "1", "--warmup", "0",
-                      "--threads", "1", "--bandwidth-mib", "8", "--no-memory", "--no-plot",
-                      "--ghost", "--out", str(tmp_path), "--quiet"])
+        res = R.main(
+            [
+                "--paths",
+                "noise",
+                "--noise-d",
+                "4K",
+                "--repeats",
+                "1",
+                "--warmup",
+                "0",
+                "--threads",
+                "1",
+                "--bandwidth-mib",
+                "8",
+                "--no-memory",
+                "--no-plot",
+                "--ghost",
+                "--out",
+                str(tmp_path),
+                "--quiet",
+            ]
+        )
     finally:
         R.set_threads(threads)
     assert [r["B"] for r in res["ghost"]["layers"]] == [2]
-    assert [(r["model"], r["block"]) for r in res["ghost"]["e2e"]] == [("gpt2", 8),
-                                                                       ("llama", 8)]
+    assert [(r["model"], r["block"]) for r in res["ghost"]["e2e"]] == [("gpt2", 8), ("llama", 8)]
     md = (tmp_path / "results.md").read_text()
     assert GB.markdown(res["ghost"]) in md and "non-private ms" in md
     assert (tmp_path / "ghost_e2e.csv").exists()

@@ -1,5 +1,6 @@
 """The benchmark report's logic (bench/report.py) at tiny sizes: layouts, byte floors,
 alternating timing, ratios, targets, and one end-to-end run writing its files."""
+
 from __future__ import annotations
 
 import csv
@@ -51,14 +52,15 @@ def test_bytes_floor_is_the_spec_formula():
 
 def test_alternating_timing_rotates_the_order_and_counts_calls():
     calls = []
-    cands = [R.Candidate("dpkern", name, run=lambda name=name: calls.append(name))
-             for name in ("a", "b", "c")]
+    cands = [
+        R.Candidate("dpkern", name, run=lambda name=name: calls.append(name))
+        for name in ("a", "b", "c")
+    ]
     times = R.time_alternating(cands, repeats=4, device="cpu", warmup=2)
     assert calls[:6] == ["a", "b", "c"] * 2  # warm-up rounds
-    rounds = [calls[6 + 3 * r: 9 + 3 * r] for r in range(4)]
+    rounds = [calls[6 + 3 * r : 9 + 3 * r] for r in range(4)]
     assert rounds == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
-    assert {k: len(v) for k, v in times.items()} == {"dpkern:a": 4, "dpkern:b": 4,
-                                                     "dpkern:c": 4}
+    assert {k: len(v) for k, v in times.items()} == {"dpkern:a": 4, "dpkern:b": 4, "dpkern:c": 4}
     assert all(t >= 0 for v in times.values() for t in v)
 
 
@@ -68,8 +70,13 @@ def _summary(medians, peaks=None, case=R.Case("summed", "tensor", 1000, 0)):
 
 def test_summary_ratios_are_baseline_over_dpkern():
     t_cpp, t_ref = random.uniform(0.01, 1), random.uniform(1, 2)
-    med = {"dpkern:cpp": t_cpp, "dpkern:torch": t_ref, "baseline:foreach": 0.5,
-           "baseline:fused": 0.25, "floor:foreach": 0.1}
+    med = {
+        "dpkern:cpp": t_cpp,
+        "dpkern:torch": t_ref,
+        "baseline:foreach": 0.5,
+        "baseline:fused": 0.25,
+        "floor:foreach": 0.1,
+    }
     rows = {r["backend"]: r for r in _summary(med, {"baseline:fused": 7 * 2**20})}
     assert set(rows) == {"cpp", "torch"}
     r = rows["cpp"]
@@ -89,8 +96,7 @@ def test_summary_ratios_are_baseline_over_dpkern():
 def test_targets_report_measured_ratio_or_why_not():
     case = R.Case("summed", "tensor", 16 * 2**20, 0)
     rows = R.summarize(case, case.d, 1, {"dpkern:cpp": 1.0, "baseline:foreach": 3.5}, {}, 1e9)
-    rows += R.summarize(case, case.d, 1, {"dpkern:torch": 1.0, "baseline:foreach": 9.0}, {},
-                        1e9)
+    rows += R.summarize(case, case.d, 1, {"dpkern:torch": 1.0, "baseline:foreach": 9.0}, {}, 1e9)
     out = R.check_targets(rows, ["cpp"])
     assert len(out) == len(R.TARGETS)
     summed = next(t for t in out if t["target"].startswith("summed"))
@@ -100,8 +106,10 @@ def test_targets_report_measured_ratio_or_why_not():
     missing = R.check_targets(rows, [])
     assert all(t["measured"] is None and "not available" in t["note"] for t in missing)
     slow = R.summarize(case, case.d, 1, {"dpkern:cpp": 2.0, "baseline:foreach": 3.0}, {}, 1e9)
-    assert next(t for t in R.check_targets(slow, ["cpp"])
-                if t["target"].startswith("summed"))["met"] is False
+    assert (
+        next(t for t in R.check_targets(slow, ["cpp"]) if t["target"].startswith("summed"))["met"]
+        is False
+    )
     assert "**no**" in R.markdown_targets(R.check_targets(slow, ["cpp"]))
 
 
@@ -120,11 +128,34 @@ def test_report_end_to_end_tiny(tmp_path):
     out = tmp_path / "res"
     threads = torch.get_num_threads()
     try:  # one thread: quick even on a busy machine; restored for the other tests
-        res = R.main(["--noise-d", "4K", "--summed-d", "8K", "--per-sample-d", "8K",
-                      "--batch", "2", "--repeats", "2", "--warmup", "0", "--threads", "1",
-                      "--torch-max-d", "4K", "--bandwidth-mib", "8", "--no-memory",
-                      "--no-ghost", "--out", str(out), "--quiet"]
-                     + ([] if _has_matplotlib() else ["--no-plot"]))
+        res = R.main(
+            [
+                "--noise-d",
+                "4K",
+                "--summed-d",
+                "8K",
+                "--per-sample-d",
+                "8K",
+                "--batch",
+                "2",
+                "--repeats",
+                "2",
+                "--warmup",
+                "0",
+                "--threads",
+                "1",
+                "--torch-max-d",
+                "4K",
+                "--bandwidth-mib",
+                "8",
+                "--no-memory",
+                "--no-ghost",
+                "--out",
+                str(out),
+                "--quiet",
+            ]
+            + ([] if _has_matplotlib() else ["--no-plot"])
+        )
     finally:
         R.set_threads(threads)
     saved = json.loads((out / "results.json").read_text())
@@ -134,8 +165,13 @@ def test_report_end_to_end_tiny(tmp_path):
     assert saved["bandwidth"]["bytes_per_s"] > 0
     # 1 noise case + 2 summed (tensor, gpt2) + 2 per-sample (tensor, gpt2)
     cases = {(t["path"], t["layout"]) for t in saved["timings"]}
-    assert cases == {("noise", "tensor"), ("summed", "tensor"), ("summed", "gpt2"),
-                     ("per_sample", "tensor"), ("per_sample", "gpt2")}
+    assert cases == {
+        ("noise", "tensor"),
+        ("summed", "tensor"),
+        ("summed", "gpt2"),
+        ("per_sample", "tensor"),
+        ("per_sample", "gpt2"),
+    }
     backends = set(saved["backends"])
     assert "torch" in backends
     assert {r["backend"] for r in saved["summary"]} == backends
@@ -151,6 +187,7 @@ def test_report_end_to_end_tiny(tmp_path):
 def _has_matplotlib() -> bool:
     try:
         import matplotlib  # noqa: F401
+
         return True
     except ImportError:
         return False

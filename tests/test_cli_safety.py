@@ -5,6 +5,7 @@ Exact data-dependent counts stay out of every output; --seed never fixes the noi
 dpkern run directory; a checkpoint keeps the files dpkern did not write; SIGTERM stops at
 a step boundary with a checkpoint and exit code 143; --delta >= 1/N warns; a too large
 --block-size is reported as such."""
+
 from __future__ import annotations
 
 import json
@@ -23,11 +24,26 @@ from dpkern import sampling
 from dpkern.cli import finetune as ft
 from dpkern.cli.__main__ import main
 
-TINY = ["--block-size", "16", "--batch-size", "16", "--micro-batch-size", "8", "--lr", "1e-2",
-        "--quiet"]
+TINY = [
+    "--block-size",
+    "16",
+    "--batch-size",
+    "16",
+    "--micro-batch-size",
+    "8",
+    "--lr",
+    "1e-2",
+    "--quiet",
+]
 NOT_PRIVATE = "not private: the noise key is known"
-EXACT_COUNT_KEYS = {"stats", "optimizer_stats", "clipped_samples", "nonfinite_samples",
-                    "samples", "tokens"}
+EXACT_COUNT_KEYS = {
+    "stats",
+    "optimizer_stats",
+    "clipped_samples",
+    "nonfinite_samples",
+    "samples",
+    "tokens",
+}
 
 
 pytestmark = pytest.mark.usefixtures("tiny_default_model")
@@ -50,6 +66,7 @@ def optimizers(monkeypatch):
     def make(*args, **kwargs):
         made.append(real(*args, **kwargs))
         return made[-1]
+
     monkeypatch.setattr(ft, "_make_optimizer", make)
     return made
 
@@ -71,18 +88,27 @@ def _files(directory):
 
 def _tiny_gpt2_dir(path, **extra):
     from transformers import GPT2Config, GPT2LMHeadModel
-    cfg = GPT2Config(vocab_size=300, n_positions=32, n_embd=32, n_layer=1, n_head=2,
-                     bos_token_id=0, eos_token_id=0, **extra)
+
+    cfg = GPT2Config(
+        vocab_size=300,
+        n_positions=32,
+        n_embd=32,
+        n_layer=1,
+        n_head=2,
+        bos_token_id=0,
+        eos_token_id=0,
+        **extra,
+    )
     GPT2LMHeadModel(cfg).save_pretrained(path)
     return path
 
 
 # -- 3: exact, un-noised counts never leave the process -----------------------------------
 
+
 def test_no_exact_data_dependent_counts_in_any_output(text_file, tmp_path, capsys, optimizers):
     out = tmp_path / "run"
-    assert finetune("--data", text_file, "--steps", 4, "--out", out, "--save-every", 2,
-                    *TINY) == 0
+    assert finetune("--data", text_file, "--steps", 4, "--out", out, "--save-every", 2, *TINY) == 0
     printed = capsys.readouterr()
     stats = dict(getattr(optimizers[-1], "stats", {}))
     assert stats.get("samples", 0) > 0  # (the optimizer did count them, in memory)
@@ -106,14 +132,17 @@ def test_no_exact_data_dependent_counts_in_any_output(text_file, tmp_path, capsy
         if exact in (expected, expected * 16):
             continue  # (then the exact count says nothing the plan does not)
         for shown in (f"{exact:,}", str(exact)):
-            assert not re.search(rf"(?<![\d.,]){re.escape(shown)}(?![\d,]|\.\d)", text), \
-                (exact, text)
+            assert not re.search(rf"(?<![\d.,]){re.escape(shown)}(?![\d,]|\.\d)", text), (
+                exact,
+                text,
+            )
     assert "tokens/s at the expected batch" in printed.out
     m = read_json(out / "metrics.json")
     assert m["expected_tokens_per_second"] > 0
 
 
 # -- 4: --seed is not the noise key; --noise-seed says "not private" ----------------------
+
 
 class _RecordingSampler(sampling.PoissonBatchSampler):
     batches: list = []
@@ -127,12 +156,14 @@ class _RecordingSampler(sampling.PoissonBatchSampler):
 def _run_recorded(monkeypatch, out, *argv):
     """Run finetune; return (initial parameters, sampled batches, final weights)."""
     from safetensors.torch import load_file
+
     initial = []
     real = ft._make_optimizer
 
     def make(plan, params, *args, **kwargs):
         initial.append([p.detach().clone() for p in params])
         return real(plan, params, *args, **kwargs)
+
     monkeypatch.setattr(ft, "_make_optimizer", make)
     monkeypatch.setattr(sampling, "PoissonBatchSampler", _RecordingSampler)
     _RecordingSampler.batches = []
@@ -166,8 +197,9 @@ def test_seed_fixes_init_and_sampling_not_the_noise(text_file, tmp_path, monkeyp
     assert all(torch.equal(final_c[k], final_d[k]) for k in final_c)
     out = capsys.readouterr().out
     privacy = [ln for ln in out.splitlines() if ln.strip().startswith("privacy")]
-    assert len(privacy) == 2 and all(NOT_PRIVATE in ln and "epsilon" not in ln
-                                     for ln in privacy), out
+    assert len(privacy) == 2 and all(NOT_PRIVATE in ln and "epsilon" not in ln for ln in privacy), (
+        out
+    )
     m = read_json(tmp_path / "c" / "metrics.json")
     assert m["privacy"] == NOT_PRIVATE and m["private"] is False and "epsilon" not in m
     assert 0 < m["epsilon_if_noise_key_were_secret"] <= 8
@@ -176,14 +208,16 @@ def test_seed_fixes_init_and_sampling_not_the_noise(text_file, tmp_path, monkeyp
     assert config["noise_seed"] == 5
 
 
-def test_secure_run_directory_never_holds_the_noise_key(text_file, tmp_path, monkeypatch,
-                                                       optimizers):
+def test_secure_run_directory_never_holds_the_noise_key(
+    text_file, tmp_path, monkeypatch, optimizers
+):
     drawn = []
     real_urandom = os.urandom
 
     def urandom(n):  # every secret the run draws (the noise key, the sampler's seed, ...)
         drawn.append(real_urandom(n))
         return drawn[-1]
+
     monkeypatch.setattr(os, "urandom", urandom)
     out = tmp_path / "run"
     assert finetune("--data", text_file, "--steps", 2, "--seed", 11, "--out", out, *TINY) == 0
@@ -195,8 +229,12 @@ def test_secure_run_directory_never_holds_the_noise_key(text_file, tmp_path, mon
     for b in secrets:
         b = b[:8]
         for v in (int.from_bytes(b, "little"), int.from_bytes(b, "big")):
-            needles |= {str(v).encode(), str(v >> 1).encode(), f"{v:x}".encode(),
-                        f"{v:016x}".encode()}
+            needles |= {
+                str(v).encode(),
+                str(v >> 1).encode(),
+                f"{v:x}".encode(),
+                f"{v:016x}".encode(),
+            }
         needles |= {b, b[::-1]}
     for path in _files(out):
         raw = path.read_bytes()
@@ -206,8 +244,9 @@ def test_secure_run_directory_never_holds_the_noise_key(text_file, tmp_path, mon
 
 def test_resume_keeps_a_noise_seed_and_a_secure_run_stays_secure(text_file, tmp_path, capsys):
     seeded, secure = tmp_path / "seeded", tmp_path / "secure"
-    assert finetune("--data", text_file, "--steps", 2, "--noise-seed", 5, "--out", seeded,
-                    *TINY) == 0
+    assert (
+        finetune("--data", text_file, "--steps", 2, "--noise-seed", 5, "--out", seeded, *TINY) == 0
+    )
     assert finetune("--data", text_file, "--steps", 2, "--out", secure, *TINY) == 0
     capsys.readouterr()
     assert finetune("--resume", seeded, "--steps", 3, "--noise-seed", 6) == 2
@@ -221,19 +260,26 @@ def test_resume_keeps_a_noise_seed_and_a_secure_run_stays_secure(text_file, tmp_
     assert NOT_PRIVATE in out[1] and NOT_PRIVATE not in out[2]
     assert read_json(seeded / "run_config.json")["noise_seed"] == 5
     assert read_json(seeded / "metrics.json")["privacy"] == NOT_PRIVATE
-    assert torch.load(seeded / "trainer_state.pt", weights_only=True)["optimizer"]["dp"]["seed"] == 5
+    assert (
+        torch.load(seeded / "trainer_state.pt", weights_only=True)["optimizer"]["dp"]["seed"] == 5
+    )
     assert read_json(secure / "run_config.json")["noise_seed"] is None
     assert read_json(secure / "metrics.json")["private"] is True
-    assert "seed" not in torch.load(secure / "trainer_state.pt",
-                                    weights_only=True)["optimizer"]["dp"]
+    assert (
+        "seed" not in torch.load(secure / "trainer_state.pt", weights_only=True)["optimizer"]["dp"]
+    )
 
 
 def test_an_older_seeded_checkpoint_resumes_as_not_private(text_file, tmp_path, capsys):
     """Before --noise-seed, --seed was the noise key (kept in the optimizer state): such a
     checkpoint's key is known, so its resumed run must not claim an epsilon."""
     out = tmp_path / "old"
-    assert finetune("--data", text_file, "--steps", 2, "--seed", 7, "--noise-seed", 7,
-                    "--out", out, *TINY) == 0
+    assert (
+        finetune(
+            "--data", text_file, "--steps", 2, "--seed", 7, "--noise-seed", 7, "--out", out, *TINY
+        )
+        == 0
+    )
     config = read_json(out / "run_config.json")  # as the older dpkern wrote it
     for key in ("written_by", "checkpoint", "privacy", "noise_seed"):
         config.pop(key)
@@ -248,6 +294,7 @@ def test_an_older_seeded_checkpoint_resumes_as_not_private(text_file, tmp_path, 
 
 # -- 15: --overwrite replaces only a dpkern run directory ---------------------------------
 
+
 def _snapshot(directory):
     return {p: p.read_bytes() for p in _files(directory)}
 
@@ -260,8 +307,9 @@ def _refused(capsys, *argv):
     return err
 
 
-def test_overwrite_refuses_the_current_directory_and_its_parents(text_file, tmp_path,
-                                                                 monkeypatch, capsys):
+def test_overwrite_refuses_the_current_directory_and_its_parents(
+    text_file, tmp_path, monkeypatch, capsys
+):
     work = tmp_path / "work"
     work.mkdir()
     data = work / "train.txt"
@@ -271,8 +319,7 @@ def test_overwrite_refuses_the_current_directory_and_its_parents(text_file, tmp_
     before = _snapshot(tmp_path)
     assert "current directory" in _refused(capsys, "--data", "train.txt", "--out", ".")
     assert "current directory" in _refused(capsys, "--data", "train.txt", "--out", "..")
-    assert "current directory" in _refused(capsys, "--data", "train.txt", "--out",
-                                           tmp_path.parent)
+    assert "current directory" in _refused(capsys, "--data", "train.txt", "--out", tmp_path.parent)
     assert _snapshot(tmp_path) == before
 
 
@@ -294,7 +341,9 @@ def test_overwrite_refuses_a_directory_holding_data_or_model(text_file, tmp_path
     before = _snapshot(run)
     code = finetune("--resume", inner, "--steps", 2, "--out", run, "--overwrite", "--quiet")
     err = capsys.readouterr().err
-    assert code == 2 and err.startswith("dpkern finetune: error: --overwrite:") and "--resume" in err
+    assert (
+        code == 2 and err.startswith("dpkern finetune: error: --overwrite:") and "--resume" in err
+    )
     assert _snapshot(run) == before
 
 
@@ -328,6 +377,7 @@ def test_overwrite_replaces_a_dpkern_run_directory(text_file, tmp_path, capsys):
 
 # -- 16: a checkpoint replaces only what dpkern writes ------------------------------------
 
+
 def test_resume_keeps_files_dpkern_did_not_write(text_file, tmp_path):
     out = tmp_path / "run"
     assert finetune("--data", text_file, "--steps", 2, "--out", out, *TINY) == 0
@@ -343,13 +393,16 @@ def test_resume_keeps_files_dpkern_did_not_write(text_file, tmp_path):
 
 # -- 17: SIGTERM: checkpoint at a step boundary, one line, exit 143 -----------------------
 
-def test_sigterm_in_process_checkpoints_and_restores_handlers(text_file, tmp_path, capsys,
-                                                             monkeypatch):
+
+def test_sigterm_in_process_checkpoints_and_restores_handlers(
+    text_file, tmp_path, capsys, monkeypatch
+):
     class NotHandled(Exception):
         pass
 
     def ours(signum, frame):  # (without the CLI's handler the test fails, not the runner)
         raise NotHandled(signum)
+
     real = ft._make_optimizer
 
     def make(*args, **kwargs):
@@ -361,8 +414,10 @@ def test_sigterm_in_process_checkpoints_and_restores_handlers(text_file, tmp_pat
             if opt.dp_step == 2:
                 os.kill(os.getpid(), signal.SIGTERM)
             return result
+
         opt.step = step_then_preempt
         return opt
+
     monkeypatch.setattr(ft, "_make_optimizer", make)
     previous = signal.signal(signal.SIGTERM, ours)
     try:
@@ -385,9 +440,15 @@ def _preempt(tmp_path, argv, out, kill):
     """Start ``python -m dpkern finetune argv``, wait for its first checkpoint (it saves
     every step), then ``kill(proc)``; returns (exit code, stderr)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "dpkern", "finetune", *map(str, argv)],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dpkern", "finetune", *map(str, argv)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 180
         while not (out / "run_config.json").is_file():
@@ -417,8 +478,19 @@ def _check_stopped(code, err, out):
 def test_sigterm_subprocess_exits_143_and_resumes(text_file, tmp_path):
     out = tmp_path / "run"
     model = _tiny_gpt2_dir(tmp_path / "tiny")
-    argv = ["--model", model, "--data", text_file, "--steps", 100000, "--save-every", 1,
-            "--out", out, *TINY]
+    argv = [
+        "--model",
+        model,
+        "--data",
+        text_file,
+        "--steps",
+        100000,
+        "--save-every",
+        1,
+        "--out",
+        out,
+        *TINY,
+    ]
     code, err = _preempt(tmp_path, argv, out, lambda p: p.send_signal(signal.SIGTERM))
     _check_stopped(code, err, out)
 
@@ -427,8 +499,21 @@ def test_sigterm_subprocess_exits_143_and_resumes(text_file, tmp_path):
 def test_sigterm_to_the_nproc_parent_reaches_the_workers(text_file, tmp_path):
     out = tmp_path / "run"
     model = _tiny_gpt2_dir(tmp_path / "tiny")
-    argv = ["--model", model, "--data", text_file, "--nproc", 2, "--steps", 100000,
-            "--save-every", 1, "--out", out, *TINY]
+    argv = [
+        "--model",
+        model,
+        "--data",
+        text_file,
+        "--nproc",
+        2,
+        "--steps",
+        100000,
+        "--save-every",
+        1,
+        "--out",
+        out,
+        *TINY,
+    ]
     # to the parent only (as a container runtime does): it forwards to its workers
     code, err = _preempt(tmp_path, argv, out, lambda p: p.send_signal(signal.SIGTERM))
     _check_stopped(code, err, out)
@@ -436,6 +521,7 @@ def test_sigterm_to_the_nproc_parent_reaches_the_workers(text_file, tmp_path):
 
 
 # -- 19: --delta >= 1/N warns; --block-size errors name --block-size ----------------------
+
 
 def test_delta_not_below_one_over_n_warns(text_file, tmp_path, capsys):
     assert finetune("--data", text_file, "--steps", 1, "--delta", 0.5, *TINY) == 0
@@ -446,14 +532,18 @@ def test_delta_not_below_one_over_n_warns(text_file, tmp_path, capsys):
     assert "warning" not in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, option", [
-    (["--block-size", 100_000], "--block-size"),        # fewer tokens than one block
-    (["--block-size", 4096], "--block-size"),           # fewer blocks than the batch
-    (["--block-size", 16, "--batch-size", 10**6], "--batch-size"),  # no block size helps
-    (["--batch-size", 10**6], "--batch-size"),
-])
-def test_block_and_batch_size_errors_name_the_right_option(text_file, tmp_path, capsys,
-                                                           argv, option):
+@pytest.mark.parametrize(
+    "argv, option",
+    [
+        (["--block-size", 100_000], "--block-size"),  # fewer tokens than one block
+        (["--block-size", 4096], "--block-size"),  # fewer blocks than the batch
+        (["--block-size", 16, "--batch-size", 10**6], "--batch-size"),  # no block size helps
+        (["--batch-size", 10**6], "--batch-size"),
+    ],
+)
+def test_block_and_batch_size_errors_name_the_right_option(
+    text_file, tmp_path, capsys, argv, option
+):
     out = tmp_path / "never"
     assert finetune("--data", text_file, "--steps", 2, "--quiet", "--out", out, *argv) == 2
     err = capsys.readouterr().err.strip()

@@ -1,5 +1,6 @@
 """`dpkern compare`: the --quick run end to end, learning-rate selection on the validation
 split only, privacy spent per cell, the digits task's data and model, CLI errors."""
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,19 @@ def _read_csv(path):
 def test_quick_end_to_end(tmp_path, capsys):
     eps = round(random.uniform(1.0, 8.0), 2)
     out = tmp_path / "res"
-    rc = main(["compare", "--task", "digits", "--quick", "--epsilons", str(eps), "9",
-               "--out-dir", str(out)])
+    rc = main(
+        [
+            "compare",
+            "--task",
+            "digits",
+            "--quick",
+            "--epsilons",
+            str(eps),
+            "9",
+            "--out-dir",
+            str(out),
+        ]
+    )
     assert rc == 0
     runs = _read_csv(out / "runs.csv")
     summary = _read_csv(out / "summary.csv")
@@ -41,8 +53,12 @@ def test_quick_end_to_end(tmp_path, capsys):
         spent = float(r["epsilon_spent"])
         # never over budget, and calibrated (not a trivially tiny epsilon from huge noise)
         assert 0.9 * eps < spent <= eps
-        indep = get_epsilon(float(r["noise_multiplier"]), float(r["sample_rate"]),
-                            int(r["steps"]), float(r["delta"]))
+        indep = get_epsilon(
+            float(r["noise_multiplier"]),
+            float(r["sample_rate"]),
+            int(r["steps"]),
+            float(r["delta"]),
+        )
         assert spent == pytest.approx(indep, rel=1e-4)
         assert 0.0 <= float(r["val_metric"]) <= 100.0
         assert 0.0 <= float(r["test_metric"]) <= 100.0
@@ -74,9 +90,26 @@ def test_quick_echoes_exactly_the_command_that_ran(tmp_path, capsys):
     """table.md's first line is the command that ran: it plans the same runs, and shows
     only the epsilons, seeds and optimizers that --quick kept, with every value exact."""
     out = tmp_path / "res"
-    argv = ["--task", "digits", "--quick", "--epsilons", "2.5", "9", "--seeds", "3",
-            "--optimizers", "all", "--delta", "1.2345678e-03", "--max-grad-norm", "0.7",
-            "--batch-size", "48", "--out-dir", str(out)]
+    argv = [
+        "--task",
+        "digits",
+        "--quick",
+        "--epsilons",
+        "2.5",
+        "9",
+        "--seeds",
+        "3",
+        "--optimizers",
+        "all",
+        "--delta",
+        "1.2345678e-03",
+        "--max-grad-norm",
+        "0.7",
+        "--batch-size",
+        "48",
+        "--out-dir",
+        str(out),
+    ]
     assert main(["compare", *argv]) == 0
     # delta >= 1/N (N = 1257 training images) is allowed, with a one-line warning
     warnings = [ln for ln in capsys.readouterr().err.splitlines() if "warning" in ln]
@@ -96,8 +129,18 @@ def test_quick_echoes_exactly_the_command_that_ran(tmp_path, capsys):
 
 
 def _row(opt, eps, seed, lr, val, test):
-    return dict(task="digits", optimizer=opt, epsilon=eps, seed=seed, lr=lr, val_metric=val,
-                test_metric=test, epsilon_spent=eps * 0.99, noise_multiplier=1.0, steps=10)
+    return dict(
+        task="digits",
+        optimizer=opt,
+        epsilon=eps,
+        seed=seed,
+        lr=lr,
+        val_metric=val,
+        test_metric=test,
+        epsilon_spent=eps * 0.99,
+        noise_multiplier=1.0,
+        steps=10,
+    )
 
 
 @pytest.mark.parametrize("higher_is_better", [True, False])
@@ -108,12 +151,15 @@ def test_select_uses_validation_only(higher_is_better):
     rows = []
     # lr 0.1: best on validation, worst on test; lr 0.2: the opposite
     for seed in range(seeds):
-        rows.append(_row("dp-adam", 3.0, seed, 0.1, 50 + sign * 10 + rng.random(), rng.uniform(0, 10)))
-        rows.append(_row("dp-adam", 3.0, seed, 0.2, 50 - sign * 10 + rng.random(), rng.uniform(90, 99)))
+        rows.append(
+            _row("dp-adam", 3.0, seed, 0.1, 50 + sign * 10 + rng.random(), rng.uniform(0, 10))
+        )
+        rows.append(
+            _row("dp-adam", 3.0, seed, 0.2, 50 - sign * 10 + rng.random(), rng.uniform(90, 99))
+        )
     rows.append(_row("dp-sgd", 3.0, 0, 1.0, 1.0, 2.0))
     summary = compare.select(rows, higher_is_better)
-    assert [(r["optimizer"], r["epsilon"]) for r in summary] == [("dp-adam", 3.0),
-                                                                  ("dp-sgd", 3.0)]
+    assert [(r["optimizer"], r["epsilon"]) for r in summary] == [("dp-adam", 3.0), ("dp-sgd", 3.0)]
     best = summary[0]
     assert best["lr"] == 0.1 and best["seeds"] == seeds
     tests = torch.tensor([r["test_metric"] for r in rows if r["lr"] == 0.1], dtype=torch.float64)
@@ -126,8 +172,9 @@ def test_train_one_refuses_overspent_epsilon():
     # sigma below the calibrated one spends more than the target: must raise, not report
     q, steps, eps, delta = 0.05, 5, 2.0, 1e-5
     sigma = get_noise_multiplier(eps, delta, q, steps)
-    cfg = compare.RunConfig("digits", "dp-sgd", eps, 0, 0.1, 0.5 * sigma, q, steps, delta,
-                            1.0, 0.0, "auto", "rdp")
+    cfg = compare.RunConfig(
+        "digits", "dp-sgd", eps, 0, 0.1, 0.5 * sigma, q, steps, delta, 1.0, 0.0, "auto", "rdp"
+    )
     with pytest.raises(RuntimeError, match="spent epsilon"):
         compare.train_one(cfg)
     ok = compare.train_one(dataclasses.replace(cfg, noise_multiplier=sigma))
@@ -163,14 +210,17 @@ def test_digits_cnn_is_per_sample():
         torch.testing.assert_close(g, p.grad_sample[0], rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("argv, option", [
-    (["--optimizers", "adagrad"], "--optimizers"),
-    (["--optimizers", "sgd"], "--optimizers"),  # one spelling: finetune's dp-sgd
-    (["--optimizers", "adamw_bc"], "--optimizers"),
-    (["--epsilons", "-1"], "--epsilons"),
-    (["--seeds", "0"], "--seeds"),
-    (["--delta", "1.5"], "--delta"),
-])
+@pytest.mark.parametrize(
+    "argv, option",
+    [
+        (["--optimizers", "adagrad"], "--optimizers"),
+        (["--optimizers", "sgd"], "--optimizers"),  # one spelling: finetune's dp-sgd
+        (["--optimizers", "adamw_bc"], "--optimizers"),
+        (["--epsilons", "-1"], "--epsilons"),
+        (["--seeds", "0"], "--seeds"),
+        (["--delta", "1.5"], "--delta"),
+    ],
+)
 def test_bad_options_exit_2(argv, option, capsys, tmp_path):
     with pytest.raises(SystemExit) as exc:
         main(["compare", "--out-dir", str(tmp_path), *argv])
@@ -182,8 +232,22 @@ def test_bad_options_exit_2(argv, option, capsys, tmp_path):
 def test_text_quick_one_step(tmp_path):
     # the finetune job's model and data; perplexity: lower is better, bounded by the vocab
     out = tmp_path / "text"
-    rc = main(["compare", "--task", "text", "--quick", "--epochs", "0.01", "--epsilons", "4",
-               "--optimizers", "dp-adam", "--out-dir", str(out)])
+    rc = main(
+        [
+            "compare",
+            "--task",
+            "text",
+            "--quick",
+            "--epochs",
+            "0.01",
+            "--epsilons",
+            "4",
+            "--optimizers",
+            "dp-adam",
+            "--out-dir",
+            str(out),
+        ]
+    )
     assert rc == 0
     runs = _read_csv(out / "runs.csv")
     assert len(runs) == 1 and runs[0]["steps"] == "1" and runs[0]["optimizer"] == "dp-adam"

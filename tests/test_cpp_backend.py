@@ -4,6 +4,7 @@ entry point lives in test_backend_parity.py.
 Thread-count and Philox-path invariance (bit for bit), chunking invariance of the noise,
 the transform at its extremes, bad buffers rejected before any write, many small tensors,
 odd sizes around the block grid, float64 and non-contiguous inputs."""
+
 from __future__ import annotations
 
 import os
@@ -16,8 +17,13 @@ pytest.importorskip("dpkern._C")
 from dpkern import _C  # noqa: E402
 from dpkern.backends import cpp  # noqa: E402
 from dpkern.backends import reference as ref  # noqa: E402
-from dpkern.hyper import (AdamBCHyper, AdamWHyper, DPStep, MacAdamHyper,  # noqa: E402
-                          SGDHyper)
+from dpkern.hyper import (
+    AdamBCHyper,
+    AdamWHyper,
+    DPStep,
+    MacAdamHyper,  # noqa: E402
+    SGDHyper,
+)
 
 from conftest import load_vectors, run_step  # noqa: E402
 
@@ -31,8 +37,11 @@ HYPERS = {
 # For comparisons with the reference at 1e-5: the same rules away from their ill-conditioned
 # clamps (v_hat - phi_hat ~ gamma, S / kappa - b^2 sigma^2 / B_e^2 ~ h1), where one ulp of
 # difference in z or in a sum is amplified without bound.
-WELL_CONDITIONED = dict(HYPERS, adam_bc=AdamBCHyper(lr=1e-2, weight_decay=0.01, gamma=1e-2),
-                        macadam=MacAdamHyper(lr=1e-2, h1=1e-2, h2=10.0))
+WELL_CONDITIONED = dict(
+    HYPERS,
+    adam_bc=AdamBCHyper(lr=1e-2, weight_decay=0.01, gamma=1e-2),
+    macadam=MacAdamHyper(lr=1e-2, h1=1e-2, h2=10.0),
+)
 
 
 @pytest.fixture
@@ -126,16 +135,18 @@ def test_transform_float32_math_within_spec_tolerance():
     g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     n = 200_000
     words = torch.randint(0, 2**32, (8, n, 4), generator=g, dtype=torch.int64)
-    words[1, :, 0] &= 0xFF                                    # U ~ 2^-32 .. 2^-24
+    words[1, :, 0] &= 0xFF  # U ~ 2^-32 .. 2^-24
     words[2, :, 0] = 0
-    words[2, :, 1] &= 0xFF                                    # U down to 2^-97
+    words[2, :, 1] &= 0xFF  # U down to 2^-97
     words[3, :, 0] = 2**31 + (words[3, :, 0] & 0xFFF) - 0x800  # both sides of 2^31
-    words[4, :, 0] |= 0xFFFFFF00                              # V ~ 2^-32 .. 2^-24
-    words[5, :, 0] = 0xFFFFFFFF                               # V < 2^-32: w == 1
+    words[4, :, 0] |= 0xFFFFFF00  # V ~ 2^-32 .. 2^-24
+    words[5, :, 0] = 0xFFFFFFFF  # V < 2^-32: w == 1
     quarter = torch.tensor([0, 2**30, 2**31, 3 * 2**30, 2**32 - 1])
-    near = quarter[torch.randint(0, 5, (n,), generator=g)] + torch.randint(-4096, 4097, (n,), generator=g)
-    words[6, :, 2] = near.clamp(0, 2**32 - 1)                 # cos or sin near 0
-    words[7, :, 1:] = 0                                       # the words' extremes
+    near = quarter[torch.randint(0, 5, (n,), generator=g)] + torch.randint(
+        -4096, 4097, (n,), generator=g
+    )
+    words[6, :, 2] = near.clamp(0, 2**32 - 1)  # cos or sin near 0
+    words[7, :, 1:] = 0  # the words' extremes
     words = words.reshape(-1, 4)
     got = cpp.normal_from_words(words).double()
     want = _z_float64(words)
@@ -154,8 +165,9 @@ def test_noise_thread_and_path_invariance(threads):
     try:
         for path in range(best + 1):
             assert _C.set_philox_path(path) == path
-            assert torch.equal(cpp.gaussian_noise(n, key=KEY, step=9, offset=offset, stream=3),
-                               want), f"philox path {path}"
+            assert torch.equal(
+                cpp.gaussian_noise(n, key=KEY, step=9, offset=offset, stream=3), want
+            ), f"philox path {path}"
     finally:
         _C.set_philox_path(-1)
 
@@ -201,9 +213,13 @@ def test_pass1_and_accumulate_thread_invariance(threads):
         threads(t)
         bufs = [torch.ones(m.shape) for m in states["exp_avg"]]
         cpp.accumulate(hyper, dp, gs, clip, bufs, states)
-        results.append((cpp.per_sample_norms(gs, 6, "cpu"),
-                        cpp.whitened_norms(gs, states["exp_avg"], states["scale"], 0.19, 6, "cpu"),
-                        bufs))
+        results.append(
+            (
+                cpp.per_sample_norms(gs, 6, "cpu"),
+                cpp.whitened_norms(gs, states["exp_avg"], states["scale"], 0.19, 6, "cpu"),
+                bufs,
+            )
+        )
     for r in results[1:]:
         assert torch.equal(r[0], results[0][0]) and torch.equal(r[1], results[0][1])
         assert all(torch.equal(a, b) for a, b in zip(r[2], results[0][2]))
@@ -220,8 +236,15 @@ def test_split_parameter_same_result():
     def split(x, dim=0):
         return [x.narrow(dim, 0, cut).clone(), x.narrow(dim, cut, x.shape[dim] - cut).clone()]
 
-    parts = (split(params[0]), split(gs[0], 1), clip, [None, None],
-             {k: split(v[0]) for k, v in states.items()}, [77, 77 + cut], dp)
+    parts = (
+        split(params[0]),
+        split(gs[0], 1),
+        clip,
+        [None, None],
+        {k: split(v[0]) for k, v in states.items()},
+        [77, 77 + cut],
+        dp,
+    )
     got = run_step(cpp, hyper, parts)
     assert torch.equal(torch.cat(got[0]), whole[0][0])
     for k in states:
@@ -234,8 +257,15 @@ def test_split_parameter_same_result():
 @pytest.mark.parametrize("name", ["adamw", "sgd", "macadam"])
 def test_many_small_tensors(name):
     g = torch.Generator().manual_seed(1)
-    shapes = [tuple(int(x) for x in torch.randint(1, 6, (int(torch.randint(0, 3, (1,), generator=g)),),
-                                                    generator=g)) for _ in range(200)]
+    shapes = [
+        tuple(
+            int(x)
+            for x in torch.randint(
+                1, 6, (int(torch.randint(0, 3, (1,), generator=g)),), generator=g
+            )
+        )
+        for _ in range(200)
+    ]
     hyper = WELL_CONDITIONED[name]
     case = make_case(hyper.rule, shapes, 3, seed=2)
     assert_close_to_reference(run_step(cpp, hyper, case), run_step(ref, hyper, case))
@@ -259,7 +289,9 @@ def test_float64_params_and_grad_samples():
     assert all(p.dtype == torch.float64 for p in got[0])
     assert_close_to_reference(got, want)
     gs = case[1]
-    torch.testing.assert_close(cpp.per_sample_norms(gs, 3, "cpu"), ref.per_sample_norms(gs, 3, "cpu"))
+    torch.testing.assert_close(
+        cpp.per_sample_norms(gs, 3, "cpu"), ref.per_sample_norms(gs, 3, "cpu")
+    )
 
 
 def test_non_contiguous_grad_samples_are_copied():
@@ -270,7 +302,9 @@ def test_non_contiguous_grad_samples_are_copied():
     a = run_step(cpp, hyper, (params, gs, clip, summed, states, offsets, dp))
     b = run_step(cpp, hyper, (params, [strided], clip, summed, states, offsets, dp))
     assert_identical(a, b)
-    assert torch.equal(cpp.per_sample_norms([strided], 4, "cpu"), cpp.per_sample_norms(gs, 4, "cpu"))
+    assert torch.equal(
+        cpp.per_sample_norms([strided], 4, "cpu"), cpp.per_sample_norms(gs, 4, "cpu")
+    )
 
 
 def test_large_summed_step_matches_reference():
@@ -326,9 +360,24 @@ def _bad_cases():
     def short_clip(c):
         c[2] = c[2][:-1]
 
-    return {f.__name__: f for f in (transpose_param, f64_state, short_state, strided_state,
-                                    int_param, meta_param, wrong_batch, wrong_shape_grad,
-                                    int_grad, f16_summed, aliased_state, bad_offset, short_clip)}
+    return {
+        f.__name__: f
+        for f in (
+            transpose_param,
+            f64_state,
+            short_state,
+            strided_state,
+            int_param,
+            meta_param,
+            wrong_batch,
+            wrong_shape_grad,
+            int_grad,
+            f16_summed,
+            aliased_state,
+            bad_offset,
+            short_clip,
+        )
+    }
 
 
 @pytest.mark.parametrize("bad", list(_bad_cases()))
@@ -338,8 +387,7 @@ def test_bad_buffers_rejected_before_any_write(bad):
     case[4] = {k: list(v) for k, v in case[4].items()}
     _bad_cases()[bad](case)
     params, gs, clip, summed, states, offsets, dp = case
-    before = ([p.clone() for p in params],
-              {k: [s.clone() for s in v] for k, v in states.items()})
+    before = ([p.clone() for p in params], {k: [s.clone() for s in v] for k, v in states.items()})
     with pytest.raises(ValueError) as info:
         cpp.step(hyper, dp, params, gs, clip, summed, states, offsets)
     assert str(info.value)  # a message that names the tensor
@@ -392,5 +440,6 @@ def test_unknown_rule_code_is_refused_not_run_as_macadam():
     """An update-rule code the extension does not know is a ValueError (its switch used to
     fall through to DP-MacAdam)."""
     from dpkern import _C
+
     with pytest.raises(ValueError, match="unknown update rule code 9"):
         _C.step({"rule": 9, "lr": 0.1}, (1, 1, 0, 0.0, 1.0, 0.0, 1), [], 0, 0)

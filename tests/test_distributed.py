@@ -4,6 +4,7 @@ CPU, gloo, ``torch.multiprocessing.spawn``, file:// rendezvous in a tmp dir (no 
 Spawning costs seconds, so one spawn per world size W runs every scenario and saves its
 results; the tests below compare them with single-process runs in the pytest process.
 """
+
 from __future__ import annotations
 
 import math
@@ -18,9 +19,13 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from dpkern import DPAdamW, DPAdamWBC, DPMacAdam, DPSGD
-from dpkern.distributed import (DistributedDPOptimizer,
-                                DistributedPoissonSampler, disable_gradient_allreduce,
-                                key_fingerprint, sync_key)
+from dpkern.distributed import (
+    DistributedDPOptimizer,
+    DistributedPoissonSampler,
+    disable_gradient_allreduce,
+    key_fingerprint,
+    sync_key,
+)
 from dpkern.functional import gaussian_noise
 from dpkern.keys import reveal
 from dpkern.grad_sample import compute_grad_sample
@@ -29,7 +34,7 @@ N, D_IN, D_OUT = 13, 5, 3
 # global batches of the fixed-batch scenarios: sizes 7, 5, 1 (some ranks empty), 0, 8
 BATCHES = [[0, 2, 3, 5, 8, 9, 12], [1, 4, 6, 7, 11], [10], [], [0, 1, 3, 4, 6, 9, 10, 12]]
 SIGMA = 0.8
-POISSON = dict(num_samples=60, sample_rate=0.05, steps=12)   # training loop, W <= 3
+POISSON = dict(num_samples=60, sample_rate=0.05, steps=12)  # training loop, W <= 3
 SAMPLER = dict(num_samples=200, sample_rate=0.05, steps=300)  # statistics only
 NOISE_NUMEL, NOISE_SIGMA, NOISE_C, NOISE_BE = 30_000, 2.0, 0.5, 10.0
 
@@ -42,22 +47,34 @@ def _net(seed: int = 1234) -> nn.Module:
 def _ddp(net: nn.Module):
     """DDP over ``net`` (it broadcasts rank 0's parameters), DDP's own all-reduce disabled."""
     from torch.nn.parallel import DistributedDataParallel as DDP
+
     ddp = DDP(net)
     disable_gradient_allreduce(ddp)
     return ddp
 
 
 def _make_opt(name: str, params, seed, expected_batch_size=float(N) / 2, sigma=SIGMA):
-    common = dict(max_grad_norm=0.7, noise_multiplier=sigma, seed=seed, backend="torch",
-                  expected_batch_size=expected_batch_size)
+    common = dict(
+        max_grad_norm=0.7,
+        noise_multiplier=sigma,
+        seed=seed,
+        backend="torch",
+        expected_batch_size=expected_batch_size,
+    )
     if name == "adamw":
         return DPAdamW(params, lr=0.05, weight_decay=0.1, **common)
     if name == "adamw_bc":
         return DPAdamWBC(params, lr=0.05, weight_decay=0.1, gamma=1e-3, **common)
     if name == "sgd":
         return DPSGD(params, lr=0.2, momentum=0.9, nesterov=True, **common)
-    return DPMacAdam(params, lr=0.05, noise_multiplier=sigma,
-                     expected_batch_size=expected_batch_size, seed=seed, backend="torch")
+    return DPMacAdam(
+        params,
+        lr=0.05,
+        noise_multiplier=sigma,
+        expected_batch_size=expected_batch_size,
+        seed=seed,
+        backend="torch",
+    )
 
 
 def _loss(out, y):
@@ -65,9 +82,10 @@ def _loss(out, y):
 
 
 def _snapshot(opt) -> dict:
-    return {"params": [p.detach().clone() for p in opt.trainable_params()],
-            "state": [{k: v.clone() for k, v in opt.state[p].items()}
-                      for p in opt.trainable_params()]}
+    return {
+        "params": [p.detach().clone() for p in opt.trainable_params()],
+        "state": [{k: v.clone() for k, v in opt.state[p].items()} for p in opt.trainable_params()],
+    }
 
 
 # ------------------------------------------------------------------------------------
@@ -76,6 +94,7 @@ def _snapshot(opt) -> dict:
 def _run_ddp_opacus(rank, world, data):
     """DP-AdamW, secure key, DDP(GradSampleModule) with the no-op comm hook."""
     from opacus import GradSampleModule  # slow import: this scenario runs for W = 2 only
+
     net = GradSampleModule(_net(), loss_reduction="sum")
     ddp = _ddp(net)
     opt = DistributedDPOptimizer(_make_opt("adamw", net.parameters(), seed=None))
@@ -113,9 +132,17 @@ def _run_func(rank, world, data, name):
 
 def _run_noise(rank, world):
     p = nn.Parameter(torch.zeros(NOISE_NUMEL))
-    opt = DistributedDPOptimizer(DPSGD([p], lr=1.0, max_grad_norm=NOISE_C,
-                                       noise_multiplier=NOISE_SIGMA,
-                                       expected_batch_size=NOISE_BE, seed=5, backend="torch"))
+    opt = DistributedDPOptimizer(
+        DPSGD(
+            [p],
+            lr=1.0,
+            max_grad_norm=NOISE_C,
+            noise_multiplier=NOISE_SIGMA,
+            expected_batch_size=NOISE_BE,
+            seed=5,
+            backend="torch",
+        )
+    )
     opt.step()  # no sample anywhere: the averaged gradient is pure noise
     return {"update": -p.detach().clone()}
 
@@ -133,14 +160,21 @@ def _run_mismatch(rank, world, data):
     out = {}
     net = _net()
     # seeds differ (reproducible mode): caught at construction
-    out["seed"] = _catch(lambda: DistributedDPOptimizer(
-        _make_opt("adamw", net.parameters(), seed=11 + int(last))))
+    out["seed"] = _catch(
+        lambda: DistributedDPOptimizer(_make_opt("adamw", net.parameters(), seed=11 + int(last)))
+    )
     # one rank secure, the others seeded
-    out["mixed"] = _catch(lambda: DistributedDPOptimizer(
-        _make_opt("adamw", net.parameters(), seed=None if last else 11)))
+    out["mixed"] = _catch(
+        lambda: DistributedDPOptimizer(
+            _make_opt("adamw", net.parameters(), seed=None if last else 11)
+        )
+    )
     # configuration differs
-    out["config"] = _catch(lambda: DistributedDPOptimizer(
-        _make_opt("adamw", net.parameters(), seed=11, sigma=SIGMA + 0.1 * last)))
+    out["config"] = _catch(
+        lambda: DistributedDPOptimizer(
+            _make_opt("adamw", net.parameters(), seed=11, sigma=SIGMA + 0.1 * last)
+        )
+    )
     # secure mode, then one rank reloads its state (fresh key) without sync_key
     opt = DistributedDPOptimizer(_make_opt("adamw", net.parameters(), seed=None))
     if last:
@@ -178,16 +212,26 @@ def _run_fsdp_errors(rank, world, data):
     from torch.distributed.fsdp import fully_shard
 
     from dpkern.distributed import shard_grad_samples
+
     model, replica = _net(), _net()
     fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
     params = list(model.parameters())
-    out = {"count": _catch(lambda: shard_grad_samples(params, [])),
-           "plain": _catch(lambda: shard_grad_samples(list(replica.parameters()),
-                                                      [torch.zeros(1, *p.shape)
-                                                       for p in replica.parameters()])),
-           "shape": _catch(lambda: shard_grad_samples(params, [torch.zeros(1, 2)] * 4))}
-    mixed = DPAdamW([params[0], nn.Parameter(torch.randn(3))], max_grad_norm=1.0,
-                    noise_multiplier=1.0, expected_batch_size=2.0, seed=3)
+    out = {
+        "count": _catch(lambda: shard_grad_samples(params, [])),
+        "plain": _catch(
+            lambda: shard_grad_samples(
+                list(replica.parameters()), [torch.zeros(1, *p.shape) for p in replica.parameters()]
+            )
+        ),
+        "shape": _catch(lambda: shard_grad_samples(params, [torch.zeros(1, 2)] * 4)),
+    }
+    mixed = DPAdamW(
+        [params[0], nn.Parameter(torch.randn(3))],
+        max_grad_norm=1.0,
+        noise_multiplier=1.0,
+        expected_batch_size=2.0,
+        seed=3,
+    )
     out["mixed"] = _catch(lambda: mixed.accumulate_clipped([None, None]) or mixed.step())
     # a NaN in rank 0's per-sample gradients lands in some rank's shard; the all-reduced
     # norms carry it to every rank, so every rank refuses the step
@@ -209,16 +253,15 @@ def _run_fsdp_errors(rank, world, data):
     if rank == world - 1:
         params[1].grad_sample = params[1].grad_sample[:, :0]
     out["shape_step"] = _catch(opt.step)
-    out["shape_untouched"] = all(torch.equal(a, p.full_tensor())
-                                 for a, p in zip(before, params))
+    out["shape_untouched"] = all(torch.equal(a, p.full_tensor()) for a, p in zip(before, params))
     opt.zero_grad()
     # torch.func cannot trace FSDP2 modules: a clear error, not an AttributeError
-    out["func"] = _catch(lambda: compute_grad_sample(model, _loss, data["x"][:2],
-                                                     data["y"][:2]))
+    out["func"] = _catch(lambda: compute_grad_sample(model, _loss, data["x"][:2], data["y"][:2]))
     # a root that owns parameters keeps them unsharded after an evaluation forward:
     # GhostClipping reshards first; add_empty_batch is refused (it would leave the other
     # ranks waiting in their forward's all-gathers)
     from dpkern.ghost import GhostClipping
+
     rooted = _net()
     fully_shard(rooted[0], mesh=params[0].device_mesh)
     fully_shard(rooted, mesh=params[0].device_mesh)
@@ -230,6 +273,7 @@ def _run_fsdp_errors(rank, world, data):
     # bad input on ONE rank: it raises its own error, the others DistributedDPError (the
     # ranks agree on validity before communicating), nobody hangs
     from dpkern.distributed import reduce_scatter_clipped_sums
+
     last = rank == world - 1
     rows = 3 if last else 2
     bad_gs = [torch.zeros(rows if k == 1 else 2, *p.shape) for k, p in enumerate(params)]
@@ -245,10 +289,14 @@ def _run_fsdp_errors(rank, world, data):
     if rank == 0:
         x[1, 0] = float("inf")
     with GhostClipping(model, gopt) as gc:
-        out["one_ghost"] = _catch(lambda: gc.backward(nn.functional.cross_entropy(
-            model(x), data["y"][:3], reduction="none")))
-    out["one_ghost_untouched"] = all(torch.equal(a, p.full_tensor())
-                                     for a, p in zip(before, params)) and not gopt._accum
+        out["one_ghost"] = _catch(
+            lambda: gc.backward(
+                nn.functional.cross_entropy(model(x), data["y"][:3], reduction="none")
+            )
+        )
+    out["one_ghost_untouched"] = (
+        all(torch.equal(a, p.full_tensor()) for a, p in zip(before, params)) and not gopt._accum
+    )
     # a state_dict that fits on all ranks but one: every rank keeps its old state
     gopt.accumulate_clipped([None] * len(params))  # an empty batch: a noise-only step
     gopt.step()  # gives every parameter a state
@@ -268,10 +316,14 @@ def _run_poisson(rank, world, data):
     # a training loop driven by the sampler: every rank steps every time
     train = DistributedPoissonSampler(**POISSON, seed=3)
     torch.manual_seed(0)
-    x, y = torch.randn(POISSON["num_samples"], D_IN), torch.randint(0, D_OUT, (POISSON["num_samples"],))
+    x, y = (
+        torch.randn(POISSON["num_samples"], D_IN),
+        torch.randint(0, D_OUT, (POISSON["num_samples"],)),
+    )
     net = _net()
-    opt = DistributedDPOptimizer(_make_opt("adamw", net.parameters(), seed=9,
-                                           expected_batch_size=train.expected_batch_size))
+    opt = DistributedDPOptimizer(
+        _make_opt("adamw", net.parameters(), seed=9, expected_batch_size=train.expected_batch_size)
+    )
     train_batches = []
     for local in train:
         train_batches.append(local)
@@ -279,15 +331,23 @@ def _run_poisson(rank, world, data):
             compute_grad_sample(net, _loss, x[local], y[local])
         opt.step()
         opt.zero_grad()
-    return {"batches": batches, "shard": list(sampler.shard), "train_batches": train_batches,
-            "train_steps": opt.dp_step, "train_params": [p.detach().clone()
-                                                        for p in net.parameters()]}
+    return {
+        "batches": batches,
+        "shard": list(sampler.shard),
+        "train_batches": train_batches,
+        "train_steps": opt.dp_step,
+        "train_params": [p.detach().clone() for p in net.parameters()],
+    }
 
 
 # FSDP2 scenarios: name -> (optimizer, how the clipped sums reach the shards)
-FSDP_CASES = {"adamw": ("adamw", "fsdp_grad"), "ghost": ("adamw", "ghost"),
-              "ghost_bc": ("adamw_bc", "ghost"), "macadam": ("macadam", "per_sample"),
-              "sgd": ("sgd", "per_sample")}
+FSDP_CASES = {
+    "adamw": ("adamw", "fsdp_grad"),
+    "ghost": ("adamw", "ghost"),
+    "ghost_bc": ("adamw_bc", "ghost"),
+    "macadam": ("macadam", "per_sample"),
+    "sgd": ("sgd", "per_sample"),
+}
 
 
 def _run_fsdp(rank, world, data, name, local_indices=False):
@@ -312,6 +372,7 @@ def _run_fsdp(rank, world, data, name, local_indices=False):
     from dpkern.distributed import shard_grad_samples, shard_offsets
     from dpkern.functional import clip_factors, per_sample_norms
     from dpkern.ghost import GhostClipping
+
     mesh = init_device_mesh("cpu", (world,))
     model, replica = _net(), _net()
     for layer in (model[0], model[2]):
@@ -333,8 +394,9 @@ def _run_fsdp(rank, world, data, name, local_indices=False):
                 r.data.copy_(p.full_tensor())
             if local:
                 compute_grad_sample(replica, _loss, data["x"][local], data["y"][local])
-            gs = [r.grad_sample if local else torch.zeros(0, *r.shape)
-                  for r in replica.parameters()]
+            gs = [
+                r.grad_sample if local else torch.zeros(0, *r.shape) for r in replica.parameters()
+            ]
             if path == "per_sample":
                 assert shard_grad_samples(opt.trainable_params(), gs) == len(batch)
             elif path == "ghost":
@@ -344,49 +406,68 @@ def _run_fsdp(rank, world, data, name, local_indices=False):
                 rows = local or ([0] if name == "ghost_bc" else [])
                 with ghost:
                     losses = nn.functional.cross_entropy(
-                        model(data["x"][rows]), data["y"][rows], reduction="none")
+                        model(data["x"][rows]), data["y"][rows], reduction="none"
+                    )
                     ghost.backward(losses if local else losses[:0])
             else:
                 c = clip_factors(per_sample_norms(gs, backend="torch"), 0.7)
-                losses = nn.functional.cross_entropy(model(data["x"][local]),
-                                                     data["y"][local], reduction="none")
+                losses = nn.functional.cross_entropy(
+                    model(data["x"][local]), data["y"][local], reduction="none"
+                )
                 (c * losses).sum().backward()  # every rank, empty batch or not
                 opt.accumulate_clipped([p.grad for p in model.parameters()], len(local))
             opt.step()
             opt.zero_grad()
             replica.zero_grad()
             snaps.append([p.full_tensor().detach().clone() for p in model.parameters()])
-    shards = [(off, local.numel(), {k: v.clone() for k, v in opt.state[p].items()})
-              for p, (local, off) in zip(model.parameters(),
-                                         shard_offsets(list(model.parameters())))]
+    shards = [
+        (off, local.numel(), {k: v.clone() for k, v in opt.state[p].items()})
+        for p, (local, off) in zip(model.parameters(), shard_offsets(list(model.parameters())))
+    ]
     # a checkpoint of the sharded state (this rank's shards) loads back
     again = DistributedDPOptimizer(_make_opt(rule, model.parameters(), seed=77))
     again.load_state_dict(opt.state_dict())
     resumed = again.dp_step == opt.dp_step and all(
-        torch.equal(again.state[p][k], v) for p in model.parameters()
-        for k, v in opt.state[p].items())
+        torch.equal(again.state[p][k], v)
+        for p in model.parameters()
+        for k, v in opt.state[p].items()
+    )
     # ... and so does a FULL one (gathered states, what a single process would save)
     full = opt.state_dict(full=True)
     again = DistributedDPOptimizer(_make_opt(rule, model.parameters(), seed=77))
     again.load_state_dict(full)
-    resumed = resumed and all(torch.equal(again.state[p][k], v) for p in model.parameters()
-                              for k, v in opt.state[p].items())
-    return {"snaps": snaps, "shards": shards, "resumed": resumed,
-            "full_state": [full["state"][k] for k in sorted(full["state"])]}
+    resumed = resumed and all(
+        torch.equal(again.state[p][k], v)
+        for p in model.parameters()
+        for k, v in opt.state[p].items()
+    )
+    return {
+        "snaps": snaps,
+        "shards": shards,
+        "resumed": resumed,
+        "full_state": [full["state"][k] for k in sorted(full["state"])],
+    }
 
 
 def _worker(rank, world, tmpdir):
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
-    dist.init_process_group("gloo", init_method="file://" + os.path.join(tmpdir, "rdv"),
-                            rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        init_method="file://" + os.path.join(tmpdir, "rdv"),
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=120),
+    )
     try:
         data = torch.load(os.path.join(tmpdir, "data.pt"))
-        res = {"ddp_opacus": _run_ddp_opacus(rank, world, data) if world == 2 else None,
-               "func_adamw": _run_func(rank, world, data, "adamw"),
-               "func_macadam": _run_func(rank, world, data, "macadam"),
-               "noise": _run_noise(rank, world),
-               "poisson": _run_poisson(rank, world, data)}
+        res = {
+            "ddp_opacus": _run_ddp_opacus(rank, world, data) if world == 2 else None,
+            "func_adamw": _run_func(rank, world, data, "adamw"),
+            "func_macadam": _run_func(rank, world, data, "macadam"),
+            "noise": _run_noise(rank, world),
+            "poisson": _run_poisson(rank, world, data),
+        }
         for name in FSDP_CASES:
             res[f"fsdp_{name}"] = _run_fsdp(rank, world, data, name)
         if world > 1:
@@ -403,8 +484,10 @@ def run(request, tmp_path_factory):
     world = request.param
     tmpdir = str(tmp_path_factory.mktemp(f"ddp_w{world}"))
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-    data = {"x": torch.randn(N, D_IN, generator=gen),
-            "y": torch.randint(0, D_OUT, (N,), generator=gen)}
+    data = {
+        "x": torch.randn(N, D_IN, generator=gen),
+        "y": torch.randint(0, D_OUT, (N,), generator=gen),
+    }
     torch.save(data, os.path.join(tmpdir, "data.pt"))
     mp.spawn(_worker, args=(world, tmpdir), nprocs=world, join=True)
     results = [torch.load(os.path.join(tmpdir, f"rank{r}.pt")) for r in range(world)]
@@ -442,8 +525,9 @@ def _assert_snaps_equal(got, want):
         for sa, sb in zip(g["state"], w["state"]):
             assert sa.keys() == sb.keys()
             for k in sa:
-                torch.testing.assert_close(sa[k], sb[k], atol=1e-6, rtol=0,
-                                           msg=f"state {k}, step {t + 1}")
+                torch.testing.assert_close(
+                    sa[k], sb[k], atol=1e-6, rtol=0, msg=f"state {k}, step {t + 1}"
+                )
 
 
 # ------------------------------------------------------------------------------------
@@ -527,11 +611,11 @@ def test_fsdp2_errors_are_clear_and_raised_on_every_rank(run):
     assert [r["fsdp_errors"]["one_gs"][0] for r in results] == others + ["ValueError"]
     assert [r["fsdp_errors"]["one_rs"][0] for r in results] == others + ["ValueError"]
     assert [r["fsdp_errors"]["one_load"][0] for r in results] == others + ["ValueError"]
-    assert [r["fsdp_errors"]["one_ghost"][0] for r in results] == \
-        ["FloatingPointError"] + others
+    assert [r["fsdp_errors"]["one_ghost"][0] for r in results] == ["FloatingPointError"] + others
     assert "ranks [0] failed" in results[-1]["fsdp_errors"]["one_ghost"][1]
-    assert [r["fsdp_errors"]["shape_step"][0] for r in results] == \
-        ["DistributedDPError"] * (world - 1) + ["ValueError"]
+    assert [r["fsdp_errors"]["shape_step"][0] for r in results] == ["DistributedDPError"] * (
+        world - 1
+    ) + ["ValueError"]
     assert "grad_sample has shape" in results[-1]["fsdp_errors"]["shape_step"][1]
 
 
@@ -543,14 +627,17 @@ def test_distributed_poisson_sampling(run):
     for r, shard in zip(results, shards):
         assert len(r["poisson"]["batches"]) == steps  # every rank yields every step
         assert all(set(b) <= shard for b in r["poisson"]["batches"])
-    sizes = torch.tensor([sum(len(r["poisson"]["batches"][t]) for r in results)
-                          for t in range(steps)], dtype=torch.float64)
+    sizes = torch.tensor(
+        [sum(len(r["poisson"]["batches"][t]) for r in results) for t in range(steps)],
+        dtype=torch.float64,
+    )
     # mean global batch q N = 10; std of the mean sqrt(qN(1-q)/steps) ~ 0.18
     assert abs(float(sizes.mean()) - q * n) < 5 * math.sqrt(q * (1 - q) * n / steps)
     assert float(sizes.var()) == pytest.approx(q * (1 - q) * n, rel=0.35)
     if world > 1:  # ranks draw independently (secure mode: own os.urandom seeds)
         assert results[0]["poisson"]["batches"] != [
-            [i - 1 for i in b] for b in results[1]["poisson"]["batches"]]
+            [i - 1 for i in b] for b in results[1]["poisson"]["batches"]
+        ]
 
 
 def test_poisson_training_loop_equals_single_process_on_union(run):
@@ -559,10 +646,15 @@ def test_poisson_training_loop_equals_single_process_on_union(run):
     assert all(r["poisson"]["train_steps"] == steps for r in results)
     local_sizes = [[len(b) for b in r["poisson"]["train_batches"]] for r in results]
     if world > 1:  # the scenario did exercise empty local batches next to non-empty ones
-        assert any(0 in [s[t] for s in local_sizes] and any(s[t] for s in local_sizes)
-                   for t in range(steps))
+        assert any(
+            0 in [s[t] for s in local_sizes] and any(s[t] for s in local_sizes)
+            for t in range(steps)
+        )
     torch.manual_seed(0)
-    x, y = torch.randn(POISSON["num_samples"], D_IN), torch.randint(0, D_OUT, (POISSON["num_samples"],))
+    x, y = (
+        torch.randn(POISSON["num_samples"], D_IN),
+        torch.randint(0, D_OUT, (POISSON["num_samples"],)),
+    )
     net = _net()
     be = POISSON["sample_rate"] * POISSON["num_samples"]
     opt = _make_opt("adamw", net.parameters(), seed=9, expected_batch_size=be)
@@ -600,8 +692,7 @@ def test_fsdp2_sharded_steps_equal_single_process(run, name):
                 torch.testing.assert_close(a, b, atol=1e-6, rtol=0, msg=f"step {t + 1}")
     # the shards tile the global index space exactly (no index twice, none skipped) ...
     numel = sum(p.numel() for p in want[-1]["params"])
-    ranges = sorted((off, n) for r in results for off, n, _ in r[f"fsdp_{name}"]["shards"]
-                    if n)
+    ranges = sorted((off, n) for r in results for off, n, _ in r[f"fsdp_{name}"]["shards"] if n)
     assert [o for o, _ in ranges] == [0] + [o + n for o, n in ranges[:-1]]
     assert ranges[-1][0] + ranges[-1][1] == numel
     # ... and the shards' optimizer states are the single-process states at those indices
@@ -614,8 +705,9 @@ def test_fsdp2_sharded_steps_equal_single_process(run, name):
                 if v.dim() == 0:  # a per-group scalar (DP-AdamW-BC's phi): the same value
                     torch.testing.assert_close(v, want[-1]["state"][0][k], atol=0, rtol=1e-6)
                     continue
-                torch.testing.assert_close(v.flatten(), flat[k][off:off + n], atol=1e-6,
-                                           rtol=0, msg=k)
+                torch.testing.assert_close(
+                    v.flatten(), flat[k][off : off + n], atol=1e-6, rtol=0, msg=k
+                )
 
 
 def test_fsdp2_local_indices_would_differ(run):
@@ -624,8 +716,10 @@ def test_fsdp2_local_indices_would_differ(run):
     if world == 1:
         pytest.skip("needs two ranks")
     want = _single("adamw", data, 77, BATCHES[:1])
-    diff = max(float((a - b).abs().max())
-               for a, b in zip(results[0]["fsdp_local"]["snaps"][0], want[0]["params"]))
+    diff = max(
+        float((a - b).abs().max())
+        for a, b in zip(results[0]["fsdp_local"]["snaps"][0], want[0]["params"])
+    )
     assert diff > 1e-4
 
 
@@ -649,7 +743,7 @@ def test_key_fingerprint_is_keyed_and_stable():
     k = int.from_bytes(os.urandom(8), "little")
     assert key_fingerprint(k) == key_fingerprint(k)
     assert key_fingerprint(k) != key_fingerprint(k ^ 1)
-    assert -2**63 <= key_fingerprint(k) < 2**63 and key_fingerprint(k) not in (k, k - 2**64)
+    assert -(2**63) <= key_fingerprint(k) < 2**63 and key_fingerprint(k) not in (k, k - 2**64)
 
 
 def test_wrapper_rejects_non_dp_optimizers():
@@ -664,9 +758,10 @@ def test_module_docstring_training_script_runs_under_torchrun(tmp_path):
     import sys
 
     import dpkern.distributed as D
+
     doc = D.__doc__
     lines = []
-    for line in doc[doc.index("    # train.py\n"):].splitlines():
+    for line in doc[doc.index("    # train.py\n") :].splitlines():
         if line.strip() and not line.startswith("    "):
             break
         lines.append(line[4:])
@@ -675,9 +770,21 @@ def test_module_docstring_training_script_runs_under_torchrun(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("TRITON_INTERPRET", None)
     for attempt in range(2):
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                               "--nproc_per_node=2", str(script)], capture_output=True,
-                              text=True, timeout=300, env=env, cwd=tmp_path)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node=2",
+                str(script),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+            cwd=tmp_path,
+        )
         # torch 2.13's gloo occasionally aborts a rank at interpreter exit, after the
         # script finished ("terminate called without an active exception", about 1 run in
         # 15 here, not dpkern code): run again once in that case only

@@ -1,4 +1,5 @@
 """Bad input gets a clear error and loses nothing (SPEC sections 1 and 9)."""
+
 from __future__ import annotations
 
 import copy
@@ -10,8 +11,14 @@ import dpkern
 from dpkern import functional as F
 
 PRIVACY = dict(max_grad_norm=1.0, noise_multiplier=0.5, expected_batch_size=4.0)
-CLASSES = [dpkern.DPSGD, dpkern.DPAdam, dpkern.DPAdamBC, dpkern.DPAdamW, dpkern.DPAdamWBC,
-           dpkern.DPMacAdam]
+CLASSES = [
+    dpkern.DPSGD,
+    dpkern.DPAdam,
+    dpkern.DPAdamBC,
+    dpkern.DPAdamW,
+    dpkern.DPAdamWBC,
+    dpkern.DPMacAdam,
+]
 
 
 def _make(cls, params, **kw):
@@ -34,8 +41,12 @@ def _fill(model, B=4, seed=0):
 
 
 def _snapshot(model, opt):
-    return ([p.detach().clone() for p in model.parameters()],
-            copy.deepcopy(opt.state_dict()["state"]), opt.dp_step, dict(opt.stats))
+    return (
+        [p.detach().clone() for p in model.parameters()],
+        copy.deepcopy(opt.state_dict()["state"]),
+        opt.dp_step,
+        dict(opt.stats),
+    )
 
 
 def _assert_same(a, b):
@@ -51,17 +62,32 @@ def _assert_same(a, b):
 
 
 BAD_HYPER = [
-    ("lr", -1.0), ("lr", float("nan")), ("betas", (1.0, 0.9)), ("betas", (0.9, -0.1)),
-    ("eps", 0.0), ("gamma", 0.0), ("weight_decay", -0.1), ("momentum", -0.5),
+    ("lr", -1.0),
+    ("lr", float("nan")),
+    ("betas", (1.0, 0.9)),
+    ("betas", (0.9, -0.1)),
+    ("eps", 0.0),
+    ("gamma", 0.0),
+    ("weight_decay", -0.1),
+    ("momentum", -0.5),
 ]
-BAD_PRIVACY = [("max_grad_norm", 0.0), ("max_grad_norm", -1.0), ("noise_multiplier", -0.1),
-               ("expected_batch_size", 0), ("backend", "cuda"), ("nonfinite", "ignore"),
-               ("seed", -1), ("seed", 2**64), ("seed", 1.5)]
+BAD_PRIVACY = [
+    ("max_grad_norm", 0.0),
+    ("max_grad_norm", -1.0),
+    ("noise_multiplier", -0.1),
+    ("expected_batch_size", 0),
+    ("backend", "cuda"),
+    ("nonfinite", "ignore"),
+    ("seed", -1),
+    ("seed", 2**64),
+    ("seed", 1.5),
+]
 
 
 @pytest.mark.parametrize("cls", CLASSES)
 def test_every_invalid_hyper_parameter_is_a_value_error_naming_it(cls):
     import inspect
+
     accepted = inspect.signature(cls.__init__).parameters
     cases = [c for c in BAD_HYPER + BAD_PRIVACY if c[0] in accepted]
     if cls is dpkern.DPMacAdam:
@@ -90,6 +116,7 @@ def test_unavailable_backend_is_a_clear_error():
     opt = _make(dpkern.DPAdamW, model.parameters(), backend="triton")
     _fill(model)
     import os
+
     if dpkern.backends.is_available("triton") and os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("triton usable here")
     with pytest.raises(RuntimeError, match="triton"):
@@ -123,21 +150,23 @@ def _corrupt_cases():
     def not_a_tensor(m):
         m[0].bias.grad_sample = [[1.0, 2.0, 3.0]] * 4
 
-    return [(mismatched_B, ValueError, "differs from"),
-            (grad_without_grad_sample, ValueError, r"param_groups\[0\]\['params'\]\[3\]"),
-            (wrong_shape, ValueError, "shape"),
-            (sparse, ValueError, "sparse"),
-            (device_mismatch, ValueError, "meta"),
-            (nan_rows, FloatingPointError, r"rows \[2, 3\]"),
-            (no_grad_sample_at_all, ValueError, "never computed"),
-            (not_a_tensor, ValueError, "grad_sample")]
+    return [
+        (mismatched_B, ValueError, "differs from"),
+        (grad_without_grad_sample, ValueError, r"param_groups\[0\]\['params'\]\[3\]"),
+        (wrong_shape, ValueError, "shape"),
+        (sparse, ValueError, "sparse"),
+        (device_mismatch, ValueError, "meta"),
+        (nan_rows, FloatingPointError, r"rows \[2, 3\]"),
+        (no_grad_sample_at_all, ValueError, "never computed"),
+        (not_a_tensor, ValueError, "grad_sample"),
+    ]
 
 
 @pytest.mark.parametrize("cls", CLASSES)
-@pytest.mark.parametrize("corrupt,exc,match", _corrupt_cases(),
-                         ids=[c[0].__name__ for c in _corrupt_cases()])
-def test_failed_step_leaves_everything_untouched_then_a_valid_step_works(cls, corrupt, exc,
-                                                                         match):
+@pytest.mark.parametrize(
+    "corrupt,exc,match", _corrupt_cases(), ids=[c[0].__name__ for c in _corrupt_cases()]
+)
+def test_failed_step_leaves_everything_untouched_then_a_valid_step_works(cls, corrupt, exc, match):
     model = _model()
     opt = _make(cls, model.parameters())
     _fill(model, seed=1)
@@ -203,8 +232,15 @@ def test_functional_validation_before_mutation():
     before = [x.clone() for x in p]
     m = [torch.zeros(5), torch.zeros(2, 2)]
     v = [torch.zeros(5), torch.zeros(2, 2)]
-    common = dict(step=1, key=3, lr=0.1, max_grad_norm=1.0, noise_multiplier=1.0,
-                  expected_batch_size=2.0, backend="torch")
+    common = dict(
+        step=1,
+        key=3,
+        lr=0.1,
+        max_grad_norm=1.0,
+        noise_multiplier=1.0,
+        expected_batch_size=2.0,
+        backend="torch",
+    )
     with pytest.raises(ValueError, match="exp_avg_sq"):
         F.dp_adamw(p, [torch.randn(2, 5), torch.randn(2, 2, 2)], m, [torch.zeros(5)], **common)
     with pytest.raises(ValueError, match="batch size"):

@@ -1,4 +1,5 @@
 """End-to-end tests of ``dpkern finetune`` (in-process, tiny model, tiny fresh text)."""
+
 from __future__ import annotations
 
 import json
@@ -10,12 +11,20 @@ from dpkern import data, models
 from dpkern.cli.__main__ import main
 
 
-
 pytestmark = pytest.mark.usefixtures("tiny_default_model")
 
 
-TINY = ["--block-size", "16", "--batch-size", "16", "--micro-batch-size", "8", "--lr", "1e-2",
-        "--quiet"]
+TINY = [
+    "--block-size",
+    "16",
+    "--batch-size",
+    "16",
+    "--micro-batch-size",
+    "8",
+    "--lr",
+    "1e-2",
+    "--quiet",
+]
 
 
 def finetune(*argv):
@@ -30,15 +39,25 @@ def test_end_to_end_loss_drops_and_budget_is_met(text_file, tmp_path, capsys):
     out = tmp_path / "run"
     assert finetune("--data", text_file, "--steps", 25, "--epsilon", 8, "--out", out, *TINY) == 0
     m = read_metrics(out)
-    for key in ("epsilon", "delta", "noise_multiplier", "sample_rate", "step",
-                "val_loss_before", "val_loss_after", "val_perplexity_before",
-                "val_perplexity_after", "expected_tokens_per_second", "train_seconds"):
+    for key in (
+        "epsilon",
+        "delta",
+        "noise_multiplier",
+        "sample_rate",
+        "step",
+        "val_loss_before",
+        "val_loss_after",
+        "val_perplexity_before",
+        "val_perplexity_after",
+        "expected_tokens_per_second",
+        "train_seconds",
+    ):
         assert key in m, key
     assert m["step"] == 25 and m["finished"]
     assert m["val_loss_after"] < m["val_loss_before"] - 0.3
     assert 0.95 * 8 <= m["epsilon"] <= 8
     n = m["n_train_blocks"]
-    assert m["target_delta"] == pytest.approx(1 / n ** 1.1)
+    assert m["target_delta"] == pytest.approx(1 / n**1.1)
     assert m["sample_rate"] == pytest.approx(16 / n)
     assert m["noise_multiplier"] > 0
     for f in ("config.json", "model.safetensors", "run_config.json", "trainer_state.pt"):
@@ -60,8 +79,9 @@ def test_resume_continues_from_saved_step(text_file, tmp_path, capsys):
     # changing the plan on resume is refused
     assert finetune("--resume", first, "--steps", 8, "--lr", 0.5, "--out", second) == 2
     assert "--lr" in capsys.readouterr().err
-    assert finetune("--resume", first, "--steps", 8, "--epsilon", 10, "--out", second,
-                    "--quiet") == 0
+    assert (
+        finetune("--resume", first, "--steps", 8, "--epsilon", 10, "--out", second, "--quiet") == 0
+    )
     assert "steps 4 -> 8" in capsys.readouterr().out
     m2 = read_metrics(second)
     assert m2["step"] == 8
@@ -69,21 +89,43 @@ def test_resume_continues_from_saved_step(text_file, tmp_path, capsys):
     assert 0.95 * 10 <= m2["epsilon"] <= 10
     state = torch.load(second / "trainer_state.pt", weights_only=True)
     history = state["accountant"]["history"]
-    assert history[0] == [pytest.approx(m1["noise_multiplier"]), pytest.approx(m1["sample_rate"]), 4]
+    assert history[0] == [
+        pytest.approx(m1["noise_multiplier"]),
+        pytest.approx(m1["sample_rate"]),
+        4,
+    ]
     assert sum(r[2] for r in history) == 8
     assert "seed" not in state["optimizer"]["dp"]  # --seed is not the noise key
     assert state["optimizer"]["state"]  # Adam moments were saved and restored
     # a secure run never writes its key
     assert finetune(*common, "--steps", 2, "--out", tmp_path / "c", "--overwrite") == 0
-    assert "seed" not in torch.load(tmp_path / "c" / "trainer_state.pt",
-                                    weights_only=True)["optimizer"]["dp"]
+    assert (
+        "seed"
+        not in torch.load(tmp_path / "c" / "trainer_state.pt", weights_only=True)["optimizer"]["dp"]
+    )
 
 
 def test_empty_poisson_batches_are_handled(text_file, tmp_path):
     out = tmp_path / "run"
     # expected batch 1 of a few hundred blocks: most batches are empty
-    assert finetune("--data", text_file, "--block-size", 16, "--batch-size", 1, "--steps", 6,
-                    "--quiet", "--optimizer", "dp-sgd", "--out", out) == 0
+    assert (
+        finetune(
+            "--data",
+            text_file,
+            "--block-size",
+            16,
+            "--batch-size",
+            1,
+            "--steps",
+            6,
+            "--quiet",
+            "--optimizer",
+            "dp-sgd",
+            "--out",
+            out,
+        )
+        == 0
+    )
     m = read_metrics(out)
     assert m["step"] == 6 and m["finished"]
 
@@ -91,16 +133,28 @@ def test_empty_poisson_batches_are_handled(text_file, tmp_path):
 @pytest.mark.parametrize("optimizer", ["dp-adambc", "dp-macadam"])
 def test_other_optimizers_run(text_file, tmp_path, optimizer):
     out = tmp_path / "run"
-    assert finetune("--data", text_file, "--steps", 3, "--optimizer", optimizer, "--out", out,
-                    *TINY) == 0
+    assert (
+        finetune("--data", text_file, "--steps", 3, "--optimizer", optimizer, "--out", out, *TINY)
+        == 0
+    )
     assert read_metrics(out)["optimizer"] == optimizer
 
 
 def _tiny_gpt2_dir(path, vocab_size=300, n_positions=32, **extra):
     from transformers import GPT2Config, GPT2LMHeadModel
-    cfg = GPT2Config(**{"vocab_size": vocab_size, "n_positions": n_positions, "n_embd": 32,
-                        "n_layer": 1, "n_head": 2, "bos_token_id": 0, "eos_token_id": 0,
-                        **extra})
+
+    cfg = GPT2Config(
+        **{
+            "vocab_size": vocab_size,
+            "n_positions": n_positions,
+            "n_embd": 32,
+            "n_layer": 1,
+            "n_head": 2,
+            "bos_token_id": 0,
+            "eos_token_id": 0,
+            **extra,
+        }
+    )
     GPT2LMHeadModel(cfg).save_pretrained(path)
     return path
 
@@ -118,6 +172,7 @@ def test_opacus_grad_sample_matches_functorch():
     pytest.importorskip("opacus")
     from dpkern.cli.finetune import _PerSample
     from dpkern.models import CausalLMLogits
+
     model = models.default_model(8)
     net = CausalLMLogits(model, explicit_positions=True)
     ids = torch.randint(0, 256, (5, 8))
@@ -131,8 +186,20 @@ def test_opacus_grad_sample_matches_functorch():
 
 def test_opacus_mode_runs_end_to_end(text_file, tmp_path):
     pytest.importorskip("opacus")
-    assert finetune("--data", text_file, "--steps", 2, "--grad-sample", "opacus",
-                    "--out", tmp_path / "run", *TINY) == 0
+    assert (
+        finetune(
+            "--data",
+            text_file,
+            "--steps",
+            2,
+            "--grad-sample",
+            "opacus",
+            "--out",
+            tmp_path / "run",
+            *TINY,
+        )
+        == 0
+    )
 
 
 def _bad_cases(tmp_path, text_file):
@@ -162,19 +229,32 @@ def _bad_cases(tmp_path, text_file):
         "delta zero": (["--data", text_file, "--delta", 0], "--delta"),
         "delta one": (["--data", text_file, "--delta", 1], "--delta"),
         # no sigma <= 1e6 reaches it (RDP's order grid bottoms out near 0.36 at this delta)
-        "budget too small": (["--data", text_file, "--epsilon", 0.01, "--delta", 1e-12],
-                             "--epsilon"),
-        "batch larger than data": (["--data", text_file, "--block-size", 16,
-                                    "--batch-size", 10**6], "--batch-size"),
-        "block larger than context": (["--data", text_file, "--model",
-                                       _tiny_gpt2_dir(tmp_path / "m", n_positions=8),
-                                       "--block-size", 16], "--block-size"),
+        "budget too small": (
+            ["--data", text_file, "--epsilon", 0.01, "--delta", 1e-12],
+            "--epsilon",
+        ),
+        "batch larger than data": (
+            ["--data", text_file, "--block-size", 16, "--batch-size", 10**6],
+            "--batch-size",
+        ),
+        "block larger than context": (
+            [
+                "--data",
+                text_file,
+                "--model",
+                _tiny_gpt2_dir(tmp_path / "m", n_positions=8),
+                "--block-size",
+                16,
+            ],
+            "--block-size",
+        ),
         "max grad norm": (["--data", text_file, "--max-grad-norm", 0], "--max-grad-norm"),
         # fewer tokens than one block, or fewer blocks than the batch: the block size
-        "text too short": (["--data", empty.with_name("short.txt"), "--block-size", 16],
-                           "--block-size"),
-        "block larger than data": (["--data", text_file, "--block-size", 4096],
-                                   "--block-size"),
+        "text too short": (
+            ["--data", empty.with_name("short.txt"), "--block-size", 16],
+            "--block-size",
+        ),
+        "block larger than data": (["--data", text_file, "--block-size", 4096], "--block-size"),
         "resume not a checkpoint": (["--resume", not_model], "--resume"),
     }
 
@@ -221,27 +301,49 @@ def test_data_reading_and_blocks(tmp_path):
     assert len(data.default_text()) > 100_000
 
 
-def test_ghost_clipping_is_the_default_and_equals_the_per_sample_path(text_file, tmp_path,
-                                                                      capsys):
+def test_ghost_clipping_is_the_default_and_equals_the_per_sample_path(text_file, tmp_path, capsys):
     """Same seeds, same data: ghost clipping (the default) and materialised per-sample
     gradients give the same run (same noise, same clipped sums up to fp32 rounding)."""
     runs = {}
     for mode in ("ghost", "per-sample"):
         out = tmp_path / mode
-        args = ["--data", text_file, "--steps", 4, "--seed", 3, "--noise-seed", 3,
-                "--out", out, *TINY]
+        args = [
+            "--data",
+            text_file,
+            "--steps",
+            4,
+            "--seed",
+            3,
+            "--noise-seed",
+            3,
+            "--out",
+            out,
+            *TINY,
+        ]
         if mode == "per-sample":
             args += ["--clipping", mode]
         assert finetune(*args) == 0
         runs[mode] = read_metrics(out)
         assert f"clipping {mode}" in capsys.readouterr().out
-    assert runs["ghost"]["val_loss_after"] == pytest.approx(runs["per-sample"]["val_loss_after"],
-                                                            rel=1e-4)
+    assert runs["ghost"]["val_loss_after"] == pytest.approx(
+        runs["per-sample"]["val_loss_after"], rel=1e-4
+    )
 
 
 def test_ghost_clipping_refuses_dp_macadam(text_file, tmp_path, capsys):
-    code = finetune("--data", text_file, "--steps", 2, "--optimizer", "dp-macadam",
-                    "--clipping", "ghost", "--out", tmp_path / "x", *TINY)
+    code = finetune(
+        "--data",
+        text_file,
+        "--steps",
+        2,
+        "--optimizer",
+        "dp-macadam",
+        "--clipping",
+        "ghost",
+        "--out",
+        tmp_path / "x",
+        *TINY,
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "--clipping" in err[0]
     assert not (tmp_path / "x").exists()
@@ -249,13 +351,15 @@ def test_ghost_clipping_refuses_dp_macadam(text_file, tmp_path, capsys):
 
 # -- data parallelism (--nproc): spawned workers, gloo on CPU ------------------------------
 
+
 def _nproc_run(tmp_path, text_file, *extra):
     """A 2-process run on a tiny saved GPT-2 (spawned workers do not see the monkeypatched
     default shape, so the model comes from a directory both sides load)."""
     model = _tiny_gpt2_dir(tmp_path / "tiny-gpt2")
     out = tmp_path / "run"
-    code = finetune("--model", model, "--data", text_file, "--nproc", 2, "--out", out, *TINY,
-                    *extra)
+    code = finetune(
+        "--model", model, "--data", text_file, "--nproc", 2, "--out", out, *TINY, *extra
+    )
     return code, out
 
 
@@ -269,11 +373,28 @@ def test_nproc_2_secure_mode(text_file, tmp_path):
 
 def test_seed_makes_a_model_with_dropout_reproducible(text_file, tmp_path):
     from safetensors.torch import load_file
+
     model = _tiny_gpt2_dir(tmp_path / "tiny", resid_pdrop=0.1)  # dropout on
     outs = [tmp_path / "a", tmp_path / "b", tmp_path / "c"]
     for out, seed in zip(outs, (4, 4, 5)):  # (--noise-seed: the same noise in all three)
-        assert finetune("--model", model, "--data", text_file, "--steps", 2, "--seed", seed,
-                        "--noise-seed", 1, "--out", out, *TINY) == 0
+        assert (
+            finetune(
+                "--model",
+                model,
+                "--data",
+                text_file,
+                "--steps",
+                2,
+                "--seed",
+                seed,
+                "--noise-seed",
+                1,
+                "--out",
+                out,
+                *TINY,
+            )
+            == 0
+        )
     a, b, c = (load_file(o / "model.safetensors") for o in outs)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not all(torch.equal(a[k], c[k]) for k in a)
@@ -290,14 +411,31 @@ def test_nproc_2_fsdp_equals_ddp_and_resumes(text_file, tmp_path):
     one run in eight failed a 1e-6 comparison). Gathered Adam states are compared with
     the single process in test_distributed.py (state_dict(full=True))."""
     from safetensors.torch import load_file
-    model = _tiny_gpt2_dir(tmp_path / "tiny", n_layer=2, resid_pdrop=0.0, embd_pdrop=0.0,
-                           attn_pdrop=0.0)
+
+    model = _tiny_gpt2_dir(
+        tmp_path / "tiny", n_layer=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
     common = ("--data", text_file, "--nproc", 2, *TINY, "--optimizer", "dp-sgd", "--lr", 0.5)
     runs = {}
     for name, extra in (("ddp", ()), ("fsdp", ("--fsdp",))):
         runs[name] = tmp_path / name
-        assert finetune(*common, "--model", model, "--seed", 3, "--noise-seed", 3,
-                        "--steps", 4, "--out", runs[name], *extra) == 0
+        assert (
+            finetune(
+                *common,
+                "--model",
+                model,
+                "--seed",
+                3,
+                "--noise-seed",
+                3,
+                "--steps",
+                4,
+                "--out",
+                runs[name],
+                *extra,
+            )
+            == 0
+        )
     m = read_metrics(runs["ddp"])  # the data-parallel run is calibrated to the budget ...
     assert m["nproc"] == 2 and m["step"] == 4 and m["finished"] and not m["fsdp"]
     assert not m["private"] and "epsilon" not in m  # (a known noise key)
@@ -316,17 +454,21 @@ def test_nproc_2_fsdp_equals_ddp_and_resumes(text_file, tmp_path):
     assert full["optimizer_state"] == half["optimizer_state"] < 0.01 * full["params"]
     assert 0.4 * full["params"] < half["params"] < 0.6 * full["params"], (full, half)
     for mm in (m, m_fsdp):
-        assert mm["segments"] == [{"steps": [0, 4], "nproc": 2, "fsdp": mm["fsdp"],
-                                   "train_seconds": mm["train_seconds"]}]
+        assert mm["segments"] == [
+            {"steps": [0, 4], "nproc": 2, "fsdp": mm["fsdp"], "train_seconds": mm["train_seconds"]}
+        ]
     a, b = (load_file(runs[n] / "model.safetensors") for n in ("fsdp", "ddp"))
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0, msg=k)
-    sa, sb = (torch.load(runs[n] / "trainer_state.pt", weights_only=True)["optimizer"]
-              for n in ("fsdp", "ddp"))
+    sa, sb = (
+        torch.load(runs[n] / "trainer_state.pt", weights_only=True)["optimizer"]
+        for n in ("fsdp", "ddp")
+    )
     assert sa["state"] == sb["state"]
-    assert all(v.numel() == 1 for st in sb["state"].values() for v in st.values()
-               if torch.is_tensor(v))  # no momentum (at most a scalar step per parameter)
+    assert all(
+        v.numel() == 1 for st in sb["state"].values() for v in st.values() if torch.is_tensor(v)
+    )  # no momentum (at most a scalar step per parameter)
     assert sa["dp"] == sb["dp"]
     # resume the sharded run's checkpoint without --fsdp, and the DDP one with it
     for name, extra in (("fsdp", ()), ("ddp", ("--fsdp",))):
@@ -336,12 +478,12 @@ def test_nproc_2_fsdp_equals_ddp_and_resumes(text_file, tmp_path):
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0, msg=k)
     m2 = read_metrics(runs["ddp"])
     assert m2["fsdp"] and m2["step"] == 6
-    assert [(g["steps"], g["fsdp"]) for g in m2["segments"]] == [([0, 4], False),
-                                                                ([4, 6], True)]
+    assert [(g["steps"], g["fsdp"]) for g in m2["segments"]] == [([0, 4], False), ([4, 6], True)]
 
 
 def test_missing_transformers_is_a_one_line_error(monkeypatch, capsys):
     import sys
+
     monkeypatch.setitem(sys.modules, "transformers", None)
     monkeypatch.setitem(sys.modules, "transformers.utils", None)
     assert finetune("--steps", 1, "--quiet") == 2
@@ -349,8 +491,9 @@ def test_missing_transformers_is_a_one_line_error(monkeypatch, capsys):
     assert err.count("\n") == 0 and "pip install 'dpkern[llm]'" in err, err
 
 
-@pytest.mark.parametrize("argv", [["--steps", "abc"], ["--optimizer", "dp-foo"],
-                                  ["--no-such-option"]])
+@pytest.mark.parametrize(
+    "argv", [["--steps", "abc"], ["--optimizer", "dp-foo"], ["--no-such-option"]]
+)
 def test_malformed_options_are_one_line_errors(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         finetune(*argv)
@@ -360,13 +503,15 @@ def test_malformed_options_are_one_line_errors(argv, capsys):
 
 
 def test_nproc_bad_input_exits_2_before_spawning(text_file, tmp_path, capsys):
-    for argv, option in ((["--nproc", 0], "--nproc"), (["--nproc", -3], "--nproc"),
-                         (["--fsdp"], "--fsdp"),
-                         (["--nproc", 2, "--fsdp", "--optimizer", "dp-macadam"], "--fsdp"),
-                         (["--nproc", 2, "--fsdp", "--clipping", "per-sample"], "--fsdp"),
-                         (["--nproc", 2, "--epsilon", 0], "--epsilon"),
-                         (["--nproc", 2, "--device", "cpu", "--batch-size", 10**6],
-                          "--batch-size")):
+    for argv, option in (
+        (["--nproc", 0], "--nproc"),
+        (["--nproc", -3], "--nproc"),
+        (["--fsdp"], "--fsdp"),
+        (["--nproc", 2, "--fsdp", "--optimizer", "dp-macadam"], "--fsdp"),
+        (["--nproc", 2, "--fsdp", "--clipping", "per-sample"], "--fsdp"),
+        (["--nproc", 2, "--epsilon", 0], "--epsilon"),
+        (["--nproc", 2, "--device", "cpu", "--batch-size", 10**6], "--batch-size"),
+    ):
         out = tmp_path / "never"
         assert finetune("--data", text_file, "--steps", 2, "--out", out, "--quiet", *argv) == 2
         err = capsys.readouterr().err.strip()

@@ -5,6 +5,7 @@ Every per-parameter norm of a GPT-2 (transformers, Conv1D layers, tied wte <-> l
 broadcast position ids) is compared with the loop at fp32 rtol 1e-5; the full ghost DP
 step with sigma > 0 and a fixed seed equals compute_grad_sample + optimizer.step().
 """
+
 from __future__ import annotations
 
 import copy
@@ -17,8 +18,7 @@ from torch import nn
 import dpkern
 from dpkern.ghost import GhostClipping, supports
 from dpkern.ghost.capture import Capture
-from dpkern.ghost.norms import (index_norm_sq, outer_method,
-                                outer_norm_sq, param_norm_sq)
+from dpkern.ghost.norms import index_norm_sq, outer_method, outer_norm_sq, param_norm_sq
 from dpkern.grad_sample import compute_grad_sample
 
 transformers = pytest.importorskip("transformers")
@@ -28,11 +28,21 @@ RTOL = 1e-5
 
 def tiny_gpt2(vocab=53, T=12, d=32, layers=2, seed=None):
     from transformers import GPT2Config, GPT2LMHeadModel
+
     if seed is not None:
         torch.manual_seed(seed)
-    cfg = GPT2Config(vocab_size=vocab, n_positions=T, n_embd=d, n_layer=layers, n_head=4,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                     bos_token_id=vocab - 1, eos_token_id=vocab - 1)
+    cfg = GPT2Config(
+        vocab_size=vocab,
+        n_positions=T,
+        n_embd=d,
+        n_layer=layers,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=vocab - 1,
+        eos_token_id=vocab - 1,
+    )
     model = GPT2LMHeadModel(cfg)
     assert model.lm_head.weight is model.transformer.wte.weight  # tied
     return model
@@ -49,8 +59,9 @@ class Logits(nn.Module):
 
 def token_losses(logits, ids):
     """Summed next-token cross-entropy per sample: float32 [B]."""
-    return nn.functional.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:],
-                                       reduction="none").sum(1)
+    return nn.functional.cross_entropy(
+        logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none"
+    ).sum(1)
 
 
 def loop_grads(model, loss_of, inputs):
@@ -59,10 +70,11 @@ def loop_grads(model, loss_of, inputs):
     rows = [[] for _ in params]
     for i in range(inputs.shape[0]):
         model.zero_grad(set_to_none=True)
-        loss_of(model, inputs[i:i + 1]).sum().backward()
+        loss_of(model, inputs[i : i + 1]).sum().backward()
         for k, p in enumerate(params):
-            rows[k].append(torch.zeros_like(p, dtype=torch.float64) if p.grad is None
-                           else p.grad.double())
+            rows[k].append(
+                torch.zeros_like(p, dtype=torch.float64) if p.grad is None else p.grad.double()
+            )
     model.zero_grad(set_to_none=True)
     return params, [torch.stack(r) for r in rows]
 
@@ -83,8 +95,9 @@ def assert_norms_match(model, loss_of, inputs, **kw):
     names = {id(p): n for n, p in model.named_parameters()}
     for p, r, g in zip(params, ref, ghost):
         want = r.reshape(r.shape[0], -1).square().sum(1)
-        torch.testing.assert_close(g.double(), want, rtol=RTOL, atol=1e-12,
-                                   msg=lambda m: f"{names[id(p)]}: {m}")
+        torch.testing.assert_close(
+            g.double(), want, rtol=RTOL, atol=1e-12, msg=lambda m: f"{names[id(p)]}: {m}"
+        )
     return params, ref
 
 
@@ -179,12 +192,14 @@ def test_outer_norm_methods_agree(T, d, p):
 
 
 def test_index_norm_no_vocab_sized_temporaries():
-    V, B, T, d = 10**7, 3, 9, 4   # a B x V x d tensor would be 480 MB
+    V, B, T, d = 10**7, 3, 9, 4  # a B x V x d tensor would be 480 MB
     ids = torch.randint(0, 5, (B, T)) * 1_999_999
     g = torch.randn(B, T, d)
     dense = torch.zeros(B, 5, d).index_put_(
         (torch.arange(B).repeat_interleave(T), ids.reshape(-1) // 1_999_999),
-        g.reshape(-1, d), accumulate=True)
+        g.reshape(-1, d),
+        accumulate=True,
+    )
     torch.testing.assert_close(index_norm_sq(ids, g, V), dense.square().sum((1, 2)))
 
 
@@ -192,6 +207,7 @@ def test_parameter_ops_are_covered_or_named_or_instantiated():
     """Capture by operation: a parameter broadcast-multiplied in any module is covered; one
     consumed by an operation without a ghost rule (exp) is named with the operation and
     the module path at the first backward, or instantiated on request."""
+
     class Scale(nn.Module):
         def __init__(self, exp=False):
             super().__init__()
@@ -231,16 +247,31 @@ def test_param_used_outside_its_forward_is_an_error():
             return self.att(x, x, x, need_weights=False)[0]
 
     model = Net()
-    opt = dpkern.DPSGD(model.parameters(), lr=0.1, max_grad_norm=1.0, noise_multiplier=0.0,
-                       expected_batch_size=2, seed=0)
+    opt = dpkern.DPSGD(
+        model.parameters(),
+        lr=0.1,
+        max_grad_norm=1.0,
+        noise_multiplier=0.0,
+        expected_batch_size=2,
+        seed=0,
+    )
     with GhostClipping(model, opt) as gc:  # MHA's fused functional consumes raw parameters
-        with pytest.raises(ValueError, match=r"in_proj_weight .*multi_head_attention_forward "
-                                             r"in att"):
+        with pytest.raises(
+            ValueError,
+            match=r"in_proj_weight .*multi_head_attention_forward "
+            r"in att",
+        ):
             gc.backward(model(torch.randn(2, 3, 8)).sum((1, 2)))
     model.att.in_proj_weight.requires_grad_(False)
     model.att.in_proj_bias.requires_grad_(False)
-    opt = dpkern.DPSGD([p for p in model.parameters() if p.requires_grad], lr=0.1,
-                       max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=2, seed=0)
+    opt = dpkern.DPSGD(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=0.1,
+        max_grad_norm=1.0,
+        noise_multiplier=0.0,
+        expected_batch_size=2,
+        seed=0,
+    )
     with GhostClipping(model, opt) as gc:  # out_proj: its forward is never called
         with pytest.raises(ValueError, match=r"att\.out_proj\.weight"):
             gc.backward(model(torch.randn(2, 3, 8)).sum((1, 2)))
@@ -249,6 +280,7 @@ def test_param_used_outside_its_forward_is_an_error():
 def test_parameter_used_outside_any_torch_function_is_an_error():
     """A parameter whose use no torch function call shows (here: read through .data into a
     new tensor that requires grad) is caught by the same backward."""
+
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
@@ -267,8 +299,14 @@ def test_parameter_used_outside_any_torch_function_is_an_error():
             return g
 
     model = Net()
-    opt = dpkern.DPSGD(model.parameters(), lr=0.1, max_grad_norm=1.0, noise_multiplier=0.0,
-                       expected_batch_size=2, seed=0)
+    opt = dpkern.DPSGD(
+        model.parameters(),
+        lr=0.1,
+        max_grad_norm=1.0,
+        noise_multiplier=0.0,
+        expected_batch_size=2,
+        seed=0,
+    )
     with GhostClipping(model, opt, verify="off") as gc:
         with pytest.raises(ValueError, match=r"\bw \(shape"):
             gc.backward(model(torch.randn(2, 3)).sum(1))
@@ -286,8 +324,14 @@ def test_inplace_output_is_an_error():
             return y
 
     model = Net()
-    opt = dpkern.DPSGD(model.parameters(), lr=0.1, max_grad_norm=1.0, noise_multiplier=0.0,
-                       expected_batch_size=2, seed=0)
+    opt = dpkern.DPSGD(
+        model.parameters(),
+        lr=0.1,
+        max_grad_norm=1.0,
+        noise_multiplier=0.0,
+        expected_batch_size=2,
+        seed=0,
+    )
     with GhostClipping(model, opt) as gc:
         with pytest.raises(RuntimeError, match="in place"):
             gc.backward(model(torch.randn(2, 3)).sum(1))
@@ -298,8 +342,9 @@ def test_macadam_and_bad_arguments_are_refused():
     opt = dpkern.DPMacAdam(model.parameters(), noise_multiplier=1.0, expected_batch_size=4)
     with pytest.raises(ValueError, match="per-sample path"):
         GhostClipping(model, opt)
-    opt = dpkern.DPSGD(model.parameters(), max_grad_norm=1.0, noise_multiplier=1.0,
-                       expected_batch_size=4)
+    opt = dpkern.DPSGD(
+        model.parameters(), max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=4
+    )
     with pytest.raises(ValueError, match="backend"):
         GhostClipping(model, opt, backend="cuda")
     with GhostClipping(model, opt) as gc:
@@ -313,8 +358,15 @@ def test_macadam_and_bad_arguments_are_refused():
 def _pair(opt_cls, seed, **kw):
     model = Logits(tiny_gpt2(seed=seed))
     twin = copy.deepcopy(model)
-    make = lambda m: opt_cls(m.parameters(), lr=1e-2, max_grad_norm=0.05,
-                             noise_multiplier=0.7, expected_batch_size=6, seed=seed, **kw)
+    make = lambda m: opt_cls(
+        m.parameters(),
+        lr=1e-2,
+        max_grad_norm=0.05,
+        noise_multiplier=0.7,
+        expected_batch_size=6,
+        seed=seed,
+        **kw,
+    )
     return model, make(model), twin, make(twin)
 
 
@@ -330,7 +382,8 @@ def test_ghost_step_equals_per_sample_step(opt_cls):
         ghost_opt.step()
         losses = compute_grad_sample(ps_model, lambda out, y: token_losses(out, y).sum(), ids, ids)
         ps_norms = dpkern.functional.per_sample_norms(
-            [p.grad_sample for p in ps_model.parameters()], backend="torch")
+            [p.grad_sample for p in ps_model.parameters()], backend="torch"
+        )
         torch.testing.assert_close(norms, ps_norms, rtol=RTOL, atol=0)
         assert (norms > 0.05).any()  # clipping is exercised
         ps_opt.step()
@@ -373,14 +426,27 @@ def test_nonfinite_samples_error_or_dropped():
         out = seq_loss(m, ids)
         return out * torch.tensor([1.0, float("nan"), 1.0, 1.0])
 
-    opt = dpkern.DPSGD(model.parameters(), lr=0.1, max_grad_norm=1.0, noise_multiplier=0.0,
-                       expected_batch_size=4, seed=0)
+    opt = dpkern.DPSGD(
+        model.parameters(),
+        lr=0.1,
+        max_grad_norm=1.0,
+        noise_multiplier=0.0,
+        expected_batch_size=4,
+        seed=0,
+    )
     with GhostClipping(model, opt) as gc:
         with pytest.raises(FloatingPointError, match=r"\[1\]"):
             gc.backward(losses_with_nan(model))
     assert all(float(b.abs().sum()) == 0 for b in opt.clipped_sum_buffers())
-    opt = dpkern.DPSGD(model.parameters(), lr=0.1, max_grad_norm=1.0, noise_multiplier=0.0,
-                       expected_batch_size=4, seed=0, nonfinite="zero")
+    opt = dpkern.DPSGD(
+        model.parameters(),
+        lr=0.1,
+        max_grad_norm=1.0,
+        noise_multiplier=0.0,
+        expected_batch_size=4,
+        seed=0,
+        nonfinite="zero",
+    )
     with GhostClipping(model, opt) as gc:
         gc.backward(losses_with_nan(model))
         sums_drop = [b.clone() for b in opt.clipped_sum_buffers()]
@@ -418,11 +484,17 @@ def test_ghost_memory_is_a_small_multiple_of_activations():
     model = nn.Sequential(*[m for _ in range(L) for m in (nn.Linear(d, d, bias=False), nn.Tanh())])
     numel = sum(p.numel() for p in model.parameters())
     assert B * numel * 4 > 2**30
-    opt = dpkern.DPSGD(model.parameters(), lr=0.1, max_grad_norm=1.0, noise_multiplier=1.0,
-                       expected_batch_size=B, seed=0)
+    opt = dpkern.DPSGD(
+        model.parameters(),
+        lr=0.1,
+        max_grad_norm=1.0,
+        noise_multiplier=1.0,
+        expected_batch_size=B,
+        seed=0,
+    )
     opt.clipped_sum_buffers()  # the optimizer's own buffers: not ghost memory
     x = torch.randn(B, T, d)
-    act = 2 * L * B * T * d * 4      # inputs and tanh outputs kept for backward
+    act = 2 * L * B * T * d * 4  # inputs and tanh outputs kept for backward
     with GhostClipping(model, opt) as gc:
         gc.backward(model(x).square().sum((1, 2)))  # warm-up (allocator, thread pools)
         base = _rss_reset_and_read()
@@ -440,13 +512,19 @@ def test_empty_batches():
     step still adds noise and updates (SPEC section 4)."""
     model = Seq()
     twin = copy.deepcopy(model)
-    make = lambda m: dpkern.DPSGD(m.parameters(), lr=0.1, max_grad_norm=1.0,
-                                  noise_multiplier=1.0, expected_batch_size=4, seed=3)
+    make = lambda m: dpkern.DPSGD(
+        m.parameters(),
+        lr=0.1,
+        max_grad_norm=1.0,
+        noise_multiplier=1.0,
+        expected_batch_size=4,
+        seed=3,
+    )
     opt, ref_opt = make(model), make(twin)
     with GhostClipping(model, opt) as gc:
         gc.backward(seq_loss(model, torch.randint(0, 11, (0, 5))))  # B = 0 forward
         opt.step()
-        gc.add_empty_batch()                                       # no forward at all
+        gc.add_empty_batch()  # no forward at all
         opt.step()
     for _ in range(2):
         compute_grad_sample(twin, lambda out, y: out.square().sum(), torch.zeros(0, 5).long())
@@ -507,11 +585,19 @@ def test_ghost_rounding_negative_norm_is_not_a_nonfinite_sample(nonfinite):
     assert outer_method(2, 64, 64) == "gram"
 
     def losses(m):
-        out = m(x)                                   # [B, 2, p]
+        out = m(x)  # [B, 2, p]
         return ((out[:, 0] - out[:, 1]) * v).sum(1)  # output gradients v and -v
 
-    opt = dpkern.DPSGD(model.parameters(), lr=0.1, max_grad_norm=1.0, noise_multiplier=0.0,
-                       expected_batch_size=B, seed=0, nonfinite=nonfinite, backend="torch")
+    opt = dpkern.DPSGD(
+        model.parameters(),
+        lr=0.1,
+        max_grad_norm=1.0,
+        noise_multiplier=0.0,
+        expected_batch_size=B,
+        seed=0,
+        nonfinite=nonfinite,
+        backend="torch",
+    )
     with GhostClipping(model, opt, backend="torch", verify="off") as gc:
         _, norms = gc.clipped_sums(losses(model))
         assert torch.isfinite(norms).all() and (norms >= 0).all()
@@ -524,14 +610,18 @@ def test_tied_cross_term_rounding_negative_is_clamped():
     """Tied embedding + output layer whose uses cancel (E_i = -L_i up to 1e-4): the norm
     ||E||^2 + ||L||^2 + 2 <E, L> rounds below 0 in float32 for some samples."""
     from dpkern.ghost.norms import IndexUse, OuterUse, index_outer_cross
+
     gen = torch.Generator().manual_seed(0)
     B, V, d = 128, 10, 64
     ids = torch.randint(0, V, (B, 1), generator=gen)
     x = torch.randn(B, 1, d, generator=gen) * 30
-    out = -nn.functional.one_hot(ids[:, 0], V).float().unsqueeze(1)   # [B, 1, V]
+    out = -nn.functional.one_hot(ids[:, 0], V).float().unsqueeze(1)  # [B, 1, V]
     inp = x + 1e-4 * torch.randn(B, 1, d, generator=gen)
-    raw = (index_norm_sq(ids, x, V) + outer_norm_sq(out, inp)
-           + 2.0 * index_outer_cross(ids, x, out, inp))
+    raw = (
+        index_norm_sq(ids, x, V)
+        + outer_norm_sq(out, inp)
+        + 2.0 * index_outer_cross(ids, x, out, inp)
+    )
     assert (raw < 0).any()
     got = param_norm_sq([IndexUse(ids, x, V), OuterUse(out, inp)], (V, d), B)
     assert (got >= 0).all() and torch.isfinite(got).all()
@@ -540,11 +630,12 @@ def test_tied_cross_term_rounding_negative_is_clamped():
 
 def test_clamp_keeps_nonfinite_squared_norms():
     from dpkern.ghost.norms import clamp_norm_sq
+
     x = torch.tensor([-1e-3, 0.0, 2.0, float("nan"), float("inf"), float("-inf")])
     got = clamp_norm_sq(x)
     assert got[:3].tolist() == [0.0, 0.0, 2.0]
     assert got[3].isnan() and got[4] == float("inf") and got[5] == float("-inf")
-    assert not torch.isfinite(got[3:].sqrt()).any()   # still non-finite after sqrt
+    assert not torch.isfinite(got[3:].sqrt()).any()  # still non-finite after sqrt
 
 
 # -- float64 models: norms in float64 -----------------------------------------------------------
@@ -558,8 +649,9 @@ def assert_float64_norms_match(model, loss_of, inputs):
     for p, r, g in zip(params, ref, ghost):
         assert g.dtype == torch.float64, names[id(p)]
         want = r.reshape(r.shape[0], -1).square().sum(1)
-        torch.testing.assert_close(g, want, rtol=F64_RTOL, atol=1e-300,
-                                   msg=lambda m: f"{names[id(p)]}: {m}")
+        torch.testing.assert_close(
+            g, want, rtol=F64_RTOL, atol=1e-300, msg=lambda m: f"{names[id(p)]}: {m}"
+        )
     return params, ref
 
 
@@ -583,8 +675,15 @@ def test_float64_layer_types_and_ghost_clipping_norms():
     ids = torch.randint(0, 11, (5, 7))
     params, ref = assert_float64_norms_match(model, seq_loss, ids)
     want = sum(r.reshape(r.shape[0], -1).square().sum(1) for r in ref).sqrt()
-    opt = dpkern.DPSGD(params, lr=0.1, max_grad_norm=1.0, noise_multiplier=0.0,
-                       expected_batch_size=5, seed=0, backend="torch")
+    opt = dpkern.DPSGD(
+        params,
+        lr=0.1,
+        max_grad_norm=1.0,
+        noise_multiplier=0.0,
+        expected_batch_size=5,
+        seed=0,
+        backend="torch",
+    )
     with GhostClipping(model, opt, backend="torch") as gc:
         _, norms = gc.clipped_sums(seq_loss(model, ids))
     assert norms.dtype == torch.float64

@@ -3,6 +3,7 @@ against one-sample-at-a-time autograd (and its released clipped sum moves by at 
 when one sample is removed, 2C when one is replaced), or refused with a ValueError that
 names what was refused. Before capture by operation each of them was silently wrong,
 silently incomplete, or crashed."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,15 +21,20 @@ def _exact_norms(model, loss_of, x):
     params = [p for p in model.parameters() if p.requires_grad]
     out = []
     for i in range(x.shape[0]):
-        g = torch.autograd.grad(loss_of(model, x[i:i + 1]).sum(), params, allow_unused=True)
+        g = torch.autograd.grad(loss_of(model, x[i : i + 1]).sum(), params, allow_unused=True)
         out.append(torch.sqrt(sum(t.double().square().sum() for t in g if t is not None)))
     return torch.stack(out)
 
 
 def _ghost(model, loss_of, x, clip=1e9):
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = dpkern.DPSGD(params, lr=0.0, max_grad_norm=clip, noise_multiplier=0.0,
-                       expected_batch_size=max(x.shape[0], 1))
+    opt = dpkern.DPSGD(
+        params,
+        lr=0.0,
+        max_grad_norm=clip,
+        noise_multiplier=0.0,
+        expected_batch_size=max(x.shape[0], 1),
+    )
     with GhostClipping(model, opt, verify="off") as gc:
         sums, norms = gc.clipped_sums(loss_of(model, x))
     return sums, norms
@@ -36,13 +42,18 @@ def _ghost(model, loss_of, x, clip=1e9):
 
 def _flat(sums, model):
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.cat([(s if s is not None else torch.zeros_like(p)).reshape(-1).double()
-                      for s, p in zip(sums, params)])
+    return torch.cat(
+        [
+            (s if s is not None else torch.zeros_like(p)).reshape(-1).double()
+            for s, p in zip(sums, params)
+        ]
+    )
 
 
 def assert_exact_and_bounded(model, loss_of, x):
-    torch.testing.assert_close(_ghost(model, loss_of, x)[1].double(),
-                               _exact_norms(model, loss_of, x), rtol=1e-4, atol=1e-9)
+    torch.testing.assert_close(
+        _ghost(model, loss_of, x)[1].double(), _exact_norms(model, loss_of, x), rtol=1e-4, atol=1e-9
+    )
     full = _flat(_ghost(model, loss_of, x, C)[0], model)
     removed = _flat(_ghost(model, loss_of, x[1:], C)[0], model)
     assert (full - removed).norm() <= C * (1 + 1e-4)
@@ -84,8 +95,12 @@ def test_positions_without_a_batch_dimension_are_exact(B, T, as_batch):
     if B > 1:
         assert_exact_and_bounded(model, _token_loss, ids)
     else:
-        torch.testing.assert_close(_ghost(model, _token_loss, ids)[1].double(),
-                                   _exact_norms(model, _token_loss, ids), rtol=1e-4, atol=0)
+        torch.testing.assert_close(
+            _ghost(model, _token_loss, ids)[1].double(),
+            _exact_norms(model, _token_loss, ids),
+            rtol=1e-4,
+            atol=0,
+        )
 
 
 def test_positions_indexed_after_the_lookup_are_refused():
@@ -104,8 +119,8 @@ class Buckets(nn.Module):
     def forward(self, x):
         T = x.shape[1]
         buckets = (torch.arange(T)[None, :] - torch.arange(T)[:, None]).clamp(-3, 3) + 3
-        b = self.bias(buckets).permute(2, 0, 1).unsqueeze(0)   # [1, H, T, T]
-        scores = self.lin(x) @ x.transpose(1, 2)                # [B, T, T]
+        b = self.bias(buckets).permute(2, 0, 1).unsqueeze(0)  # [1, H, T, T]
+        scores = self.lin(x) @ x.transpose(1, 2)  # [B, T, T]
         return (scores.unsqueeze(1) + b).sum(1)
 
 
@@ -125,8 +140,9 @@ def test_batch_norm_in_training_mode_is_refused(affine):
 
 def test_embedding_with_max_norm_is_refused():
     model = nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Linear(4, 2))
-    opt = dpkern.DPSGD(model.parameters(), lr=0.1, max_grad_norm=1.0, noise_multiplier=0.0,
-                       expected_batch_size=2)
+    opt = dpkern.DPSGD(
+        model.parameters(), lr=0.1, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=2
+    )
     with pytest.raises(ValueError, match="max_norm.*renormalises"):
         GhostClipping(model, opt)
 
@@ -158,8 +174,7 @@ def test_linear_subclass_with_extra_parameters_is_exact():
     torch.manual_seed(1)
     model = nn.Sequential(LoRALinear(5, 4), nn.Tanh(), LoRALinear(4, 3))
     model[0].weight.requires_grad_(False)
-    assert_exact_and_bounded(model, lambda m, x: m(x).square().sum((1, 2)),
-                             torch.randn(4, 3, 5))
+    assert_exact_and_bounded(model, lambda m, x: m(x).square().sum((1, 2)), torch.randn(4, 3, 5))
 
 
 class TiedScaled(nn.Module):
@@ -183,8 +198,9 @@ def test_scaled_embedding_one_plus_w_and_matmul_tied_head_are_exact():
     torch.manual_seed(2)
     model = TiedScaled()
     ids = torch.randint(0, 13, (4, 6))
-    assert_exact_and_bounded(model, lambda m, x: F.cross_entropy(
-        m(x).transpose(1, 2), x, reduction="none").sum(1), ids)
+    assert_exact_and_bounded(
+        model, lambda m, x: F.cross_entropy(m(x).transpose(1, 2), x, reduction="none").sum(1), ids
+    )
 
 
 def test_loralib_layers_are_exact_or_refused():
@@ -198,8 +214,11 @@ def test_loralib_layers_are_exact_or_refused():
         def __init__(self, merged=False):
             super().__init__()
             self.emb, self.lin = lora.Embedding(20, 8, r=2), lora.Linear(8, 6, r=2)
-            self.head = (lora.MergedLinear(6, 9, r=2, enable_lora=[True, False, True])
-                         if merged else nn.Linear(6, 4))
+            self.head = (
+                lora.MergedLinear(6, 9, r=2, enable_lora=[True, False, True])
+                if merged
+                else nn.Linear(6, 4)
+            )
 
         def forward(self, ids):
             return self.head(torch.tanh(self.lin(self.emb(ids))))

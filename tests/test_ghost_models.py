@@ -24,6 +24,7 @@ Besides every-parameter cases, two columns isolate what a first refusal can hide
 nn.Embedding-owned parameters trainable (word/position/relative-bias tables, tied heads),
 and ``instantiate_unsupported=True`` on the models whose norm layers are uncovered.
 """
+
 from __future__ import annotations
 
 import copy
@@ -44,8 +45,12 @@ import hf_tiny  # noqa: E402  (tests/ is on sys.path: rootdir-less test modules)
 RTOL, RTOL_BF16 = 1e-4, 1e-2
 
 #: case -> (B, T, valid lengths or None: no attention mask passed)
-CASES = {"B3T5": (3, 5, None), "padded": (3, 6, (6, 4, 2)), "B1": (1, 5, None),
-         "TeqB": (4, 4, None)}
+CASES = {
+    "B3T5": (3, 5, None),
+    "padded": (3, 6, (6, 4, 2)),
+    "B1": (1, 5, None),
+    "TeqB": (4, 4, None),
+}
 MODELS = list(hf_tiny.FACTORIES) + ["lora_llama"]
 
 
@@ -84,15 +89,25 @@ def losses_of(tiny, batch: dict) -> torch.Tensor:
     if tiny.task == "causal":
         logits = tiny.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
         labels = ids if mask is None else ids.masked_fill(mask == 0, -100)
-        return ce(logits[:, :-1].float().transpose(1, 2), labels[:, 1:],
-                  ignore_index=-100, reduction="none").sum(1)
+        return ce(
+            logits[:, :-1].float().transpose(1, 2),
+            labels[:, 1:],
+            ignore_index=-100,
+            reduction="none",
+        ).sum(1)
     if tiny.task == "cls":
         logits = tiny.model(input_ids=ids, attention_mask=mask).logits
         return ce(logits.float(), batch["y"], reduction="none")
-    logits = tiny.model(input_ids=ids, attention_mask=mask, decoder_input_ids=batch["dec"],
-                        decoder_attention_mask=mask, use_cache=False).logits
-    return ce(logits.float().transpose(1, 2), batch["labels"], ignore_index=-100,
-              reduction="none").sum(1)
+    logits = tiny.model(
+        input_ids=ids,
+        attention_mask=mask,
+        decoder_input_ids=batch["dec"],
+        decoder_attention_mask=mask,
+        use_cache=False,
+    ).logits
+    return ce(
+        logits.float().transpose(1, 2), batch["labels"], ignore_index=-100, reduction="none"
+    ).sum(1)
 
 
 def trainable(model):
@@ -106,8 +121,9 @@ def true_norms(tiny, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     for i in range(batch["ids"].shape[0]):
         loss = losses_of(tiny, row(batch, i))
         grads = torch.autograd.grad(loss.sum(), params, allow_unused=True)
-        norms.append(math.sqrt(sum(float(g.double().square().sum())
-                                   for g in grads if g is not None)))
+        norms.append(
+            math.sqrt(sum(float(g.double().square().sum()) for g in grads if g is not None))
+        )
         losses.append(float(loss.detach()))
     return torch.tensor(norms, dtype=torch.float64), torch.tensor(losses)
 
@@ -115,8 +131,9 @@ def true_norms(tiny, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
 def ghost(tiny, batch: dict, C: float = 1e9, **kw):
     """(sums, norms, losses) of GhostClipping.clipped_sums on the batched forward."""
     B = batch["ids"].shape[0]
-    opt = dpkern.DPSGD(trainable(tiny.model), lr=0.0, max_grad_norm=C,
-                       noise_multiplier=0.0, expected_batch_size=B)
+    opt = dpkern.DPSGD(
+        trainable(tiny.model), lr=0.0, max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=B
+    )
     gc = GhostClipping(tiny.model, opt, **kw)
     with gc:
         losses = losses_of(tiny, batch)
@@ -158,8 +175,9 @@ def names_module(msg: str, model: nn.Module) -> bool:
     """Whether ``msg`` names a module (type or dotted name) or parameter of ``model``."""
     types = {type(m).__name__ for m in model.modules()} - {"Module", "ModuleList", "ModuleDict"}
     names = {n for n, _ in model.named_modules() if n} | {n for n, _ in model.named_parameters()}
-    return any(re.search(rf"\b{re.escape(t)}\b", msg) for t in types) or \
-        any(n in msg for n in names)
+    return any(re.search(rf"\b{re.escape(t)}\b", msg) for t in types) or any(
+        n in msg for n in names
+    )
 
 
 class only_embeddings:
@@ -172,9 +190,16 @@ class only_embeddings:
         self.model, self.param = model, param
 
     def __enter__(self):
-        emb = {id(p) for m in self.model.modules() if isinstance(m, nn.Embedding)
-               for p in m.parameters(recurse=False)} if self.param is None else \
-            {id(self.model.get_parameter(self.param))}
+        emb = (
+            {
+                id(p)
+                for m in self.model.modules()
+                if isinstance(m, nn.Embedding)
+                for p in m.parameters(recurse=False)
+            }
+            if self.param is None
+            else {id(self.model.get_parameter(self.param))}
+        )
         self.saved = [(p, p.requires_grad) for p in self.model.parameters()]
         for p, _ in self.saved:
             p.requires_grad_(id(p) in emb)
@@ -185,8 +210,9 @@ class only_embeddings:
             p.requires_grad_(flag)
 
 
-def outcome(name: str, case: str, instantiate: bool = False,
-            subset: str = "all") -> tuple[str, str]:
+def outcome(
+    name: str, case: str, instantiate: bool = False, subset: str = "all"
+) -> tuple[str, str]:
     """``("exact" | "wrong" | "refused" | "crash", detail)`` of ghost vs ground truth
     (computed once per module); subset ``"emb"``: under :class:`only_embeddings`,
     otherwise a parameter name: only that parameter trainable."""
@@ -209,8 +235,13 @@ def _outcome(tiny, case: str, instantiate: bool) -> tuple[str, str]:
     stage = "construct"
     try:
         B = batch["ids"].shape[0]
-        opt = dpkern.DPSGD(trainable(tiny.model), lr=0.0, max_grad_norm=1e9,
-                           noise_multiplier=0.0, expected_batch_size=B)
+        opt = dpkern.DPSGD(
+            trainable(tiny.model),
+            lr=0.0,
+            max_grad_norm=1e9,
+            noise_multiplier=0.0,
+            expected_batch_size=B,
+        )
         gc = GhostClipping(tiny.model, opt, **kw)
         stage = "backward"
         with gc:
@@ -221,40 +252,67 @@ def _outcome(tiny, case: str, instantiate: bool) -> tuple[str, str]:
         return "refused", f"{stage}: {exc}{clear}"
     except Exception as exc:  # noqa: BLE001  (an unrelated crash is an outcome here)
         return "crash", f"{stage}: {type(exc).__name__}: {exc}"
-    torch.testing.assert_close(losses.detach(), want_loss, rtol=1e-5, atol=1e-5,
-                               msg="harness: batched losses != one-sample losses")
+    torch.testing.assert_close(
+        losses.detach(),
+        want_loss,
+        rtol=1e-5,
+        atol=1e-5,
+        msg="harness: batched losses != one-sample losses",
+    )
     rel = float(((norms.double() - want).abs() / want.clamp_min(1e-30)).max())
     return ("exact" if rel <= RTOL else "wrong"), f"max rel err {rel:.2e}"
 
 
 # -- what fails today (observed; the reasons name the module and operation) -----------------
-HF_RMS = ("{}RMSNorm (HF's own class, not nn.RMSNorm) is not covered: refused at "
-          "construction; required exact")
-GEMMA_SCALE = ("GemmaTextScaledWordEmbedding (an nn.Embedding subclass) multiplies the lookup "
-               "by sqrt(hidden) inside its forward: the recorded output gradient is taken "
-               "as the rows' gradient, so the embedding (tied lm-head) norm is wrong")
-OPT_FLAT = ("OPTDecoderLayer reshapes hidden states to [B*T, d] before final_layer_norm / "
-            "fc1 / fc2: refused at backward ('ran on a batch of B*T'), required exact")
-OPT_POS = ("OPTLearnedPositionalEmbedding.forward(attention_mask, cache_length, "
-           "position_ids): args[0] is the mask, the looked-up indices are cumsum(mask)-1 "
-           "(or position_ids) + offset 2, computed inside forward: silently wrong")
-FALCON = ("crash: RuntimeError 'output of transformer.h.0.mlp.dense_4h_to_h was modified in "
-          "place' (FalconDecoderLayer, parallel_attn: mlp_output += attention_output)")
-BIO_POS = ("BioGptLearnedPositionalEmbedding: position_ids [1, T] (arange.unsqueeze(0)) "
-           "passed as a keyword, args[0] is the attention mask, offset 2 added inside "
-           "forward: refused at backward for B > 1 ('embed_positions ran on a batch of 1')")
-BIO_B1 = ("B = 1: silently wrong: BioGptScaledWordEmbedding multiplies by sqrt(hidden) "
-          "inside forward, and embed_positions' indices are taken from the mask (all 1)")
-BART_B1 = ("crash: IndexError at backward: BartLearnedPositionalEmbedding(input_ids, ...) "
-           "looks up arange(T) + 2 (a [1, T] table broadcast over the batch), but the "
-           "capture takes args[0] (token ids up to vocab) as the indices")
-BART_ENC = ("BART encoder calls embed_positions(inputs_embeds[:, :, -1]) (float values, "
-            "'for the shape only'): the capture uses those floats as indices: wrong")
-BART_DEC = ("BART decoder: embed_positions looks up position_ids [1, T] + 2, broadcast over "
-            "the batch: refused at backward for B > 1 (clear, but masks BART_ENC)")
-T5_REL = ("T5 relative_attention_bias: nn.Embedding over bucket ids [Tq, Tk] (no batch "
-          "dim), output permuted to [1, H, Tq, Tk]: with T == B the Tq axis is taken as "
-          "the batch: silently wrong (T != B: refused, 'ran on a batch of T')")
+HF_RMS = (
+    "{}RMSNorm (HF's own class, not nn.RMSNorm) is not covered: refused at "
+    "construction; required exact"
+)
+GEMMA_SCALE = (
+    "GemmaTextScaledWordEmbedding (an nn.Embedding subclass) multiplies the lookup "
+    "by sqrt(hidden) inside its forward: the recorded output gradient is taken "
+    "as the rows' gradient, so the embedding (tied lm-head) norm is wrong"
+)
+OPT_FLAT = (
+    "OPTDecoderLayer reshapes hidden states to [B*T, d] before final_layer_norm / "
+    "fc1 / fc2: refused at backward ('ran on a batch of B*T'), required exact"
+)
+OPT_POS = (
+    "OPTLearnedPositionalEmbedding.forward(attention_mask, cache_length, "
+    "position_ids): args[0] is the mask, the looked-up indices are cumsum(mask)-1 "
+    "(or position_ids) + offset 2, computed inside forward: silently wrong"
+)
+FALCON = (
+    "crash: RuntimeError 'output of transformer.h.0.mlp.dense_4h_to_h was modified in "
+    "place' (FalconDecoderLayer, parallel_attn: mlp_output += attention_output)"
+)
+BIO_POS = (
+    "BioGptLearnedPositionalEmbedding: position_ids [1, T] (arange.unsqueeze(0)) "
+    "passed as a keyword, args[0] is the attention mask, offset 2 added inside "
+    "forward: refused at backward for B > 1 ('embed_positions ran on a batch of 1')"
+)
+BIO_B1 = (
+    "B = 1: silently wrong: BioGptScaledWordEmbedding multiplies by sqrt(hidden) "
+    "inside forward, and embed_positions' indices are taken from the mask (all 1)"
+)
+BART_B1 = (
+    "crash: IndexError at backward: BartLearnedPositionalEmbedding(input_ids, ...) "
+    "looks up arange(T) + 2 (a [1, T] table broadcast over the batch), but the "
+    "capture takes args[0] (token ids up to vocab) as the indices"
+)
+BART_ENC = (
+    "BART encoder calls embed_positions(inputs_embeds[:, :, -1]) (float values, "
+    "'for the shape only'): the capture uses those floats as indices: wrong"
+)
+BART_DEC = (
+    "BART decoder: embed_positions looks up position_ids [1, T] + 2, broadcast over "
+    "the batch: refused at backward for B > 1 (clear, but masks BART_ENC)"
+)
+T5_REL = (
+    "T5 relative_attention_bias: nn.Embedding over bucket ids [Tq, Tk] (no batch "
+    "dim), output permuted to [1, H, Tq, Tk]: with T == B the Tq axis is taken as "
+    "the batch: silently wrong (T != B: refused, 'ran on a batch of T')"
+)
 
 #: (model, case) -> reason, or (model, "*") for every case: nothing left since capture by
 #: operation (the reasons above are kept: what each model exercises)
@@ -300,8 +358,9 @@ def test_ghost_norms_exact_or_refused(name, case):
     check(name, case)
 
 
-@pytest.mark.parametrize("name,case", matrix(XFAIL_EMB, models=list(hf_tiny.FACTORIES),
-                                             cases=("B3T5", "B1", "TeqB")))
+@pytest.mark.parametrize(
+    "name,case", matrix(XFAIL_EMB, models=list(hf_tiny.FACTORIES), cases=("B3T5", "B1", "TeqB"))
+)
 def test_embedding_lookups_exact_or_refused(name, case):
     """Only the nn.Embedding-owned parameters trainable (word, position, relative-bias
     tables, tied lm-heads): no other layer refuses first and hides a wrong lookup."""
@@ -332,8 +391,13 @@ def test_supports_agrees(name, case):
         for case in CASES:
             check(name, case)
         return
-    opt = dpkern.DPSGD(trainable(tiny.model), lr=0.0, max_grad_norm=1.0,
-                       noise_multiplier=0.0, expected_batch_size=1)
+    opt = dpkern.DPSGD(
+        trainable(tiny.model),
+        lr=0.0,
+        max_grad_norm=1.0,
+        noise_multiplier=0.0,
+        expected_batch_size=1,
+    )
     with pytest.raises(ValueError) as info:
         GhostClipping(tiny.model, opt)
     missing = [n for n in names if n.split(" (")[0] not in str(info.value)]
@@ -341,15 +405,15 @@ def test_supports_agrees(name, case):
 
 
 # -- bf16 -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name,case", matrix(
-    {}, models=("gpt2", "llama"),
-    cases=("B3T5", "padded", "TeqB")))
+@pytest.mark.parametrize(
+    "name,case", matrix({}, models=("gpt2", "llama"), cases=("B3T5", "padded", "TeqB"))
+)
 def test_bf16_within_1e2_of_fp32_truth(name, case):
     """A bf16 model's ghost norms within 1e-2 of the fp32 model with the same weights."""
     tiny32 = get(name)
     tiny16 = tiny_model(name, "bfloat16")
     ref = copy.deepcopy(tiny16)
-    ref.model.float()   # the bf16-rounded weights, in fp32
+    ref.model.float()  # the bf16-rounded weights, in fp32
     batch = make_batch(tiny32, case)
     want, _ = true_norms(ref, batch)
     _, norms, _ = ghost(tiny16, batch)
@@ -359,8 +423,12 @@ def test_bf16_within_1e2_of_fp32_truth(name, case):
 # -- the privacy invariant --------------------------------------------------------------------
 def released(tiny, batch, C):
     sums, norms, _ = ghost(tiny, batch, C=C)
-    flat = torch.cat([(s if s is not None else torch.zeros(p.shape)).reshape(-1).double()
-                      for s, p in zip(sums, trainable(tiny.model))])
+    flat = torch.cat(
+        [
+            (s if s is not None else torch.zeros(p.shape)).reshape(-1).double()
+            for s, p in zip(sums, trainable(tiny.model))
+        ]
+    )
     return flat, norms
 
 

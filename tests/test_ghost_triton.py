@@ -5,6 +5,7 @@ Run in their own process: ``TRITON_INTERPRET=1 python -m pytest -m triton
 tests/test_ghost_triton.py`` (small shapes: the interpreter is slow); on a CUDA machine
 without the variable they run on the GPU.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -34,6 +35,7 @@ def exact(out, inp):
 @pytest.mark.parametrize("B,T,P0,P1", [(2, 5, 7, 3), (3, 37, 40, 18), (1, 16, 16, 16)])
 def test_kernel_matches_reference(device, B, T, P0, P1):
     from dpkern.ghost.norms import outer_norm_sq
+
     out = torch.randn(B, T, P0, device=device)
     inp = torch.randn(B, T, P1, device=device)
     got = triton_norms.gram_norm_sq(out, inp, block_t=16, block_k=16)
@@ -45,20 +47,22 @@ def test_kernel_matches_reference(device, B, T, P0, P1):
 
 def test_kernel_strides_dtypes_and_determinism(device):
     base = torch.randn(2, 20, 24, device=device)
-    out = base[:, :, :18]                    # non-contiguous rows
+    out = base[:, :, :18]  # non-contiguous rows
     inp = torch.randn(2, 9, 20, device=device).transpose(1, 2)  # [2, 20, 9], strided
     got = triton_norms.gram_norm_sq(out, inp, block_t=16, block_k=16)
     torch.testing.assert_close(got.double(), exact(out, inp), rtol=1e-5, atol=0)
     again = triton_norms.gram_norm_sq(out, inp, block_t=16, block_k=16)
-    assert torch.equal(got, again)           # no atomics: bit-identical reruns
+    assert torch.equal(got, again)  # no atomics: bit-identical reruns
     half = triton_norms.gram_norm_sq(out.bfloat16(), inp.bfloat16(), block_t=16, block_k=16)
-    torch.testing.assert_close(half.double(), exact(out.bfloat16(), inp.bfloat16()),
-                               rtol=1e-5, atol=0)  # bf16 inputs, fp32 accumulation
+    torch.testing.assert_close(
+        half.double(), exact(out.bfloat16(), inp.bfloat16()), rtol=1e-5, atol=0
+    )  # bf16 inputs, fp32 accumulation
 
 
 def test_kernel_edge_cases(device):
-    z = triton_norms.gram_norm_sq(torch.zeros(0, 4, 3, device=device),
-                                  torch.zeros(0, 4, 5, device=device))
+    z = triton_norms.gram_norm_sq(
+        torch.zeros(0, 4, 3, device=device), torch.zeros(0, 4, 5, device=device)
+    )
     assert z.shape == (0,)
     with pytest.raises(ValueError, match="block_t"):
         triton_norms.gram_norm_sq(torch.zeros(1, 4, 3), torch.zeros(1, 4, 5), block_t=24)
@@ -73,17 +77,26 @@ def test_ghost_clipping_uses_kernel(device, monkeypatch):
 
     calls = []
     kernel = triton_norms.gram_norm_sq
-    monkeypatch.setattr(triton_norms, "gram_norm_sq",
-                        lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    monkeypatch.setattr(
+        triton_norms, "gram_norm_sq", lambda *a, **k: calls.append(1) or kernel(*a, **k)
+    )
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(24, 20), torch.nn.Tanh(),
-                                torch.nn.Linear(20, 18)).to(device)
-    x = torch.randn(3, 6, 24, device=device)   # T(d+p) <= dp: the Gram path
+    model = torch.nn.Sequential(
+        torch.nn.Linear(24, 20), torch.nn.Tanh(), torch.nn.Linear(20, 18)
+    ).to(device)
+    x = torch.randn(3, 6, 24, device=device)  # T(d+p) <= dp: the Gram path
     results = []
     for backend in ("torch", "triton"):
-        opt = dpkern.DPSGD(model.parameters(), lr=0.1, max_grad_norm=0.5,
-                           noise_multiplier=0.0, expected_batch_size=3, seed=0, backend="torch")
+        opt = dpkern.DPSGD(
+            model.parameters(),
+            lr=0.1,
+            max_grad_norm=0.5,
+            noise_multiplier=0.0,
+            expected_batch_size=3,
+            seed=0,
+            backend="torch",
+        )
         with GhostClipping(model, opt, backend=backend) as gc:
             results.append(gc.clipped_sums(model(x).square().sum((1, 2))))
     (s_ref, n_ref), (s_tri, n_tri) = results
@@ -99,9 +112,19 @@ def _raw_kernel(out, inp, block_t=32, block_k=32):
     n_tiles = triton_norms.triton.cdiv(T, block_t)
     partial = torch.empty(B, n_tiles, dtype=torch.float32, device=out.device)
     res = torch.zeros(B, dtype=torch.float32, device=out.device)
-    triton_norms._ghost_norm_kernel[(B, n_tiles)](out, inp, partial, T, P0, inp.shape[2],
-                                                  *out.stride(), *inp.stride(), n_tiles,
-                                                  BLOCK_T=block_t, BLOCK_K=block_k)
+    triton_norms._ghost_norm_kernel[(B, n_tiles)](
+        out,
+        inp,
+        partial,
+        T,
+        P0,
+        inp.shape[2],
+        *out.stride(),
+        *inp.stride(),
+        n_tiles,
+        BLOCK_T=block_t,
+        BLOCK_K=block_k,
+    )
     triton_norms._sum_rows_kernel[(B,)](partial, res, n_tiles, BLOCK=16)
     return res
 
@@ -124,7 +147,7 @@ def test_kernel_rounding_negative_is_clamped(device):
     torch.testing.assert_close(got, raw.clamp_min(0), rtol=0, atol=0)
     bad = out.clone()
     bad[1, 0, 0] = float("nan")
-    assert torch.isnan(triton_norms.gram_norm_sq(bad, inp)[1])   # NaN stays non-finite
+    assert torch.isnan(triton_norms.gram_norm_sq(bad, inp)[1])  # NaN stays non-finite
 
 
 def test_kernel_float64_inputs_keep_float64(device):

@@ -7,6 +7,7 @@ term, position ids without a batch dimension, a tied head written as a matmul) a
 refused naming the parameter, before anything reaches the optimizer; so is a wrong ghost
 norm injected into the norm computation (no capture rule can foresee it).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -17,16 +18,28 @@ from torch.nn import functional as F
 import dpkern
 import dpkern.ghost as ghost_mod
 from dpkern.ghost import GhostClipping
-from dpkern.ghost.verify import (RTOL, RTOL_LOW_PRECISION, Verifier, default_rtol,
-                                 disagreement, pick_rows)
+from dpkern.ghost.verify import (
+    RTOL,
+    RTOL_LOW_PRECISION,
+    Verifier,
+    default_rtol,
+    disagreement,
+    pick_rows,
+)
 
 from conftest import case_seed
 
 
 def sgd(model, B=4, **kw):
-    return dpkern.DPSGD([p for p in model.parameters() if p.requires_grad], lr=0.1,
-                        max_grad_norm=kw.pop("clip", 1.0), noise_multiplier=1.0,
-                        expected_batch_size=B, seed=0, **kw)
+    return dpkern.DPSGD(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=0.1,
+        max_grad_norm=kw.pop("clip", 1.0),
+        noise_multiplier=1.0,
+        expected_batch_size=B,
+        seed=0,
+        **kw,
+    )
 
 
 def untouched(opt) -> bool:
@@ -56,7 +69,7 @@ def loop_norms_sq(model, loss_of, x) -> torch.Tensor:
     params = [p for p in model.parameters() if p.requires_grad]
     out = []
     for i in range(x.shape[0]):
-        gs = torch.autograd.grad(loss_of(model, x[i:i + 1]).sum(), params, allow_unused=True)
+        gs = torch.autograd.grad(loss_of(model, x[i : i + 1]).sum(), params, allow_unused=True)
         out.append(sum(g.double().square().sum() for g in gs if g is not None))
     return torch.stack(out)
 
@@ -78,7 +91,7 @@ def test_exact_model_passes_once():
         gc.backward(mlp_loss(model, ids))
         assert gc.verified and gc.verify_seconds > 0 and gc._verifier.checks == 1
         spent = gc.verify_seconds
-        gc.backward(mlp_loss(model, ids))       # "first": never again
+        gc.backward(mlp_loss(model, ids))  # "first": never again
         assert gc.verify_seconds == spent and gc._verifier.checks == 1
     assert opt.stats["samples"] == 12
 
@@ -86,6 +99,7 @@ def test_exact_model_passes_once():
 def test_default_gpt2_passes():
     pytest.importorskip("transformers")
     from dpkern.models import CausalLMLogits, default_model, token_loss
+
     torch.manual_seed(case_seed(2))
     net = CausalLMLogits(default_model(16, n_embd=32, n_layer=2, n_head=2))
     opt = sgd(net, B=5)
@@ -170,10 +184,16 @@ def seq_loss(model, x):
 
 
 CASES = {  # name -> (model factory, input factory, the parameter that must be named)
-    "linear_subclass_scale": (lambda: Layer(ScaledLinear(6, 3)),
-                              lambda B: torch.randn(B, 5, 4), "layer.scale"),
-    "linear_subclass_delta": (lambda: Layer(DeltaLinear(6, 3)),
-                              lambda B: torch.randn(B, 5, 4), "layer.delta"),
+    "linear_subclass_scale": (
+        lambda: Layer(ScaledLinear(6, 3)),
+        lambda B: torch.randn(B, 5, 4),
+        "layer.scale",
+    ),
+    "linear_subclass_delta": (
+        lambda: Layer(DeltaLinear(6, 3)),
+        lambda B: torch.randn(B, 5, 4),
+        "layer.delta",
+    ),
     "positions_T_equals_B": (lambda: Positions(T=4), lambda B: torch.randn(B, 4, 4), "pos.weight"),
     "tied_head_matmul": (TiedMatmul, lambda B: torch.randint(0, 9, (B, 5)), "emb.weight"),
 }
@@ -240,6 +260,7 @@ def _inject(monkeypatch, shape, factor=1.01, row=None):
             else:
                 out[row] *= factor
         return out
+
     monkeypatch.setattr(ghost_mod, "param_norm_sq", wrong)
 
 
@@ -247,7 +268,7 @@ def test_injected_wrong_norm_is_named_with_the_worst_row(monkeypatch):
     torch.manual_seed(case_seed(12))
     model = Mlp()
     opt = sgd(model, B=9)
-    _inject(monkeypatch, model.fc.weight.shape, row=8)   # the last row only: it is checked
+    _inject(monkeypatch, model.fc.weight.shape, row=8)  # the last row only: it is checked
     with GhostClipping(model, opt) as gc:
         with pytest.raises(ValueError, match=r"ghost clipping verify.*fc\.weight") as info:
             gc.backward(mlp_loss(model, torch.randint(1, 11, (9, 5))))
@@ -292,15 +313,15 @@ def test_off_skips_and_always_checks_every_call(monkeypatch):
         assert gc._verifier.checks == 2 and gc.verify_seconds > t1 > 0
         _inject(monkeypatch, model.out.weight.shape, factor=2.0)
         with pytest.raises(ValueError, match=r"out\.weight"):
-            gc.backward(mlp_loss(model, ids))             # still checked
+            gc.backward(mlp_loss(model, ids))  # still checked
     with GhostClipping(model, sgd(model), verify="first") as gc:
         monkeypatch.undo()
         gc.backward(mlp_loss(model, ids))
         _inject(monkeypatch, model.out.weight.shape, factor=2.0)
-        gc.backward(mlp_loss(model, ids))                 # passed once: not checked again
+        gc.backward(mlp_loss(model, ids))  # passed once: not checked again
     opt = sgd(model)
     with GhostClipping(model, opt, verify="off") as gc:
-        gc.backward(mlp_loss(model, ids))                 # the wrong norm goes through
+        gc.backward(mlp_loss(model, ids))  # the wrong norm goes through
     assert not gc.verified and gc.verify_seconds == 0 and opt.stats["samples"] == 4
 
 
@@ -349,6 +370,7 @@ def test_sharded_skips_with_one_warning():
     with pytest.warns(UserWarning, match="FSDP2"):
         assert not v.due(losses)
     import warnings
+
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert not v.due(losses)
@@ -358,6 +380,7 @@ def test_sharded_skips_with_one_warning():
 def test_bench_reports_the_one_time_cost():
     pytest.importorskip("transformers")
     from bench import ghost as GB
+
     cost = GB.verify_cost(8, 2, "cpu", model_kw={"n_embd": 16, "n_layer": 1, "n_head": 2})
     assert 0 < cost["verify_s"] < cost["first_step_s"]
     med = {"floor:nonprivate": 0.01, "dpkern:ghost": 0.02}

@@ -1,4 +1,5 @@
 """The noise stream v1 (SPEC section 3) in the reference, through the public functional API."""
+
 from __future__ import annotations
 
 import math
@@ -27,8 +28,9 @@ def test_vectors_words_exact_and_z_close():
         words = ref.philox_words(index, key=key, step=step, stream=stream)
         assert words.tolist() == case["philox_r0_r1_r2_r3"]
         for i, z in zip(case["index"], case["z"]):
-            got = F.gaussian_noise(1, key=key, step=step, offset=int(i), stream=stream,
-                                   backend="torch").item()
+            got = F.gaussian_noise(
+                1, key=key, step=step, offset=int(i), stream=stream, backend="torch"
+            ).item()
             assert abs(got - z) <= max(2e-6, 1e-6 * abs(z))
 
 
@@ -53,17 +55,21 @@ def test_tail_reaches_11_6_sigma_and_no_exact_zero_radius():
 def test_slices_are_consistent_whatever_the_split():
     key, step = 1234567, 9
     whole = F.gaussian_noise(1001, key=key, step=step, offset=2**32 - 500, backend="torch")
-    parts = [F.gaussian_noise(n, key=key, step=step, offset=2**32 - 500 + o, backend="torch")
-             for o, n in [(0, 1), (1, 498), (499, 2), (501, 500)]]
+    parts = [
+        F.gaussian_noise(n, key=key, step=step, offset=2**32 - 500 + o, backend="torch")
+        for o, n in [(0, 1), (1, 498), (499, 2), (501, 500)]
+    ]
     assert torch.equal(torch.cat(parts), whole)
 
 
 def test_step_stream_and_key_change_everything():
     base = F.gaussian_noise(4096, key=5, step=3, backend="torch")
-    for other in (F.gaussian_noise(4096, key=6, step=3, backend="torch"),
-                  F.gaussian_noise(4096, key=5, step=4, backend="torch"),
-                  F.gaussian_noise(4096, key=5, step=3, stream=1, backend="torch"),
-                  F.gaussian_noise(4096, key=5, step=3, offset=4096, backend="torch")):
+    for other in (
+        F.gaussian_noise(4096, key=6, step=3, backend="torch"),
+        F.gaussian_noise(4096, key=5, step=4, backend="torch"),
+        F.gaussian_noise(4096, key=5, step=3, stream=1, backend="torch"),
+        F.gaussian_noise(4096, key=5, step=3, offset=4096, backend="torch"),
+    ):
         assert (base != other).float().mean() > 0.999
         assert abs(torch.corrcoef(torch.stack([base, other]))[0, 1]) < 0.1
 
@@ -83,8 +89,17 @@ def test_standard_normal_statistics():
     assert abs((z[0::2] * z[1::2]).mean()) < 6 * math.sqrt(2) * se
 
 
-@pytest.mark.parametrize("bad", [dict(numel=-1), dict(key=-1), dict(key=2**64), dict(step=0),
-                                 dict(stream=2**16), dict(offset=-3)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(numel=-1),
+        dict(key=-1),
+        dict(key=2**64),
+        dict(step=0),
+        dict(stream=2**16),
+        dict(offset=-3),
+    ],
+)
 def test_bad_arguments(bad):
     kw = dict(numel=4, key=1, step=1, offset=0, stream=0)
     kw.update(bad)

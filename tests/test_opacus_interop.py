@@ -1,5 +1,6 @@
 """Opacus interop: a model wrapped in Opacus' GradSampleModule works unchanged, and with
 the same grad_samples, C and sigma = 0 dpkern's step equals Opacus' DPOptimizer's."""
+
 from __future__ import annotations
 
 import pytest
@@ -29,18 +30,39 @@ def test_dpkern_on_gradsamplemodule_equals_opacus_dpoptimizer(twin):
     C, B = 0.5, 8
     m_opacus, m_dpkern = GradSampleModule(_net()), GradSampleModule(_net())
     if twin == "adamw":
-        o_opacus = DPOptimizer(torch.optim.AdamW(m_opacus.parameters(), lr=0.05,
-                                                 weight_decay=0.1),
-                               noise_multiplier=0.0, max_grad_norm=C, expected_batch_size=B)
-        o_dpkern = dpkern.DPAdamW(m_dpkern.parameters(), lr=0.05, weight_decay=0.1,
-                                  max_grad_norm=C, noise_multiplier=0.0,
-                                  expected_batch_size=B, backend="torch", seed=0)
+        o_opacus = DPOptimizer(
+            torch.optim.AdamW(m_opacus.parameters(), lr=0.05, weight_decay=0.1),
+            noise_multiplier=0.0,
+            max_grad_norm=C,
+            expected_batch_size=B,
+        )
+        o_dpkern = dpkern.DPAdamW(
+            m_dpkern.parameters(),
+            lr=0.05,
+            weight_decay=0.1,
+            max_grad_norm=C,
+            noise_multiplier=0.0,
+            expected_batch_size=B,
+            backend="torch",
+            seed=0,
+        )
     else:
-        o_opacus = DPOptimizer(torch.optim.SGD(m_opacus.parameters(), lr=0.3, momentum=0.9),
-                               noise_multiplier=0.0, max_grad_norm=C, expected_batch_size=B)
-        o_dpkern = dpkern.DPSGD(m_dpkern.parameters(), lr=0.3, momentum=0.9, max_grad_norm=C,
-                                noise_multiplier=0.0, expected_batch_size=B, backend="torch",
-                                seed=0)
+        o_opacus = DPOptimizer(
+            torch.optim.SGD(m_opacus.parameters(), lr=0.3, momentum=0.9),
+            noise_multiplier=0.0,
+            max_grad_norm=C,
+            expected_batch_size=B,
+        )
+        o_dpkern = dpkern.DPSGD(
+            m_dpkern.parameters(),
+            lr=0.3,
+            momentum=0.9,
+            max_grad_norm=C,
+            noise_multiplier=0.0,
+            expected_batch_size=B,
+            backend="torch",
+            seed=0,
+        )
     for step in range(3):
         x, y = _data(B, seed=step)
         for model, opt in [(m_opacus, o_opacus), (m_dpkern, o_dpkern)]:
@@ -70,14 +92,22 @@ from dpkern.interop import SUPPORTED_PATH, opacus_wrapper, refuse_opacus_wrapper
 def _private(opt_cls, seed=0, **kw):
     """make_private over a dpkern optimizer: (model, Opacus wrapper, loader, dpkern opt, net)."""
     from opacus import PrivacyEngine
+
     net = _net(seed)
-    opt = opt_cls(net.parameters(), lr=0.05, max_grad_norm=1.0, noise_multiplier=1.0,
-                  expected_batch_size=8, backend="torch", seed=0)
+    opt = opt_cls(
+        net.parameters(),
+        lr=0.05,
+        max_grad_norm=1.0,
+        noise_multiplier=1.0,
+        expected_batch_size=8,
+        backend="torch",
+        seed=0,
+    )
     x, y = _data(64, seed=seed)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
     model, wrapper, loader = PrivacyEngine().make_private(
-        module=net, optimizer=opt, data_loader=loader, noise_multiplier=1.0,
-        max_grad_norm=1.0, **kw)
+        module=net, optimizer=opt, data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0, **kw
+    )
     return model, wrapper, loader, opt, net
 
 
@@ -92,8 +122,12 @@ def _assert_refused(exc_info, opt_name):
     msg = str(exc_info.value)
     assert f"dpkern.{opt_name}" in msg and "Opacus" in msg
     assert "twice" in msg and "epsilon" in msg
-    for must in ("opacus.GradSampleModule(model)", "dpkern.accounting.PrivacyAccountant",
-                 "without make_private", "accountant.step(noise_multiplier"):
+    for must in (
+        "opacus.GradSampleModule(model)",
+        "dpkern.accounting.PrivacyAccountant",
+        "without make_private",
+        "accountant.step(noise_multiplier",
+    ):
         assert must in msg, must
 
 
@@ -130,15 +164,26 @@ def test_refuse_opacus_wrapper_is_silent_on_the_supported_path():
     """GradSampleModule + dpkern optimizer (no make_private), also next to an Opacus
     DPOptimizer over another model: no wrapper, no p.summed_grad."""
     m_dpkern, m_opacus = GradSampleModule(_net()), GradSampleModule(_net())
-    o_dpkern = dpkern.DPSGD(m_dpkern.parameters(), lr=0.1, max_grad_norm=1.0,
-                            noise_multiplier=1.0, expected_batch_size=8, backend="torch", seed=0)
-    o_opacus = DPOptimizer(torch.optim.SGD(m_opacus.parameters(), lr=0.1),
-                           noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=8)
+    o_dpkern = dpkern.DPSGD(
+        m_dpkern.parameters(),
+        lr=0.1,
+        max_grad_norm=1.0,
+        noise_multiplier=1.0,
+        expected_batch_size=8,
+        backend="torch",
+        seed=0,
+    )
+    o_opacus = DPOptimizer(
+        torch.optim.SGD(m_opacus.parameters(), lr=0.1),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        expected_batch_size=8,
+    )
     x, y = _data()
     for model, opt in [(m_opacus, o_opacus), (m_dpkern, o_dpkern)]:
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
-        refuse_opacus_wrapper(o_dpkern)   # before, between and after the two steps
+        refuse_opacus_wrapper(o_dpkern)  # before, between and after the two steps
         opt.step()
     assert opacus_wrapper(o_dpkern) is None
     assert all(p.summed_grad is not None for p in m_opacus.parameters())
@@ -149,15 +194,22 @@ def test_refuse_opacus_wrapper_is_silent_on_the_supported_path():
 def test_refuse_opacus_wrapper_on_opacus_clipped_params():
     """A parameter holding Opacus' clipped sum p.summed_grad: an Opacus optimizer clips it."""
     net = _net()
-    opt = dpkern.DPSGD(net.parameters(), lr=0.1, max_grad_norm=1.0, noise_multiplier=1.0,
-                       expected_batch_size=8, backend="torch", seed=0)
+    opt = dpkern.DPSGD(
+        net.parameters(),
+        lr=0.1,
+        max_grad_norm=1.0,
+        noise_multiplier=1.0,
+        expected_batch_size=8,
+        backend="torch",
+        seed=0,
+    )
     params = list(net.parameters())
-    params[2].summed_grad = None          # what DPOptimizer.__init__ leaves: not refused
+    params[2].summed_grad = None  # what DPOptimizer.__init__ leaves: not refused
     refuse_opacus_wrapper(opt)
     params[2].summed_grad = torch.zeros_like(params[2])
     with pytest.raises(ValueError, match=r"summed_grad \(group 0, position 2, shape \(3, 5\)\)"):
         refuse_opacus_wrapper(opt)
-    params[2].requires_grad_(False)       # frozen: not the optimizer's
+    params[2].requires_grad_(False)  # frozen: not the optimizer's
     refuse_opacus_wrapper(opt)
     assert "GradSampleModule" in SUPPORTED_PATH
 

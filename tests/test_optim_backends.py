@@ -1,6 +1,7 @@
 """The optimizer classes give the same trajectory on every backend (SPEC section 6):
 several steps, two parameter groups, a frozen parameter, an unused parameter, gradient
 accumulation, an empty batch; fp32 parameters, and bf16 for DP-SGD."""
+
 from __future__ import annotations
 
 import pytest
@@ -28,12 +29,12 @@ SHAPES = [(9, 7), (7,), (1,), (), (130,), (3, 4, 5)]
 def _setup(name, backend, dtype, device):
     cls, extra = CLASSES[name]
     g = torch.Generator().manual_seed(case_seed(0))  # fresh each run (conftest)
-    params = [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype).to(device))
-              for s in SHAPES]
+    params = [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype).to(device)) for s in SHAPES]
     params[3].requires_grad_(False)  # frozen: no noise index, no state, no decay
     groups = [{"params": params[:3]}, {"params": params[3:], "lr": 0.02}]
-    kw = dict(lr=0.05, noise_multiplier=0.6, expected_batch_size=5.0, seed=2024,
-              backend=backend, **extra)
+    kw = dict(
+        lr=0.05, noise_multiplier=0.6, expected_batch_size=5.0, seed=2024, backend=backend, **extra
+    )
     if name != "macadam":
         kw["max_grad_norm"] = 2.0
     return params, cls(groups, **kw)
@@ -77,5 +78,9 @@ def test_same_trajectory_as_reference(fused_backend, name, dtype):
         assert got_o.state[q].keys() == want_o.state[p].keys()
         assert ("momentum_buffer" in want_o.state[p]) == (name == "sgd")
         for sname, val in want_o.state[p].items():
-            torch.testing.assert_close(got_o.state[q][sname].float(), val.float(),
-                                       rtol=max(rtol, 1e-4), atol=max(atol, 1e-5))
+            torch.testing.assert_close(
+                got_o.state[q][sname].float(),
+                val.float(),
+                rtol=max(rtol, 1e-4),
+                atol=max(atol, 1e-5),
+            )

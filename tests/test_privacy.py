@@ -1,5 +1,6 @@
 """Privacy invariants (SPEC sections 1-4): sensitivity <= C, noise mean/std, no
 (key, step) reuse, and the secret key never leaves the process in secure mode."""
+
 from __future__ import annotations
 
 import logging
@@ -30,8 +31,15 @@ def _clipped_update(grad_samples, C, cls=dpkern.DPSGD, **kw):
     """p_before - p_after for one sigma = 0 step with lr = 1 and B_e = 1: the clipped sum."""
     params = _params()
     before = [p.detach().clone() for p in params]
-    opt = cls(params, lr=1.0, max_grad_norm=C, noise_multiplier=0.0, expected_batch_size=1,
-              backend="torch", **kw)
+    opt = cls(
+        params,
+        lr=1.0,
+        max_grad_norm=C,
+        noise_multiplier=0.0,
+        expected_batch_size=1,
+        backend="torch",
+        **kw,
+    )
     _set_gs(params, grad_samples)
     opt.step()
     return torch.cat([(b - p.detach()).flatten() for b, p in zip(before, params)])
@@ -57,6 +65,7 @@ def test_macadam_whitened_sensitivity_is_one():
     """Sum of clipped whitened rows: one sample moves it by <= 1 (SPEC section 7)."""
     from dpkern.backends import reference as ref
     from dpkern.hyper import MacAdamHyper
+
     g = torch.Generator().manual_seed(3)
     B = 5
     gs = [torch.randn((B, *s), generator=g) * 50 for s in SHAPES]
@@ -70,8 +79,9 @@ def test_macadam_whitened_sensitivity_is_one():
         n = ref.whitened_norms(sub, m, b, 1 - 0.9**2, len(rows), "cpu")
         c = 1 / torch.clamp(n, min=1.0)
         bufs = [torch.zeros(s) for s in SHAPES]
-        ref.accumulate(hyper, DPStep(key=0, step=3, noise_std=0, expected_batch_size=1),
-                       sub, c, bufs, states)
+        ref.accumulate(
+            hyper, DPStep(key=0, step=3, noise_std=0, expected_batch_size=1), sub, c, bufs, states
+        )
         return torch.cat([x.flatten() for x in bufs])
 
     full = whitened_sum(list(range(B)))
@@ -85,8 +95,15 @@ def test_noise_mean_and_std_on_an_empty_batch():
     sigma C / B_e within 6 standard errors (n = 2**18 coordinates)."""
     n, sigma, C, Be = 2**18, 2.0, 3.0, 4.0
     p = torch.nn.Parameter(torch.zeros(n))
-    opt = dpkern.DPSGD([p], lr=1.0, max_grad_norm=C, noise_multiplier=sigma,
-                       expected_batch_size=Be, seed=11, backend="torch")
+    opt = dpkern.DPSGD(
+        [p],
+        lr=1.0,
+        max_grad_norm=C,
+        noise_multiplier=sigma,
+        expected_batch_size=Be,
+        seed=11,
+        backend="torch",
+    )
     p.grad_sample = torch.zeros(0, n)
     opt.step()
     x = -p.detach().double()
@@ -108,8 +125,15 @@ def _noise_of_step(opt, params):
 
 
 def _sgd(params, **kw):
-    return dpkern.DPSGD(params, lr=1.0, max_grad_norm=1.0, noise_multiplier=1.0,
-                        expected_batch_size=1.0, backend="torch", **kw)
+    return dpkern.DPSGD(
+        params,
+        lr=1.0,
+        max_grad_norm=1.0,
+        noise_multiplier=1.0,
+        expected_batch_size=1.0,
+        backend="torch",
+        **kw,
+    )
 
 
 def test_no_key_step_reuse_across_steps_and_parameters():
@@ -145,8 +169,9 @@ def test_reproducible_resume_continues_the_same_stream():
     p2 = [torch.nn.Parameter(p.detach().clone()) for p in params]
     opt2 = _sgd(p2, seed=5)
     opt2.load_state_dict(opt.state_dict())
-    torch.testing.assert_close(_noise_of_step(opt2, p2), _noise_of_step(opt, params),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        _noise_of_step(opt2, p2), _noise_of_step(opt, params), rtol=0, atol=0
+    )
 
 
 def _key_strings(key: int) -> list[str]:
@@ -156,15 +181,26 @@ def _key_strings(key: int) -> list[str]:
 def test_secure_key_never_appears_in_repr_state_logs_or_errors(caplog):
     caplog.set_level(logging.DEBUG)
     params = _params()
-    opt = dpkern.DPAdamW(params, lr=0.1, max_grad_norm=1.0, noise_multiplier=1.0,
-                         expected_batch_size=2, backend="torch")
+    opt = dpkern.DPAdamW(
+        params,
+        lr=0.1,
+        max_grad_norm=1.0,
+        noise_multiplier=1.0,
+        expected_batch_size=2,
+        backend="torch",
+    )
     key = reveal(opt._key)
     _set_gs(params, [torch.randn(2, *p.shape) for p in params])
     opt.step()
-    texts = [repr(opt), str(opt), str(opt.state_dict()), str(vars(opt.state_dict()["dp"]))
-             if hasattr(opt.state_dict()["dp"], "__dict__") else "",
-             str(opt.stats), caplog.text,
-             repr(DPStep(key=key, step=1, noise_std=1.0, expected_batch_size=1.0))]
+    texts = [
+        repr(opt),
+        str(opt),
+        str(opt.state_dict()),
+        str(vars(opt.state_dict()["dp"])) if hasattr(opt.state_dict()["dp"], "__dict__") else "",
+        str(opt.stats),
+        caplog.text,
+        repr(DPStep(key=key, step=1, noise_std=1.0, expected_batch_size=1.0)),
+    ]
     params[0].grad_sample = torch.full((2, *params[0].shape), float("nan"))
     for p in params[1:]:
         p.grad_sample = torch.randn(2, *p.shape)

@@ -1,4 +1,5 @@
 """README.md stays true: its Python example runs as written."""
+
 from __future__ import annotations
 
 import re

@@ -12,6 +12,7 @@ Also: the torch.optim twins (sigma = 0, huge C: DP-x == x on the mean gradient),
 phi_hat == Phi, DP-MacAdam's kappa_t and scale rule read off the optimizer's own state,
 and gradient accumulation == one step on the concatenated batch.
 """
+
 from __future__ import annotations
 
 import math
@@ -24,8 +25,14 @@ from dpkern.optim import DPAdam, DPAdamBC, DPAdamW, DPAdamWBC, DPMacAdam, DPSGD
 
 from spec_model import SpecOptimizer, kappa
 
-CLASSES = {"sgd": DPSGD, "adam": DPAdam, "adam_bc": DPAdamBC, "adamw": DPAdamW,
-           "adamw_bc": DPAdamWBC, "macadam": DPMacAdam}
+CLASSES = {
+    "sgd": DPSGD,
+    "adam": DPAdam,
+    "adam_bc": DPAdamBC,
+    "adamw": DPAdamW,
+    "adamw_bc": DPAdamWBC,
+    "macadam": DPMacAdam,
+}
 
 # name -> (rule, hyper-parameters shared by all groups, class kwargs)
 CONFIGS = {
@@ -42,8 +49,11 @@ CONFIGS = {
     "macadam_defaults": ("macadam", {}, {}),
     "macadam_unbiased": ("macadam", dict(h1=1e-12, h2=1e3), {}),
     "macadam_paper": ("macadam", dict(h1=1e-12, h2=1e3, variance_estimate="paper"), {}),
-    "macadam_code": ("macadam", dict(h1=1e-12, h2=1e3, variance_estimate="code",
-                                     betas=(0.8, 0.99), gamma=1e-6), {}),
+    "macadam_code": (
+        "macadam",
+        dict(h1=1e-12, h2=1e3, variance_estimate="code", betas=(0.8, 0.99), gamma=1e-6),
+        {},
+    ),
     "macadam_b_init": ("macadam", dict(h1=1e-10, h2=1e2), dict(b_init=0.05)),
 }
 LRS = (0.05, 0.02, 0.1)  # one per parameter group
@@ -77,8 +87,9 @@ def make_params(layout, dtype, gen):
     for grp in layout:
         ps = []
         for shape, kind in grp:
-            p = torch.nn.Parameter(torch.randn(shape, generator=gen).to(dtype),
-                                   requires_grad=kind != "frozen")
+            p = torch.nn.Parameter(
+                torch.randn(shape, generator=gen).to(dtype), requires_grad=kind != "frozen"
+            )
             ps.append(p)
             if kind != "frozen":
                 trainable.append(p)
@@ -118,16 +129,24 @@ def build(config, dtype, sigma, seed, *, layout=LAYOUT, B_e=4.0, lrs=None):
     if rule != "macadam":
         privacy["max_grad_norm"] = C
     opt = CLASSES[rule](pgroups, seed=seed, backend="torch", **privacy, **cls_kwargs)
-    model = SpecOptimizer(rule, [dict(g) for g in pgroups], max_grad_norm=C,
-                          noise_multiplier=sigma, expected_batch_size=B_e, key=seed,
-                          b_init=cls_kwargs.get("b_init"))
+    model = SpecOptimizer(
+        rule,
+        [dict(g) for g in pgroups],
+        max_grad_norm=C,
+        noise_multiplier=sigma,
+        expected_batch_size=B_e,
+        key=seed,
+        b_init=cls_kwargs.get("b_init"),
+    )
     return opt, model, trainable, nogs, gen
 
 
 STATE_CHECKS = {
     "sgd": ("momentum_buffer",),
-    "adam": ("exp_avg", "exp_avg_sq"), "adam_bc": ("exp_avg", "exp_avg_sq"),
-    "adamw": ("exp_avg", "exp_avg_sq"), "adamw_bc": ("exp_avg", "exp_avg_sq"),
+    "adam": ("exp_avg", "exp_avg_sq"),
+    "adam_bc": ("exp_avg", "exp_avg_sq"),
+    "adamw": ("exp_avg", "exp_avg_sq"),
+    "adamw_bc": ("exp_avg", "exp_avg_sq"),
     "macadam": ("exp_avg", "exp_avg_sq", "exp_var", "scale"),
 }
 
@@ -143,7 +162,8 @@ def assert_close_with_slack(actual, expected, *, rtol, atol, slack=None, msg="")
         raise AssertionError(
             f"{msg}: {int((excess > 0).sum())}/{actual.numel()} elements differ; worst at "
             f"flat index {i}: {float(actual.reshape(-1)[i])!r} vs "
-            f"{float(expected.reshape(-1)[i])!r} (allowed {float(allowed.reshape(-1)[i]):.3g})")
+            f"{float(expected.reshape(-1)[i])!r} (allowed {float(allowed.reshape(-1)[i]):.3g})"
+        )
 
 
 def compare(opt, model, trainable, dtype, msg, states=True):
@@ -151,8 +171,7 @@ def compare(opt, model, trainable, dtype, msg, states=True):
     t = tol(dtype)
     for k, (p, q, slack) in enumerate(zip(trainable, model.params(), model.slacks())):
         assert p.dtype == dtype
-        assert_close_with_slack(p, q, **t, slack=slack,
-                                msg=f"{msg}: param {k} {tuple(p.shape)}")
+        assert_close_with_slack(p, q, **t, slack=slack, msg=f"{msg}: param {k} {tuple(p.shape)}")
         if not states:
             continue
         st, ref, ref_slack = opt.state[p], model.state(k), model.state_slack(k)
@@ -163,13 +182,21 @@ def compare(opt, model, trainable, dtype, msg, states=True):
             assert st[name].dtype == torch.float32, (msg, name)
             assert st[name].shape == p.shape, (msg, name)
             # states may carry the bf16 rounding of the parameters they were built from
-            assert_close_with_slack(st[name], ref[name], rtol=t["rtol"] * 10, atol=t["atol"],
-                                    slack=ref_slack[name], msg=f"{msg}: {name} of param {k}")
+            assert_close_with_slack(
+                st[name],
+                ref[name],
+                rtol=t["rtol"] * 10,
+                atol=t["atol"],
+                slack=ref_slack[name],
+                msg=f"{msg}: {name} of param {k}",
+            )
 
 
-@pytest.mark.parametrize("dtype,sigma", [(torch.float32, 0.0), (torch.float32, 1.3),
-                                         (torch.bfloat16, 1.3)],
-                         ids=["fp32-sigma0", "fp32-sigma1.3", "bf16-sigma1.3"])
+@pytest.mark.parametrize(
+    "dtype,sigma",
+    [(torch.float32, 0.0), (torch.float32, 1.3), (torch.bfloat16, 1.3)],
+    ids=["fp32-sigma0", "fp32-sigma1.3", "bf16-sigma1.3"],
+)
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_optimizer_matches_spec(config, sigma, dtype):
     """Every class over 4 steps (B = 4, 1, 0, 5), 3 groups, frozen and unused params."""
@@ -192,8 +219,17 @@ def test_optimizer_matches_spec(config, sigma, dtype):
         assert not torch.equal(trainable[min(nogs)], nogs_before)
 
 
-@pytest.mark.parametrize("config", ["sgd_nesterov_wd", "adam_wd_betas_eps", "adam_bc",
-                                    "adamw_bc", "macadam_unbiased", "macadam_code"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        "sgd_nesterov_wd",
+        "adam_wd_betas_eps",
+        "adam_bc",
+        "adamw_bc",
+        "macadam_unbiased",
+        "macadam_code",
+    ],
+)
 def test_gradient_accumulation_equals_concatenated_batch(config):
     """accumulate(mb1) [+ accumulate(mb2)] + step() == step() on cat(mb1, mb2), 3 steps,
     and both equal the SPEC model; the noise is added once per logical batch."""
@@ -219,8 +255,9 @@ def test_gradient_accumulation_equals_concatenated_batch(config):
         model.step(mb2)
         msg = f"{config} seed={seed} t={t}"
         for k, (pa, pb, slack) in enumerate(zip(trainable_a, trainable_b, model.slacks())):
-            assert_close_with_slack(pa, pb, rtol=1e-5, atol=1e-6, slack=2 * slack,
-                                    msg=f"{msg} param {k}")
+            assert_close_with_slack(
+                pa, pb, rtol=1e-5, atol=1e-6, slack=2 * slack, msg=f"{msg} param {k}"
+            )
         compare(opt_a, model, trainable_a, torch.float32, msg)
 
 
@@ -230,8 +267,7 @@ def test_gradient_accumulation_equals_concatenated_batch(config):
 TWINS = {
     "adamw": (DPAdamW, torch.optim.AdamW, dict(weight_decay=0.1, betas=(0.9, 0.99))),
     "sgd": (DPSGD, torch.optim.SGD, dict(momentum=0.9, nesterov=True, weight_decay=0.05)),
-    "sgd_dampening": (DPSGD, torch.optim.SGD, dict(momentum=0.7, dampening=0.4,
-                                                   weight_decay=0.01)),
+    "sgd_dampening": (DPSGD, torch.optim.SGD, dict(momentum=0.7, dampening=0.4, weight_decay=0.01)),
     "adam": (DPAdam, torch.optim.Adam, dict(weight_decay=0.05, eps=1e-7)),
 }
 
@@ -245,9 +281,15 @@ def test_torch_optim_twin_on_mean_gradient(name):
     a = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
     b = [torch.nn.Parameter(p.detach().clone()) for p in a]
     lrs = (0.03, 0.01)
-    dp = dp_cls([dict(params=a[:2], lr=lrs[0]), dict(params=a[2:], lr=lrs[1])], **hyper,
-                max_grad_norm=1e6, noise_multiplier=0.0, expected_batch_size=6, seed=seed,
-                backend="torch")
+    dp = dp_cls(
+        [dict(params=a[:2], lr=lrs[0]), dict(params=a[2:], lr=lrs[1])],
+        **hyper,
+        max_grad_norm=1e6,
+        noise_multiplier=0.0,
+        expected_batch_size=6,
+        seed=seed,
+        backend="torch",
+    )
     tw = twin_cls([dict(params=b[:2], lr=lrs[0]), dict(params=b[2:], lr=lrs[1])], **hyper)
     for t in range(1, 5):
         gs = [torch.randn((6, *s), generator=gen) for s in shapes]
@@ -257,8 +299,9 @@ def test_torch_optim_twin_on_mean_gradient(name):
         dp.step()
         tw.step()
         for k, (p, q) in enumerate(zip(a, b)):
-            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"{name} seed={seed} t={t} param {k}\n{m}")
+            torch.testing.assert_close(
+                p, q, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} seed={seed} t={t} param {k}\n{m}"
+            )
             for sname, val in tw.state[q].items():
                 if sname != "step":  # momentum buffers are sums of O(1) gradients that can
                     # cancel to ~1e-3: allow a few float32 ulps of O(1), as for the params
@@ -274,8 +317,16 @@ def test_sgd_without_momentum_keeps_no_buffer_then_momentum_switched_on():
     shapes = [(7,), (3, 5)]
     a = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
     b = [torch.nn.Parameter(p.detach().clone()) for p in a]
-    dp = DPSGD(a, lr=0.1, weight_decay=0.01, max_grad_norm=1e6, noise_multiplier=0.0,
-               expected_batch_size=4, seed=seed, backend="torch")
+    dp = DPSGD(
+        a,
+        lr=0.1,
+        weight_decay=0.01,
+        max_grad_norm=1e6,
+        noise_multiplier=0.0,
+        expected_batch_size=4,
+        seed=seed,
+        backend="torch",
+    )
     tw = torch.optim.SGD(b, lr=0.1, weight_decay=0.01)
     for t in range(1, 6):
         if t == 3:
@@ -289,8 +340,12 @@ def test_sgd_without_momentum_keeps_no_buffer_then_momentum_switched_on():
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=f"seed={seed} t={t}")
             assert ("momentum_buffer" in dp.state[p]) == (t >= 3)
             if t >= 3:
-                torch.testing.assert_close(dp.state[p]["momentum_buffer"],
-                                           tw.state[q]["momentum_buffer"], rtol=1e-5, atol=1e-7)
+                torch.testing.assert_close(
+                    dp.state[p]["momentum_buffer"],
+                    tw.state[q]["momentum_buffer"],
+                    rtol=1e-5,
+                    atol=1e-7,
+                )
 
 
 # --------------------------------------------------------------------------------------
@@ -301,9 +356,15 @@ def test_adambc_phi_hat_equals_Phi_with_constant_sigma(cls):
     """phi_t = beta2 phi + (1 - beta2) Phi; phi_hat = phi_t / (1 - beta2^t) == Phi."""
     sigma, B_e, Cn = 1.7, 8.0, 0.6
     ps = [torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(3, 2))]
-    opt = cls([dict(params=ps[:1], betas=(0.9, 0.95)), dict(params=ps[1:], betas=(0.8, 0.9))],
-              lr=1e-3, max_grad_norm=Cn, noise_multiplier=sigma, expected_batch_size=B_e,
-              seed=fresh_seed(), backend="torch")
+    opt = cls(
+        [dict(params=ps[:1], betas=(0.9, 0.95)), dict(params=ps[1:], betas=(0.8, 0.9))],
+        lr=1e-3,
+        max_grad_norm=Cn,
+        noise_multiplier=sigma,
+        expected_batch_size=B_e,
+        seed=fresh_seed(),
+        backend="torch",
+    )
     Phi = (sigma * Cn / B_e) ** 2
     for t in range(1, 6):
         for p in ps:
@@ -320,8 +381,9 @@ def test_adambc_noise_schedule_uses_the_ema():
     """With sigma, C, B_e changing between steps, phi follows the EMA of Phi_t (SPEC 5.3)."""
     seed = fresh_seed()
     opt, model, trainable, nogs, gen = build("adam_bc_wd_gamma", torch.float32, 1.0, seed)
-    for t, (sigma, Cn, B_e) in enumerate([(1.0, 1.0, 4.0), (2.0, 0.5, 3.0), (0.5, 2.0, 6.0),
-                                          (0.0, 1.0, 4.0)], start=1):
+    for t, (sigma, Cn, B_e) in enumerate(
+        [(1.0, 1.0, 4.0), (2.0, 0.5, 3.0), (0.5, 2.0, 6.0), (0.0, 1.0, 4.0)], start=1
+    ):
         opt.noise_multiplier, opt.max_grad_norm, opt.expected_batch_size = sigma, Cn, B_e
         model.set_privacy(noise_multiplier=sigma, max_grad_norm=Cn, expected_batch_size=B_e)
         grads = make_grads(trainable, nogs, 3, gen, torch.float32)
@@ -331,8 +393,7 @@ def test_adambc_noise_schedule_uses_the_ema():
         compare(opt, model, trainable, torch.float32, f"schedule seed={seed} t={t}")
         for gi, group in enumerate(opt.param_groups):
             p = next(p for p in group["params"] if p.requires_grad)
-            assert float(opt.state[p]["noise_var_avg"]) == pytest.approx(model.phi[gi],
-                                                                         rel=1e-6)
+            assert float(opt.state[p]["noise_var_avg"]) == pytest.approx(model.phi[gi], rel=1e-6)
 
 
 @pytest.mark.parametrize("sigma", [0.0, 2.0])
@@ -346,9 +407,17 @@ def test_macadam_kappa_and_scale_rule(sigma, h):
     ps = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
     frozen = torch.nn.Parameter(torch.randn(11), requires_grad=False)
     B_e, beta1 = 5.0, 0.85
-    opt = DPMacAdam([dict(params=ps[:2] + [frozen]), dict(params=ps[2:], lr=0.02)], lr=0.01,
-                    betas=(beta1, 0.99), h1=h[0], h2=h[1], noise_multiplier=sigma,
-                    expected_batch_size=B_e, seed=seed, backend="torch")
+    opt = DPMacAdam(
+        [dict(params=ps[:2] + [frozen]), dict(params=ps[2:], lr=0.02)],
+        lr=0.01,
+        betas=(beta1, 0.99),
+        h1=h[0],
+        h2=h[1],
+        noise_multiplier=sigma,
+        expected_batch_size=B_e,
+        seed=seed,
+        backend="torch",
+    )
     d = sum(p.numel() for p in ps)  # frozen coordinates are not owned for noise or scale
     for t in range(1, 5):
         b_prev = [opt.state[p]["scale"].double().clone() for p in ps] if t > 1 else None
@@ -361,18 +430,27 @@ def test_macadam_kappa_and_scale_rule(sigma, h):
                 torch.testing.assert_close(x, torch.full_like(x, 1.0 / d), rtol=1e-7, atol=0)
             continue
         k = kappa(beta1, t)
-        assert k == pytest.approx(2 * sum(beta1**j for j in range(1, t)) * (1 - beta1)
-                                  / (1 + beta1))
-        parts = [(opt.state[p]["exp_var"].double() / k, bp**2 * sigma**2 / B_e**2)
-                 for p, bp in zip(ps, b_prev)]
+        assert k == pytest.approx(
+            2 * sum(beta1**j for j in range(1, t)) * (1 - beta1) / (1 + beta1)
+        )
+        parts = [
+            (opt.state[p]["exp_var"].double() / k, bp**2 * sigma**2 / B_e**2)
+            for p, bp in zip(ps, b_prev)
+        ]
         S_hat = [torch.clamp(a - n, h[0], h[1]) for a, n in parts]
         total = sum(float(s.sqrt().sum()) for s in S_hat)
         for x, s, (a, n) in zip(b, S_hat, parts):
             expected = s**0.25 * math.sqrt(total)
             # float32 cancellation in S/kappa - b^2 sigma^2/B_e^2, a quarter of it in b
             cond = (a.abs() + n) / s
-            assert_close_with_slack(x, expected, rtol=1e-5, atol=0,
-                                    slack=expected * 2.0**-22 * cond, msg=f"seed={seed} t={t}")
+            assert_close_with_slack(
+                x,
+                expected,
+                rtol=1e-5,
+                atol=0,
+                slack=expected * 2.0**-22 * cond,
+                msg=f"seed={seed} t={t}",
+            )
 
 
 def test_macadam_kappa_normalises_the_unbiased_variance():
@@ -401,13 +479,28 @@ def test_macadam_groups_with_different_betas():
     gen = torch.Generator().manual_seed(seed)
     layout = [[((7,), "train"), ((3, 4), "train")], [((5, 5), "train")]]
     groups, trainable, nogs = make_params(layout, torch.float32, gen)
-    pgroups = [dict(params=groups[0], lr=0.02, betas=(0.9, 0.999)),
-               dict(params=groups[1], lr=0.05, betas=(0.5, 0.99))]
+    pgroups = [
+        dict(params=groups[0], lr=0.02, betas=(0.9, 0.999)),
+        dict(params=groups[1], lr=0.05, betas=(0.5, 0.99)),
+    ]
     hyper = dict(h1=1e-12, h2=1e3)
-    opt = DPMacAdam(pgroups, **hyper, b_init=8.0, noise_multiplier=0.5,
-                    expected_batch_size=3.0, seed=seed, backend="torch")
-    model = SpecOptimizer("macadam", [{**g, **hyper} for g in pgroups], noise_multiplier=0.5,
-                          expected_batch_size=3.0, key=seed, b_init=8.0)
+    opt = DPMacAdam(
+        pgroups,
+        **hyper,
+        b_init=8.0,
+        noise_multiplier=0.5,
+        expected_batch_size=3.0,
+        seed=seed,
+        backend="torch",
+    )
+    model = SpecOptimizer(
+        "macadam",
+        [{**g, **hyper} for g in pgroups],
+        noise_multiplier=0.5,
+        expected_batch_size=3.0,
+        key=seed,
+        b_init=8.0,
+    )
     mean = [torch.randn(p.shape, generator=gen) for p in trainable]
     for t in range(1, 4):
         grads = [mu + 0.1 * torch.randn((3, *mu.shape), generator=gen) for mu in mean]
@@ -423,9 +516,17 @@ def test_macadam_clipped_row_norm_at_most_one_with_per_group_betas():
     own m_hat_1 = m_1 / (1 - 0.99), has norm ~2.9 while whitening with group 0's
     beta1 = 0.5 would give 0 (recovered from exp_avg with sigma = 0, B_e = 1)."""
     a, b = torch.nn.Parameter(torch.zeros(10)), torch.nn.Parameter(torch.zeros(10))
-    opt = DPMacAdam([dict(params=[a], betas=(0.5, 0.99)), dict(params=[b], betas=(0.99, 0.999))],
-                    lr=0.01, b_init=8.0, h1=1e-12, h2=1e3, noise_multiplier=0.0,
-                    expected_batch_size=1.0, seed=fresh_seed(), backend="torch")
+    opt = DPMacAdam(
+        [dict(params=[a], betas=(0.5, 0.99)), dict(params=[b], betas=(0.99, 0.999))],
+        lr=0.01,
+        b_init=8.0,
+        h1=1e-12,
+        h2=1e3,
+        noise_multiplier=0.0,
+        expected_batch_size=1.0,
+        seed=fresh_seed(),
+        backend="torch",
+    )
     a.grad_sample, b.grad_sample = torch.zeros(3, 10), torch.full((3, 10), 2.5)
     opt.step()  # t = 1: ||w_i|| = 0.99, unclipped
     m1, scale = opt.state[b]["exp_avg"].clone(), opt.state[b]["scale"].clone()

@@ -2,6 +2,7 @@
 no key in a repr, pickle or traceback, a step all-or-nothing (README: what dpkern refuses).
 
 Each test fails on the code before the net was added (dpkern 0.1.0 as of 2026-11-30)."""
+
 from __future__ import annotations
 
 import copy
@@ -19,13 +20,18 @@ from dpkern.backends import reference
 from dpkern.guards import StepInterrupted
 from dpkern.keys import NoiseKey, reveal
 
-CLASSES = [dpkern.DPSGD, dpkern.DPAdam, dpkern.DPAdamBC, dpkern.DPAdamW, dpkern.DPAdamWBC,
-           dpkern.DPMacAdam]
+CLASSES = [
+    dpkern.DPSGD,
+    dpkern.DPAdam,
+    dpkern.DPAdamBC,
+    dpkern.DPAdamW,
+    dpkern.DPAdamWBC,
+    dpkern.DPMacAdam,
+]
 
 
 def _make(cls, params, **kw):
-    kw = {"lr": 0.05, "noise_multiplier": 1.0, "expected_batch_size": 4.0,
-          "backend": "torch", **kw}
+    kw = {"lr": 0.05, "noise_multiplier": 1.0, "expected_batch_size": 4.0, "backend": "torch", **kw}
     if cls is dpkern.DPSGD:
         kw.setdefault("momentum", 0.9)
     if cls is not dpkern.DPMacAdam:
@@ -93,13 +99,13 @@ def test_accumulate_consumes_and_the_same_micro_batch_is_refused():
 
 def test_opacus_grad_sample_module_without_zero_grad_releases_each_batch_once():
     from opacus import GradSampleModule
+
     torch.manual_seed(0)
     model = GradSampleModule(nn.Sequential(nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 2)))
     opt = _make(dpkern.DPAdamW, list(model.parameters()), seed=5, expected_batch_size=8.0)
     for _ in range(2):  # 2 batches of 8, no zero_grad() between them
         x = torch.randn(8, 6)
-        nn.functional.cross_entropy(model(x), torch.randint(0, 2, (8,)),
-                                    reduction="sum").backward()
+        nn.functional.cross_entropy(model(x), torch.randint(0, 2, (8,)), reduction="sum").backward()
         opt.step()
     with pytest.raises(ValueError, match="no fresh"):
         opt.step()  # the third step of the report: nothing fresh
@@ -108,6 +114,7 @@ def test_opacus_grad_sample_module_without_zero_grad_releases_each_batch_once():
 
 def test_ghost_step_without_fresh_clipped_sums_raises():
     from dpkern.ghost import GhostClipping
+
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 2))
     opt = _make(dpkern.DPAdamW, list(model.parameters()), seed=5)
@@ -140,8 +147,15 @@ def test_compiled_step_equals_eager_steps(cls, compiler):
 
 def test_compiled_noise_differs_between_steps():
     p = nn.Parameter(torch.zeros(64))
-    opt = dpkern.DPSGD([p], lr=1.0, max_grad_norm=1.0, noise_multiplier=1.0,
-                       expected_batch_size=1.0, seed=2, backend="torch")
+    opt = dpkern.DPSGD(
+        [p],
+        lr=1.0,
+        max_grad_norm=1.0,
+        noise_multiplier=1.0,
+        expected_batch_size=1.0,
+        seed=2,
+        backend="torch",
+    )
     step = torch.compile(opt.step, backend="eager")
     deltas = []
     for _ in range(2):
@@ -190,8 +204,10 @@ def test_no_frame_of_a_failing_step_holds_the_key_as_an_int(where, monkeypatch):
         params[0].grad_sample[1, 0, 0] = float("nan")
         exc = FloatingPointError
     else:
+
         def boom(*args, **kwargs):
             raise RuntimeError("kernel failed")
+
         monkeypatch.setattr(reference, "step", boom)
         exc = RuntimeError
     with pytest.raises(exc) as err:

@@ -3,6 +3,7 @@ steps, refused param-group options, foreign state_dicts, hook order, the constru
 privacy arguments kept at load, the base class that is not a wrapper, the docs.
 
 Each test fails on the code before the fix (dpkern 0.1.0 as of 2026-11-30)."""
+
 from __future__ import annotations
 
 import inspect
@@ -16,15 +17,28 @@ from torch import nn
 import dpkern
 from dpkern.accounting import PrivacyAccountant
 
-CLASSES = [dpkern.DPSGD, dpkern.DPAdam, dpkern.DPAdamBC, dpkern.DPAdamW, dpkern.DPAdamWBC,
-           dpkern.DPMacAdam]
+CLASSES = [
+    dpkern.DPSGD,
+    dpkern.DPAdam,
+    dpkern.DPAdamBC,
+    dpkern.DPAdamW,
+    dpkern.DPAdamWBC,
+    dpkern.DPMacAdam,
+]
 BIG_C = 1e6  # clipping never active: the DP step is the plain step on the mean gradient
 
 
 def _exact(cls, params, **kw):
     """A dpkern optimizer with no noise and no clipping (B_e = 1: g_hat = the gradient)."""
-    return cls(params, **kw, max_grad_norm=BIG_C, noise_multiplier=0.0, expected_batch_size=1.0,
-               backend="torch", seed=0)
+    return cls(
+        params,
+        **kw,
+        max_grad_norm=BIG_C,
+        noise_multiplier=0.0,
+        expected_batch_size=1.0,
+        backend="torch",
+        seed=0,
+    )
 
 
 def _grads(params, k):
@@ -51,9 +65,11 @@ def _pair(seed=0, n=3):
 
 
 # -- 12. parameters added or unfrozen later get their own step ---------------------------
-TWINS = [(dpkern.DPAdam, torch.optim.Adam, {"lr": 0.1}),
-         (dpkern.DPAdamW, torch.optim.AdamW, {"lr": 0.1, "weight_decay": 0.1}),
-         (dpkern.DPSGD, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "dampening": 0.5})]
+TWINS = [
+    (dpkern.DPAdam, torch.optim.Adam, {"lr": 0.1}),
+    (dpkern.DPAdamW, torch.optim.AdamW, {"lr": 0.1, "weight_decay": 0.1}),
+    (dpkern.DPSGD, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "dampening": 0.5}),
+]
 
 
 @pytest.mark.parametrize("cls,twin_cls,kw", TWINS, ids=lambda x: getattr(x, "__name__", ""))
@@ -88,8 +104,15 @@ def test_frozen_then_unfrozen_parameter_follows_torch_optim(cls, twin_cls, kw):
 
 def test_bc_noise_variance_is_per_parameter():
     ps, _ = _pair()
-    opt = dpkern.DPAdamBC([ps[0]], lr=0.1, max_grad_norm=1.0, noise_multiplier=1.0,
-                          expected_batch_size=2.0, backend="torch", seed=1)
+    opt = dpkern.DPAdamBC(
+        [ps[0]],
+        lr=0.1,
+        max_grad_norm=1.0,
+        noise_multiplier=1.0,
+        expected_batch_size=2.0,
+        backend="torch",
+        seed=1,
+    )
     for k in range(3):
         ps[0].grad_sample = torch.randn(2, 4, 3)
         opt.step()
@@ -100,14 +123,14 @@ def test_bc_noise_variance_is_per_parameter():
     Phi, b2 = (1.0 * 1.0 / 2.0) ** 2, 0.999
     phi_new = float(opt.state[ps[1]]["noise_var_avg"])
     assert phi_new == pytest.approx((1 - b2) * Phi, rel=1e-6)  # its first phi update
-    assert float(opt.state[ps[0]]["noise_var_avg"]) == pytest.approx(
-        (1 - b2**4) * Phi, rel=1e-5)
+    assert float(opt.state[ps[0]]["noise_var_avg"]) == pytest.approx((1 - b2**4) * Phi, rel=1e-5)
 
 
 def test_macadam_refuses_a_late_parameter_group():
     ps, _ = _pair()
-    opt = dpkern.DPMacAdam([ps[0]], noise_multiplier=1.0, expected_batch_size=2.0,
-                           backend="torch", seed=1)
+    opt = dpkern.DPMacAdam(
+        [ps[0]], noise_multiplier=1.0, expected_batch_size=2.0, backend="torch", seed=1
+    )
     ps[0].grad_sample = torch.randn(2, 4, 3)
     opt.step()
     opt.add_param_group({"params": [ps[1]]})
@@ -135,16 +158,27 @@ def test_format_1_checkpoint_gives_every_parameter_the_global_step():
 
 
 # -- 11. options in a param group that the class does not implement ----------------------
-@pytest.mark.parametrize("option,value", [("maximize", True), ("amsgrad", True),
-                                          ("decoupled_weight_decay", True), ("foreach", True),
-                                          ("noise_multiplier", 0.1), ("nesterov", True)])
+@pytest.mark.parametrize(
+    "option,value",
+    [
+        ("maximize", True),
+        ("amsgrad", True),
+        ("decoupled_weight_decay", True),
+        ("foreach", True),
+        ("noise_multiplier", 0.1),
+        ("nesterov", True),
+    ],
+)
 def test_unsupported_param_group_option_is_refused(option, value):
     ps, _ = _pair()
     with pytest.raises(ValueError, match=f"{option!r} is not supported by DPAdamW"):
-        dpkern.DPAdamW([{"params": ps[:1], option: value}], max_grad_norm=1.0,
-                       noise_multiplier=1.0, expected_batch_size=2.0)
-    opt = dpkern.DPAdamW(ps[:1], max_grad_norm=1.0, noise_multiplier=1.0,
-                         expected_batch_size=2.0)
+        dpkern.DPAdamW(
+            [{"params": ps[:1], option: value}],
+            max_grad_norm=1.0,
+            noise_multiplier=1.0,
+            expected_batch_size=2.0,
+        )
+    opt = dpkern.DPAdamW(ps[:1], max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=2.0)
     with pytest.raises(ValueError, match="not supported"):
         opt.add_param_group({"params": ps[1:2], option: value})
     assert len(opt.param_groups) == 1
@@ -158,8 +192,14 @@ def test_unsupported_param_group_option_is_refused(option, value):
 
 def test_scheduler_and_user_keys_in_a_param_group_are_accepted():
     ps, _ = _pair()
-    opt = dpkern.DPSGD([{"params": ps[:1], "name": "encoder"}], lr=0.1, max_grad_norm=1.0,
-                       noise_multiplier=1.0, expected_batch_size=2.0, backend="torch")
+    opt = dpkern.DPSGD(
+        [{"params": ps[:1], "name": "encoder"}],
+        lr=0.1,
+        max_grad_norm=1.0,
+        noise_multiplier=1.0,
+        expected_batch_size=2.0,
+        backend="torch",
+    )
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.5, total_steps=4)
     ps[0].grad_sample = torch.randn(2, 4, 3)
     opt.step()
@@ -181,9 +221,11 @@ def test_torch_optim_state_dict_is_refused():
 
 def test_opacus_dp_optimizer_state_dict_is_refused():
     from opacus.optimizers import DPOptimizer as OpacusDPOptimizer
+
     ps, qs = _pair(n=1)
-    wrapped = OpacusDPOptimizer(torch.optim.Adam(qs), noise_multiplier=1.0, max_grad_norm=1.0,
-                                expected_batch_size=2)
+    wrapped = OpacusDPOptimizer(
+        torch.optim.Adam(qs), noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=2
+    )
     opt = _exact(dpkern.DPAdam, ps)
     with pytest.raises(ValueError, match="Opacus DPOptimizer"):
         opt.load_state_dict(wrapped.state_dict())
@@ -255,11 +297,15 @@ def test_state_dict_holds_no_sample_counts(cls):
 def test_dpoptimizer_is_not_a_wrapper():
     model = nn.Linear(3, 2)
     inner = torch.optim.AdamW(model.parameters())
-    for call in (lambda: dpkern.DPOptimizer(inner, noise_multiplier=1.0, max_grad_norm=1.0,
-                                            expected_batch_size=8),
-                 lambda: dpkern.DPOptimizer(optimizer=inner, noise_multiplier=1.0),
-                 lambda: dpkern.DPAdamW(inner, max_grad_norm=1.0, noise_multiplier=1.0,
-                                        expected_batch_size=8)):
+    for call in (
+        lambda: dpkern.DPOptimizer(
+            inner, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=8
+        ),
+        lambda: dpkern.DPOptimizer(optimizer=inner, noise_multiplier=1.0),
+        lambda: dpkern.DPAdamW(
+            inner, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=8
+        ),
+    ):
         with pytest.raises(TypeError, match=r"not a wrapper.*dpkern\.DPAdamW\(model\.parameters"):
             call()
 
@@ -271,15 +317,25 @@ def test_class_docstrings_explain_the_dp_options_and_cite_the_source(cls):
     options = ["noise_multiplier", "expected_batch_size", "seed", "backend", "nonfinite"]
     if cls is not dpkern.DPMacAdam:
         options.append("max_grad_norm")
-    for word in options + ["grad_sample", "p.grad", "NOT private", "Source:", "SPEC",
-                           "math::", "Args:", "Raises:", "State:"]:
+    for word in options + [
+        "grad_sample",
+        "p.grad",
+        "NOT private",
+        "Source:",
+        "SPEC",
+        "math::",
+        "Args:",
+        "Raises:",
+        "State:",
+    ]:
         assert word in doc, f"{cls.__name__}'s docstring lacks {word!r}"
     assert "arXiv" in doc or "Abadi" in doc
 
 
 def test_spec_resolves_for_an_installed_package():
-    out = subprocess.run([sys.executable, "-m", "dpkern.spec"], capture_output=True,
-                         text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "dpkern.spec"], capture_output=True, text=True, check=True
+    ).stdout
     assert "dpkern noise stream v1" in out and "## 5. The optimizers" in out
 
 
@@ -294,15 +350,24 @@ def test_privacy_accountant_methods_have_docstrings():
 
 def test_torch_optim_options_at_their_off_value_are_accepted():
     ps, _ = _pair(n=1)
-    opt = dpkern.DPAdamW([{"params": ps, "amsgrad": False, "maximize": False, "foreach": None}],
-                         max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=2.0)
+    opt = dpkern.DPAdamW(
+        [{"params": ps, "amsgrad": False, "maximize": False, "foreach": None}],
+        max_grad_norm=1.0,
+        noise_multiplier=1.0,
+        expected_batch_size=2.0,
+    )
     assert opt.param_groups[0]["amsgrad"] is False
 
 
 def test_repr_shows_the_privacy_settings():
     ps, _ = _pair(n=1)
-    text = repr(dpkern.DPSGD(ps, max_grad_norm=0.5, noise_multiplier=1.25,
-                             expected_batch_size=8.0, seed=3))
-    for word in ("max_grad_norm: 0.5", "noise_multiplier: 1.25", "expected_batch_size: 8.0",
-                 "not private"):
+    text = repr(
+        dpkern.DPSGD(ps, max_grad_norm=0.5, noise_multiplier=1.25, expected_batch_size=8.0, seed=3)
+    )
+    for word in (
+        "max_grad_norm: 0.5",
+        "noise_multiplier: 1.25",
+        "expected_batch_size: 8.0",
+        "not private",
+    ):
         assert word in text

@@ -1,4 +1,5 @@
 """state_dict()/load_state_dict() round-trips exactly, with SPEC section 3's key handling."""
+
 from __future__ import annotations
 
 import copy
@@ -9,13 +10,18 @@ import torch
 import dpkern
 from dpkern.keys import reveal
 
-CLASSES = [dpkern.DPSGD, dpkern.DPAdam, dpkern.DPAdamBC, dpkern.DPAdamW, dpkern.DPAdamWBC,
-           dpkern.DPMacAdam]
+CLASSES = [
+    dpkern.DPSGD,
+    dpkern.DPAdam,
+    dpkern.DPAdamBC,
+    dpkern.DPAdamW,
+    dpkern.DPAdamWBC,
+    dpkern.DPMacAdam,
+]
 
 
 def _opt(cls, params, **kw):
-    kw = {"lr": 0.01, "noise_multiplier": 0.8, "expected_batch_size": 3.0,
-          "backend": "torch", **kw}
+    kw = {"lr": 0.01, "noise_multiplier": 0.8, "expected_batch_size": 3.0, "backend": "torch", **kw}
     if cls is dpkern.DPSGD:
         kw["momentum"] = 0.9
     if cls is not dpkern.DPMacAdam:
@@ -64,8 +70,13 @@ def test_secure_checkpoint_has_no_key_and_resume_differs_only_in_noise():
     a = _opt(dpkern.DPAdamW, pa)
     _steps(a, pa, 2, seed=1)
     sd = a.state_dict()
-    assert set(sd["dp"]) == {"step", "max_grad_norm", "noise_multiplier",
-                             "expected_batch_size", "format"}
+    assert set(sd["dp"]) == {
+        "step",
+        "max_grad_norm",
+        "noise_multiplier",
+        "expected_batch_size",
+        "format",
+    }
     pb = [torch.nn.Parameter(p.detach().clone()) for p in pa]
     b = _opt(dpkern.DPAdamW, pb)
     b.load_state_dict(sd)
@@ -77,8 +88,11 @@ def test_load_rejects_a_mismatched_checkpoint_and_changes_nothing():
     a = _opt(dpkern.DPAdam, pa, seed=3)
     _steps(a, pa, 1, seed=1)
     sd = a.state_dict()
-    other = [torch.nn.Parameter(torch.randn(2, 2)), torch.nn.Parameter(torch.randn(5)),
-             torch.nn.Parameter(torch.randn(1))]
+    other = [
+        torch.nn.Parameter(torch.randn(2, 2)),
+        torch.nn.Parameter(torch.randn(5)),
+        torch.nn.Parameter(torch.randn(1)),
+    ]
     b = _opt(dpkern.DPAdam, other, seed=3)
     _steps(b, other, 1, seed=2)
     before = copy.deepcopy(b.state_dict())

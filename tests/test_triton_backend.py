@@ -5,6 +5,7 @@ tensor groups, noise offsets far beyond 2**32, non-contiguous inputs, and a clea
 for CPU tensors without TRITON_INTERPRET.
 
 Runs under TRITON_INTERPRET=1 on CPU (tests/run.sh) and unchanged on a CUDA machine."""
+
 from __future__ import annotations
 
 import copy
@@ -30,8 +31,14 @@ ROOT = Path(__file__).resolve().parent.parent
 # Shapes whose element counts are multiples of 16 (the aligned, vectorised launch group)
 # mixed with odd ones, so one step exercises both groups and odd noise offsets.
 ALIGNED_SHAPES = [(16,), (5,), (4, 32), (3,), (256,), (2, 8, 8)]
-SMALL = dict(step_block=32, norm_block=16, norm_iters=3, reduce_block=16, rows_unroll=3,
-             max_tensors_per_launch=2)
+SMALL = dict(
+    step_block=32,
+    norm_block=16,
+    norm_iters=3,
+    reduce_block=16,
+    rows_unroll=3,
+    max_tensors_per_launch=2,
+)
 
 
 @pytest.fixture
@@ -40,6 +47,7 @@ def tr():
         pytest.skip("triton tests: run with TRITON_INTERPRET=1 (tests/run.sh does)")
     pytest.importorskip("triton")
     from dpkern.backends import triton as backend
+
     return backend
 
 
@@ -55,8 +63,9 @@ def _case(rule, B, dtype, device, seed, shapes, offset0, t=3):
     gs = [(2 * torch.randn((B, *s), generator=g)).to(dtype).to(device) for s in shapes]
     gs[1] = None
     clip = (torch.rand(B, generator=g) + 0.1).to(device)
-    summed = [torch.randn(s, generator=g).to(device) if k % 2 else None
-              for k, s in enumerate(shapes)]
+    summed = [
+        torch.randn(s, generator=g).to(device) if k % 2 else None for k, s in enumerate(shapes)
+    ]
     states = {}
     for name in ref.STATE_NAMES[rule]:
         vals = [torch.randn(s, generator=g) for s in shapes]
@@ -110,8 +119,7 @@ def test_block_config_invariance(tr, dev, name):
 
     z = tr.gaussian_noise(777, key=KEY, step=9, offset=2**33 + 1, device=dev)
     with tr.configure(step_block=16):
-        assert torch.equal(z, tr.gaussian_noise(777, key=KEY, step=9, offset=2**33 + 1,
-                                                device=dev))
+        assert torch.equal(z, tr.gaussian_noise(777, key=KEY, step=9, offset=2**33 + 1, device=dev))
     gs = case[1]
     n = tr.per_sample_norms(gs, 3, dev)
     with tr.configure(**SMALL):
@@ -121,14 +129,23 @@ def test_block_config_invariance(tr, dev, name):
 def test_split_into_launches_and_groups(tr, dev):
     """One step over all parameters == steps over two sub-lists with the same offsets."""
     hyper = HYPERS["adamw"]
-    params, gs, clip, summed, states, offsets, dp = _case("adamw", 2, torch.float32, dev, 6,
-                                                          ALIGNED_SHAPES, 12345)
+    params, gs, clip, summed, states, offsets, dp = _case(
+        "adamw", 2, torch.float32, dev, 6, ALIGNED_SHAPES, 12345
+    )
     whole = copy.deepcopy((params, states))
     tr.step(hyper, dp, whole[0], gs, clip, summed, whole[1], offsets)
     parts = copy.deepcopy((params, states))
     for sl in (slice(0, 3), slice(3, None)):
-        tr.step(hyper, dp, parts[0][sl], gs[sl], clip, summed[sl],
-                {k: v[sl] for k, v in parts[1].items()}, offsets[sl])
+        tr.step(
+            hyper,
+            dp,
+            parts[0][sl],
+            gs[sl],
+            clip,
+            summed[sl],
+            {k: v[sl] for k, v in parts[1].items()},
+            offsets[sl],
+        )
     for a, b in zip(whole[0], parts[0]):
         assert torch.equal(a, b)
     for name in whole[1]:
@@ -147,6 +164,7 @@ def test_aligned_group_matches_reference(tr, dev, name):
 def test_poisoned_outputs(tr, dev, monkeypatch):
     """Every buffer the backend allocates starts as NaN / -1: nothing may stay unwritten."""
     from dpkern.backends.triton import _common, norms
+
     monkeypatch.setattr(_common, "POISON", True)
     hyper = HYPERS["macadam"]
     case = _case("macadam", 4, torch.float32, dev, 8, ALIGNED_SHAPES, 3)
@@ -163,14 +181,17 @@ def test_poisoned_outputs(tr, dev, monkeypatch):
             z = tr.gaussian_noise(1001, key=KEY, step=2, offset=7, device=dev)
             assert torch.isfinite(z).all()
             idx = torch.arange(5, 300, device=dev)
-            assert torch.equal(tr.philox_words(idx, key=KEY, step=2).cpu(),
-                               ref.philox_words(idx.cpu(), key=KEY, step=2))
+            assert torch.equal(
+                tr.philox_words(idx, key=KEY, step=2).cpu(),
+                ref.philox_words(idx.cpu(), key=KEY, step=2),
+            )
             _check_against_reference(tr, hyper, case)  # MacAdam's partial-sum buffer
 
 
 def test_transform_extremes(tr, dev):
     """The word -> z transform at its extremes (tail 11.6 sigma, near-zero radius)."""
     from dpkern.backends.triton.noise import normal_from_words
+
     cases = load_vectors()["transform_cases"]
     words = torch.tensor([c["r0_r1_r2_r3"] for c in cases], dtype=torch.int64, device=dev)
     got = normal_from_words(words).cpu()
@@ -186,15 +207,17 @@ def test_offsets_beyond_2_32(tr, dev, offset):
     want = ref.gaussian_noise(300, key=KEY, step=2**40 + 3, offset=offset)
     assert ((z - want).abs() <= torch.clamp(1e-6 * want.abs(), min=2e-6)).all()
     hyper = HYPERS["adam"]
-    _check_against_reference(tr, hyper, _case("adam", 2, torch.float32, dev, 9,
-                                              ALIGNED_SHAPES, offset))
+    _check_against_reference(
+        tr, hyper, _case("adam", 2, torch.float32, dev, 9, ALIGNED_SHAPES, offset)
+    )
 
 
 def test_sigma_zero_and_mixed_dtypes(tr, dev):
     """noise_std = 0 (no Philox at all), fp16 per-sample gradients with fp32 parameters."""
     hyper = HYPERS["adamw"]
     params, gs, clip, summed, states, offsets, _ = make_case(
-        "adamw", 3, torch.float32, dev, 10, gs_dtype=torch.float16)
+        "adamw", 3, torch.float32, dev, 10, gs_dtype=torch.float16
+    )
     dp = DPStep(key=KEY, step=2, noise_std=0.0, expected_batch_size=3.0)
     _check_against_reference(tr, hyper, (params, gs, clip, summed, states, offsets, dp))
 
@@ -206,10 +229,14 @@ def test_non_contiguous(tr, dev):
     g = torch.Generator().manual_seed(11)
     base = [torch.randn(6, 5, generator=g).to(dev), torch.randn(8, 4, generator=g).to(dev)]
     params = [base[0].t(), base[1][:, ::2]]
-    gs = [torch.randn(2, 6, 5, generator=g).to(dev).transpose(1, 2),
-          torch.randn(2, 8, 4, generator=g).to(dev)[:, :, ::2]]
-    states = {n: [torch.rand(p.shape[::-1], generator=g).to(dev).t() + 0.5 for p in params]
-              for n in ref.STATE_NAMES["macadam"]}
+    gs = [
+        torch.randn(2, 6, 5, generator=g).to(dev).transpose(1, 2),
+        torch.randn(2, 8, 4, generator=g).to(dev)[:, :, ::2],
+    ]
+    states = {
+        n: [torch.rand(p.shape[::-1], generator=g).to(dev).t() + 0.5 for p in params]
+        for n in ref.STATE_NAMES["macadam"]
+    }
     assert not any(t.is_contiguous() for t in params + gs + states["scale"])
     dp = DPStep(key=KEY, step=4, noise_std=0.5, expected_batch_size=2.0)
     case = (params, gs, torch.tensor([0.5, 1.0], device=dev), [None, None], states, [0, 30], dp)
@@ -219,8 +246,9 @@ def test_non_contiguous(tr, dev):
     assert not torch.equal(params[0], p0) and params[0].data_ptr() == base[0].data_ptr()
 
 
-@pytest.mark.parametrize("hyper", [SGDHyper(lr=0.1), AdamWHyper(lr=0.1),
-                                   MacAdamHyper(lr=0.1, h1=1e-2, h2=10.0)])
+@pytest.mark.parametrize(
+    "hyper", [SGDHyper(lr=0.1), AdamWHyper(lr=0.1), MacAdamHyper(lr=0.1, h1=1e-2, h2=10.0)]
+)
 def test_empty_and_zero_sized(tr, dev, hyper):
     """B = 0 with a zero-sized parameter and no parameters at all."""
     params = [torch.randn(0, 3, device=dev), torch.randn(5, device=dev)]
@@ -248,10 +276,12 @@ def test_cpu_without_interpreter_is_a_clear_error(tr):
         "        assert 'CUDA' in str(e) and 'TRITON_INTERPRET' in str(e), str(e)\n"
         "    else:\n"
         "        raise SystemExit('no error')\n"
-        "print('ok')\n")
+        "print('ok')\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert res.returncode == 0 and "ok" in res.stdout, res.stdout + res.stderr
 
 
@@ -281,16 +311,26 @@ def test_gpu_check_smoke(tr, capsys):
         pytest.skip("smoke mode is for CPU under TRITON_INTERPRET=1")
     assert _gpu_check().main(["--smoke", "--batches", "2"]) == 0
     out = capsys.readouterr().out
-    for impl in ("opacus-style", "| fused |", "fused sigma=0", "reference",
-                 "torch.normal+AdamW(fused)"):
+    for impl in (
+        "opacus-style",
+        "| fused |",
+        "fused sigma=0",
+        "reference",
+        "torch.normal+AdamW(fused)",
+    ):
         assert impl in out, out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA exit")
 def test_gpu_check_without_cuda_exits_cleanly():
-    res = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh")], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHON": sys.executable})
+    res = subprocess.run(
+        ["bash", str(ROOT / "bench" / "gpu_check.sh")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "no CUDA device" in res.stdout
 
@@ -300,7 +340,7 @@ def test_gpu_check_without_cuda_exits_cleanly():
 # (libdevice math, alignment hints on pointers loaded from the tables, join/reshape
 # lowering), so compile the main kernel variants for sm_90 ahead of time (Triton's CUDA
 # backend compiles without a device) and check that aligned groups get 16-byte loads.
-_AOT = r'''
+_AOT = r"""
 import importlib, re, sys
 import triton, triton.language as tl
 try:
@@ -341,14 +381,15 @@ assert v4(ptx(N._sq_partial_kernel, G_DTYPE=tl.bfloat16, WHITEN=True, HAS_PREV=T
               ALIGNED=True, BLOCK=1024, ITERS=2, ROWS=4)) >= 8, "aligned norms: no 16-byte loads"
 ptx(Z._gaussian_noise_kernel, BLOCK=1024, LIBDEVICE=True)
 print("ok")
-'''
+"""
 
 
 def test_kernels_compile_for_sm90_without_a_gpu():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    res = subprocess.run([sys.executable, "-c", _AOT], env=env, cwd=ROOT, capture_output=True,
-                         text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", _AOT], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     if res.returncode == 77:
         pytest.skip(res.stdout.strip())
     assert res.returncode == 0 and "ok" in res.stdout, res.stdout + res.stderr[-3000:]

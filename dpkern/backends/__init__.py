@@ -11,6 +11,7 @@ the same names and signatures: ``gaussian_noise``, ``per_sample_norms``,
 - ``"auto"``   -- CUDA tensors -> triton, CPU tensors -> cpp if built, else torch with a
   one-time warning saying why.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -39,6 +40,7 @@ def _load(name: str) -> tuple[ModuleType | None, str]:
     """Import a backend module; (module, "") or (None, why it is unavailable)."""
     if name == "torch":
         from . import reference
+
         return reference, ""
     try:
         return importlib.import_module(f"{__name__}.{name}"), ""
@@ -71,16 +73,25 @@ def resolve(backend: str, device: torch.device) -> ModuleType:
             why = f"no fused backend for device type {device.type!r}"
         if not _warned_fallback:
             _warned_fallback = True
-            warnings.warn(f"dpkern: backend='auto' falls back to the PyTorch reference "
-                          f"(slow) on {device.type}: {why}", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"dpkern: backend='auto' falls back to the PyTorch reference "
+                f"(slow) on {device.type}: {why}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         return _load("torch")[0]
     module, why = _load(backend)
     if module is None:
         raise RuntimeError(f"backend={backend!r} is not available: {why}")
-    if backend == "triton" and device.type != "cuda" and not (
-            device.type == "cpu" and triton_interpret()):
-        raise RuntimeError(f"backend='triton' needs CUDA tensors (got {device.type}); "
-                           "CPU tensors work only under TRITON_INTERPRET=1")
+    if (
+        backend == "triton"
+        and device.type != "cuda"
+        and not (device.type == "cpu" and triton_interpret())
+    ):
+        raise RuntimeError(
+            f"backend='triton' needs CUDA tensors (got {device.type}); "
+            "CPU tensors work only under TRITON_INTERPRET=1"
+        )
     if backend == "cpp" and device.type != "cpu":
         raise RuntimeError(f"backend='cpp' needs CPU tensors (got {device.type})")
     return module

@@ -18,6 +18,7 @@ Importing this module raises ``ImportError`` when ``dpkern._C`` was not built; t
 registry (:mod:`dpkern.backends`) relies on that. ``set_num_threads`` sets the number of
 OpenMP threads the kernels use (the noise and every result are the same for any number).
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,9 +29,18 @@ from ..hyper import RULES, VARIANCE_ESTIMATES, DPStep, Hyper
 from ..keys import reveal
 from .reference import STATE_NAMES
 
-__all__ = ["philox_words", "gaussian_noise", "per_sample_norms", "whitened_norms",
-           "accumulate", "step", "macadam_update_scale", "set_num_threads",
-           "get_num_threads", "STATE_NAMES"]
+__all__ = [
+    "philox_words",
+    "gaussian_noise",
+    "per_sample_norms",
+    "whitened_norms",
+    "accumulate",
+    "step",
+    "macadam_update_scale",
+    "set_num_threads",
+    "get_num_threads",
+    "STATE_NAMES",
+]
 
 # Storage dtypes the kernels read and write (csrc/common.h, enum DType).
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
@@ -72,8 +82,10 @@ def _output(t, what: str, shape, dtypes) -> Tensor:
         raise ValueError(f"{what}: expected dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
     _shape_ok(t, shape, what)
     if not t.is_contiguous():
-        raise ValueError(f"{what}: must be contiguous (it is updated in place); got strides "
-                         f"{t.stride()} for shape {tuple(t.shape)}")
+        raise ValueError(
+            f"{what}: must be contiguous (it is updated in place); got strides "
+            f"{t.stride()} for shape {tuple(t.shape)}"
+        )
     return t
 
 
@@ -116,8 +128,18 @@ def _grad_samples(grad_samples, shapes, batch_size: int | None, what="grad_sampl
 
 def _hyper_dict(hyper: Hyper) -> dict:
     d = {"rule": RULES.index(hyper.rule)}
-    for name in ("lr", "momentum", "dampening", "weight_decay", "beta1", "beta2", "eps",
-                 "gamma", "h1", "h2"):
+    for name in (
+        "lr",
+        "momentum",
+        "dampening",
+        "weight_decay",
+        "beta1",
+        "beta2",
+        "eps",
+        "gamma",
+        "h1",
+        "h2",
+    ):
         if hasattr(hyper, name):
             d[name] = float(getattr(hyper, name))
     if hasattr(hyper, "nesterov"):
@@ -128,8 +150,15 @@ def _hyper_dict(hyper: Hyper) -> dict:
 
 
 def _dp_tuple(dp: DPStep) -> tuple:
-    return (reveal(dp.key), dp.step, dp.stream, float(dp.noise_std),
-            float(dp.expected_batch_size), float(dp.noise_var_avg), dp.noise_step)
+    return (
+        reveal(dp.key),
+        dp.step,
+        dp.stream,
+        float(dp.noise_std),
+        float(dp.expected_batch_size),
+        float(dp.noise_var_avg),
+        dp.noise_step,
+    )
 
 
 def _states(hyper: Hyper, states: dict, params) -> list[list[Tensor | None]]:
@@ -143,8 +172,7 @@ def _states(hyper: Hyper, states: dict, params) -> list[list[Tensor | None]]:
                 row.append(None)
             continue
         if name not in states or len(states[name]) != len(params):
-            raise ValueError(f"states[{name!r}]: expected one tensor per parameter "
-                             f"({len(params)})")
+            raise ValueError(f"states[{name!r}]: expected one tensor per parameter ({len(params)})")
         for k, (s, p) in enumerate(zip(states[name], params)):
             out[k].append(_output(s, f"states[{name!r}][{k}]", p.shape, _F32))
     return out
@@ -173,8 +201,9 @@ def philox_words(index: Tensor, *, key: int, step: int, stream: int = 0) -> Tens
     return out
 
 
-def gaussian_noise(numel: int, *, key: int, step: int, offset: int = 0, stream: int = 0,
-                   device=None) -> Tensor:
+def gaussian_noise(
+    numel: int, *, key: int, step: int, offset: int = 0, stream: int = 0, device=None
+) -> Tensor:
     """z for global elements ``offset ... offset + numel - 1``: float32 ``[numel]``."""
     if device is not None and torch.device(device).type != "cpu":
         raise ValueError(f"device: backend='cpp' needs CPU tensors, got device {device}")
@@ -219,8 +248,9 @@ def per_sample_norms(grad_samples: list[Tensor | None], batch_size: int, device)
     """n_i = sqrt(sum_p ||grad_sample_p[i]||^2), fp32 accumulation: float32 ``[B]``."""
     _check_batch(batch_size)
     _check_device(device)
-    shapes = [gs.shape[1:] if isinstance(gs, Tensor) and gs.dim() >= 1 else ()
-              for gs in grad_samples]
+    shapes = [
+        gs.shape[1:] if isinstance(gs, Tensor) and gs.dim() >= 1 else () for gs in grad_samples
+    ]
     gss, _ = _grad_samples(grad_samples, shapes, batch_size)
     out = torch.empty(batch_size, dtype=torch.float32)
     flats = [_flat(gs, gs.shape[1:].numel()) for gs in gss if gs is not None]
@@ -228,9 +258,14 @@ def per_sample_norms(grad_samples: list[Tensor | None], batch_size: int, device)
     return out
 
 
-def whitened_norms(grad_samples: list[Tensor | None], exp_avgs: list[Tensor],
-                   scales: list[Tensor], bias_correction1: float, batch_size: int,
-                   device) -> Tensor:
+def whitened_norms(
+    grad_samples: list[Tensor | None],
+    exp_avgs: list[Tensor],
+    scales: list[Tensor],
+    bias_correction1: float,
+    batch_size: int,
+    device,
+) -> Tensor:
     """||w_i|| over all coordinates (DP-MacAdam pass 1): float32 ``[B]``."""
     _check_batch(batch_size)
     _check_device(device)
@@ -240,9 +275,14 @@ def whitened_norms(grad_samples: list[Tensor | None], exp_avgs: list[Tensor],
     bs = [_input(b, f"scales[{k}]", m.shape, _F32) for k, (b, m) in enumerate(zip(scales, ms))]
     gss, _ = _grad_samples(grad_samples, [m.shape for m in ms], batch_size)
     out = torch.empty(batch_size, dtype=torch.float32)
-    _C.whitened_norms([_flat(gs, m.numel()) for gs, m in zip(gss, ms)],
-                      [_ptr(m) for m in ms], [_ptr(b) for b in bs],
-                      float(bias_correction1), batch_size, _ptr(out))
+    _C.whitened_norms(
+        [_flat(gs, m.numel()) for gs, m in zip(gss, ms)],
+        [_ptr(m) for m in ms],
+        [_ptr(b) for b in bs],
+        float(bias_correction1),
+        batch_size,
+        _ptr(out),
+    )
     return out
 
 
@@ -250,9 +290,16 @@ def whitened_norms(grad_samples: list[Tensor | None], exp_avgs: list[Tensor],
 # Pass 2 (SPEC sections 2, 4, 5, 7)
 # --------------------------------------------------------------------------------------
 def _param_tuple(data, numel, offset, gs, summed, states) -> tuple:
-    return (_ptr(data), _DTYPE_CODES[data.dtype], numel, offset, _ptr(gs),
-            _DTYPE_CODES[gs.dtype] if gs is not None else 0, _ptr(summed),
-            [_ptr(s) for s in states])
+    return (
+        _ptr(data),
+        _DTYPE_CODES[data.dtype],
+        numel,
+        offset,
+        _ptr(gs),
+        _DTYPE_CODES[gs.dtype] if gs is not None else 0,
+        _ptr(summed),
+        [_ptr(s) for s in states],
+    )
 
 
 def _batch_of(grad_samples, clip_factors) -> int:
@@ -267,8 +314,14 @@ def _batch_of(grad_samples, clip_factors) -> int:
     return 0
 
 
-def accumulate(hyper: Hyper, dp: DPStep, grad_samples: list[Tensor | None],
-               clip_factors: Tensor, buffers: list[Tensor], states: dict[str, list[Tensor]]) -> None:
+def accumulate(
+    hyper: Hyper,
+    dp: DPStep,
+    grad_samples: list[Tensor | None],
+    clip_factors: Tensor,
+    buffers: list[Tensor],
+    states: dict[str, list[Tensor]],
+) -> None:
     """buffers[k] += sum_i c_i x_i (x = per-sample gradient, or whitened for MacAdam)."""
     if len(grad_samples) != len(buffers):
         raise ValueError("grad_samples and buffers must have the same length")
@@ -283,30 +336,47 @@ def accumulate(hyper: Hyper, dp: DPStep, grad_samples: list[Tensor | None],
         for name in ("exp_avg", "scale"):
             if name not in states or len(states[name]) != len(bufs):
                 raise ValueError(f"states[{name!r}]: expected one tensor per buffer ({len(bufs)})")
-        rows = [[_input(m, f"states['exp_avg'][{k}]", b.shape, _F32), None, None,
-                 _input(s, f"states['scale'][{k}]", b.shape, _F32)]
-                for k, (m, s, b) in enumerate(zip(states["exp_avg"], states["scale"], bufs))]
+        rows = [
+            [
+                _input(m, f"states['exp_avg'][{k}]", b.shape, _F32),
+                None,
+                None,
+                _input(s, f"states['scale'][{k}]", b.shape, _F32),
+            ]
+            for k, (m, s, b) in enumerate(zip(states["exp_avg"], states["scale"], bufs))
+        ]
     params = [_param_tuple(b, b.numel(), 0, gs, None, row) for b, gs, row in zip(bufs, gss, rows)]
     _C.accumulate(_hyper_dict(hyper), _dp_tuple(dp), params, _ptr(clip), batch)
     _bump(bufs)
 
 
-def step(hyper: Hyper, dp: DPStep, params: list[Tensor], grad_samples: list[Tensor | None],
-         clip_factors: Tensor | None, summed: list[Tensor | None],
-         states: dict[str, list[Tensor]], offsets: list[int]) -> float:
+def step(
+    hyper: Hyper,
+    dp: DPStep,
+    params: list[Tensor],
+    grad_samples: list[Tensor | None],
+    clip_factors: Tensor | None,
+    summed: list[Tensor | None],
+    states: dict[str, list[Tensor]],
+    offsets: list[int],
+) -> float:
     """One DP step of one parameter group, in place on ``params`` and ``states``.
 
     Returns the group's partial sum of sqrt(S_hat_j) for DP-MacAdam (0.0 otherwise)."""
     n = len(params)
     if not (len(grad_samples) == len(summed) == len(offsets) == n):
-        raise ValueError(f"params ({n}), grad_samples ({len(grad_samples)}), summed "
-                         f"({len(summed)}) and offsets ({len(offsets)}) must match")
+        raise ValueError(
+            f"params ({n}), grad_samples ({len(grad_samples)}), summed "
+            f"({len(summed)}) and offsets ({len(offsets)}) must match"
+        )
     ps = [_output(p, f"params[{k}]", None, _FLOATS) for k, p in enumerate(params)]
     batch = _batch_of(grad_samples, clip_factors)
     clip = _clip(clip_factors, batch) if clip_factors is not None else None
     gss, _ = _grad_samples(grad_samples, [p.shape for p in ps], batch)
-    sums = [None if s is None else _input(s, f"summed[{k}]", p.shape, _F32)
-            for k, (s, p) in enumerate(zip(summed, ps))]
+    sums = [
+        None if s is None else _input(s, f"summed[{k}]", p.shape, _F32)
+        for k, (s, p) in enumerate(zip(summed, ps))
+    ]
     st = _states(hyper, states, ps)
     end = 0
     for k, (off, p) in enumerate(zip(offsets, ps)):
@@ -316,8 +386,10 @@ def step(hyper: Hyper, dp: DPStep, params: list[Tensor], grad_samples: list[Tens
     if end > 2**64:
         raise ValueError("offsets: the noise index space ends at 2**64")
     _check_distinct(ps, st)
-    tuples = [_param_tuple(p, p.numel(), off, gs, s, row)
-              for p, off, gs, s, row in zip(ps, offsets, gss, sums, st)]
+    tuples = [
+        _param_tuple(p, p.numel(), off, gs, s, row)
+        for p, off, gs, s, row in zip(ps, offsets, gss, sums, st)
+    ]
     out = _C.step(_hyper_dict(hyper), _dp_tuple(dp), tuples, _ptr(clip), batch)
     _bump(ps)
     _bump(s for row in st for s in row)
@@ -328,8 +400,9 @@ def _check_distinct(params, states) -> None:
     """Written buffers must not share memory (an aliased state would be updated twice)."""
     seen = {}
     for k, (p, row) in enumerate(zip(params, states)):
-        for what, t in [(f"params[{k}]", p)] + [(f"state {j} of params[{k}]", s)
-                                                 for j, s in enumerate(row)]:
+        for what, t in [(f"params[{k}]", p)] + [
+            (f"state {j} of params[{k}]", s) for j, s in enumerate(row)
+        ]:
             if t is None or t.numel() == 0:
                 continue
             ptr = t.data_ptr()
@@ -338,8 +411,9 @@ def _check_distinct(params, states) -> None:
             seen[ptr] = what
 
 
-def macadam_update_scale(hyper: Hyper, dp: DPStep, exp_vars: list[Tensor], scales: list[Tensor],
-                         sqrt_sum: float) -> None:
+def macadam_update_scale(
+    hyper: Hyper, dp: DPStep, exp_vars: list[Tensor], scales: list[Tensor], sqrt_sum: float
+) -> None:
     """b <- S_hat^(1/4) * (sum_j S_hat_j^(1/2))^(1/2) for every parameter (t >= 2)."""
     if len(exp_vars) != len(scales):
         raise ValueError("exp_vars and scales must have the same length")
@@ -347,6 +421,12 @@ def macadam_update_scale(hyper: Hyper, dp: DPStep, exp_vars: list[Tensor], scale
     bs = [_output(b, f"scales[{k}]", s.shape, _F32) for k, (b, s) in enumerate(zip(scales, ss))]
     if dp.step < 2:
         return
-    _C.macadam_update_scale(_hyper_dict(hyper), _dp_tuple(dp), [_ptr(s) for s in ss],
-                            [_ptr(b) for b in bs], [b.numel() for b in bs], float(sqrt_sum))
+    _C.macadam_update_scale(
+        _hyper_dict(hyper),
+        _dp_tuple(dp),
+        [_ptr(s) for s in ss],
+        [_ptr(b) for b in bs],
+        [b.numel() for b in bs],
+        float(sqrt_sum),
+    )
     _bump(bs)

@@ -29,6 +29,7 @@ Conventions shared by all backends
 - Backends hold no policy: inputs were validated by the caller (``dpkern.optim`` /
   ``dpkern.functional``); nothing here raises on user input.
 """
+
 from __future__ import annotations
 
 import math
@@ -249,8 +250,14 @@ def step(
             c = _contribution(k, grad_samples, clip_factors, hyper, states, bc1_prev)
             if c is not None:
                 S += c
-        z = gaussian_noise(p.numel(), key=dp.key, step=dp.noise_step, offset=offsets[k], stream=dp.stream,
-                           device=p.device).reshape(p.shape)
+        z = gaussian_noise(
+            p.numel(),
+            key=dp.key,
+            step=dp.noise_step,
+            offset=offsets[k],
+            stream=dp.stream,
+            device=p.device,
+        ).reshape(p.shape)
         g_hat = (S + dp.noise_std * z) / dp.expected_batch_size
         state = {name: states[name][k] for name in STATE_NAMES[hyper.rule]}
         p32 = p.detach().float()

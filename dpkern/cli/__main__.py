@@ -2,6 +2,7 @@
 ``add_arguments(parser)`` and ``run(args) -> int``.
 
 Bad input exits with code 2 and a one-line error naming the option (argparse style)."""
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="dpkern", description="Differentially private "
-                     "training with fused kernels.")
+    parser = _Parser(
+        prog="dpkern", description="Differentially private training with fused kernels."
+    )
     sub = parser.add_subparsers(dest="command", metavar="command")
     modules = {}
     for name, help_text in COMMANDS.items():
@@ -34,8 +36,12 @@ def main(argv: list[str] | None = None) -> int:
             if exc.name != f"dpkern.cli.{name}":
                 raise
             continue
-        p = sub.add_parser(name, help=help_text, description=modules[name].__doc__,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p = sub.add_parser(
+            name,
+            help=help_text,
+            description=modules[name].__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         modules[name].add_arguments(p)
     args = parser.parse_args(argv)
     if args.command is None:

@@ -33,6 +33,7 @@ runs the same grid).
 
 Example:  dpkern compare --task digits --epsilons 1 3 7 --seeds 3 --optimizers all
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,14 +73,40 @@ OPTIMIZERS: dict[str, tuple[type, tuple[float, ...]]] = {
 DECOUPLED = ("dp-adamw", "dp-adamw-bc")  # --weight-decay applies to these only
 QUICK_OPTIMIZERS = ("dp-sgd", "dp-adamw")
 #: Said in every output: each run's noise key is its seed.
-NOISE_NOTE = ("not private: the noise key is known (each run's noise key is its seed, the "
-              "same for every optimizer; the epsilons are those the runs would spend with a "
-              "secret key)")
-CSV_RUN_FIELDS = ("task", "optimizer", "epsilon", "seed", "lr", "noise_multiplier",
-                  "sample_rate", "steps", "epsilon_spent", "delta", "val_metric",
-                  "test_metric", "seconds", "cpu_seconds")
-CSV_SUMMARY_FIELDS = ("task", "optimizer", "epsilon", "lr", "seeds", "test_mean", "test_std",
-                      "val_mean", "epsilon_spent_max", "noise_multiplier", "steps")
+NOISE_NOTE = (
+    "not private: the noise key is known (each run's noise key is its seed, the "
+    "same for every optimizer; the epsilons are those the runs would spend with a "
+    "secret key)"
+)
+CSV_RUN_FIELDS = (
+    "task",
+    "optimizer",
+    "epsilon",
+    "seed",
+    "lr",
+    "noise_multiplier",
+    "sample_rate",
+    "steps",
+    "epsilon_spent",
+    "delta",
+    "val_metric",
+    "test_metric",
+    "seconds",
+    "cpu_seconds",
+)
+CSV_SUMMARY_FIELDS = (
+    "task",
+    "optimizer",
+    "epsilon",
+    "lr",
+    "seeds",
+    "test_mean",
+    "test_std",
+    "val_mean",
+    "epsilon_spent_max",
+    "noise_multiplier",
+    "steps",
+)
 
 
 # --------------------------------------------------------------------------------------
@@ -93,6 +120,7 @@ class Task:
     image, one text block); ``loss_fn(output, *targets)`` is the loss of ONE sample as
     :func:`dpkern.grad_sample.compute_grad_sample` calls it; ``evaluate(model, split)``
     returns the metric (a float) on ``split`` ("val" or "test")."""
+
     name: str
     metric: str
     higher_is_better: bool
@@ -117,9 +145,17 @@ class DigitsCNN(nn.Module):
     def __init__(self):
         super().__init__()
         self.net = nn.Sequential(
-            nn.Conv2d(1, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.Tanh(), nn.MaxPool2d(2),
-            nn.Conv2d(16, 32, 3, padding=1), nn.GroupNorm(4, 32), nn.Tanh(), nn.MaxPool2d(2),
-            nn.Flatten(), nn.Linear(32 * 2 * 2, 10))
+            nn.Conv2d(1, 16, 3, padding=1),
+            nn.GroupNorm(4, 16),
+            nn.Tanh(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1),
+            nn.GroupNorm(4, 32),
+            nn.Tanh(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(32 * 2 * 2, 10),
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         return self.net(x)
@@ -135,12 +171,12 @@ def digits_splits(split_seed: int = 0) -> dict[str, tuple[Tensor, Tensor]]:
     x, y = load_digits(return_X_y=True)
     idx = list(range(len(y)))
     train, rest = train_test_split(idx, test_size=0.3, random_state=split_seed, stratify=y)
-    val, test = train_test_split(rest, test_size=0.5, random_state=split_seed,
-                                 stratify=y[rest])
+    val, test = train_test_split(rest, test_size=0.5, random_state=split_seed, stratify=y[rest])
     xt = torch.tensor(x / 16.0, dtype=torch.float32).reshape(-1, 1, 8, 8)
     yt = torch.tensor(y, dtype=torch.long)
-    return {name: (xt[ids], yt[ids]) for name, ids in
-            (("train", train), ("val", val), ("test", test))}
+    return {
+        name: (xt[ids], yt[ids]) for name, ids in (("train", train), ("val", val), ("test", test))
+    }
 
 
 def digits_task() -> Task:
@@ -157,8 +193,9 @@ def digits_task() -> Task:
         model.eval()
         return 100.0 * (model(x).argmax(1) == y).float().mean().item()
 
-    return Task("digits", "test accuracy (%)", True, splits["train"], make_model,
-                TF.cross_entropy, evaluate)
+    return Task(
+        "digits", "test accuracy (%)", True, splits["train"], make_model, TF.cross_entropy, evaluate
+    )
 
 
 TEXT_BLOCK_SIZE = 64  # the finetune job's default block (the privacy unit)
@@ -171,6 +208,7 @@ def text_task() -> Task:
     unit, its per-block next-token loss; the held-out 10% of blocks is halved into
     validation and test. Metric: perplexity per byte, exp(mean loss), lower is better."""
     from .. import data, models
+
     blocks = data.make_blocks(data.byte_encode(data.default_text()), TEXT_BLOCK_SIZE)
     train, held = data.split_blocks(blocks, TEXT_VAL_FRACTION)
     half = held.shape[0] // 2
@@ -183,8 +221,17 @@ def text_task() -> Task:
         return math.exp(models.evaluate(model, splits[split], 64, torch.device("cpu")))
 
     # sample_loss(logits, ids) gets the block as input and as target: train = (ids, ids)
-    return Task("text", "held-out perplexity (per byte)", False, (train, train), make_model,
-                models.sample_loss, evaluate, epochs=1.0, quick_epochs=0.05)
+    return Task(
+        "text",
+        "held-out perplexity (per byte)",
+        False,
+        (train, train),
+        make_model,
+        models.sample_loss,
+        evaluate,
+        epochs=1.0,
+        quick_epochs=0.05,
+    )
 
 
 TASKS = {"digits": digits_task, "text": text_task}
@@ -196,6 +243,7 @@ TASKS = {"digits": digits_task, "text": text_task}
 @dataclass(frozen=True)
 class RunConfig:
     """Everything one training run needs besides the task (picklable for worker processes)."""
+
     task: str
     optimizer: str
     epsilon: float
@@ -217,8 +265,13 @@ def make_optimizer(name: str, params, cfg: RunConfig, expected_batch_size: float
     optimizers at the same seed see the same noise draws). DP-MacAdam has no clipping
     bound to set (it adapts it)."""
     cls, _ = OPTIMIZERS[name]
-    kw = dict(lr=cfg.lr, noise_multiplier=cfg.noise_multiplier,
-              expected_batch_size=expected_batch_size, seed=cfg.seed, backend=cfg.backend)
+    kw = dict(
+        lr=cfg.lr,
+        noise_multiplier=cfg.noise_multiplier,
+        expected_batch_size=expected_batch_size,
+        seed=cfg.seed,
+        backend=cfg.backend,
+    )
     if name != "dp-macadam":
         kw["max_grad_norm"] = cfg.max_grad_norm
     if name in DECOUPLED:
@@ -255,27 +308,40 @@ def _train_one(cfg: RunConfig) -> dict:
     model = task.make_model(cfg.seed)
     model.train()
     n = task.num_train
-    opt = make_optimizer(cfg.optimizer, [p for p in model.parameters() if p.requires_grad],
-                         cfg, cfg.sample_rate * n)
+    opt = make_optimizer(
+        cfg.optimizer, [p for p in model.parameters() if p.requires_grad], cfg, cfg.sample_rate * n
+    )
     accountant = PrivacyAccountant(cfg.accountant)
     sampler = PoissonBatchSampler(n, cfg.sample_rate, cfg.steps, seed=cfg.seed)
     for batch in sampler:
         ids = torch.tensor(batch, dtype=torch.long)
-        compute_grad_sample(model, task.loss_fn, task.train[0][ids],
-                            *[t[ids] for t in task.train[1:]])
+        compute_grad_sample(
+            model, task.loss_fn, task.train[0][ids], *[t[ids] for t in task.train[1:]]
+        )
         opt.step()
         opt.zero_grad()
         accountant.step(cfg.noise_multiplier, cfg.sample_rate)
     spent = accountant.get_epsilon(cfg.delta)
     if spent > cfg.epsilon:
-        raise RuntimeError(f"{cfg.optimizer} seed {cfg.seed}: spent epsilon {spent:.4f} > "
-                           f"target {cfg.epsilon}")
-    return dict(task=cfg.task, optimizer=cfg.optimizer, epsilon=cfg.epsilon, seed=cfg.seed,
-                lr=cfg.lr, noise_multiplier=cfg.noise_multiplier,
-                sample_rate=cfg.sample_rate, steps=cfg.steps, epsilon_spent=spent,
-                delta=cfg.delta, val_metric=task.evaluate(model, "val"),
-                test_metric=task.evaluate(model, "test"),
-                seconds=time.perf_counter() - t0, cpu_seconds=time.process_time() - c0)
+        raise RuntimeError(
+            f"{cfg.optimizer} seed {cfg.seed}: spent epsilon {spent:.4f} > target {cfg.epsilon}"
+        )
+    return dict(
+        task=cfg.task,
+        optimizer=cfg.optimizer,
+        epsilon=cfg.epsilon,
+        seed=cfg.seed,
+        lr=cfg.lr,
+        noise_multiplier=cfg.noise_multiplier,
+        sample_rate=cfg.sample_rate,
+        steps=cfg.steps,
+        epsilon_spent=spent,
+        delta=cfg.delta,
+        val_metric=task.evaluate(model, "val"),
+        test_metric=task.evaluate(model, "test"),
+        seconds=time.perf_counter() - t0,
+        cpu_seconds=time.process_time() - c0,
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -292,19 +358,30 @@ def select(rows: list[dict], higher_is_better: bool) -> list[dict]:
     sign = 1.0 if higher_is_better else -1.0
     out = []
     for (name, eps), by_lr in groups.items():
+
         def score(lr):
             vals = [r["val_metric"] for r in by_lr[lr]]
             mean = statistics.fmean(vals)
             return (sign * mean if math.isfinite(mean) else -math.inf, -lr)
+
         lr = max(by_lr, key=score)
         runs = by_lr[lr]
         tests = [r["test_metric"] for r in runs]
-        out.append(dict(task=runs[0]["task"], optimizer=name, epsilon=eps, lr=lr,
-                        seeds=len(runs), test_mean=statistics.fmean(tests),
-                        test_std=statistics.stdev(tests) if len(tests) > 1 else 0.0,
-                        val_mean=statistics.fmean(r["val_metric"] for r in runs),
-                        epsilon_spent_max=max(r["epsilon_spent"] for r in runs),
-                        noise_multiplier=runs[0]["noise_multiplier"], steps=runs[0]["steps"]))
+        out.append(
+            dict(
+                task=runs[0]["task"],
+                optimizer=name,
+                epsilon=eps,
+                lr=lr,
+                seeds=len(runs),
+                test_mean=statistics.fmean(tests),
+                test_std=statistics.stdev(tests) if len(tests) > 1 else 0.0,
+                val_mean=statistics.fmean(r["val_metric"] for r in runs),
+                epsilon_spent_max=max(r["epsilon_spent"] for r in runs),
+                noise_multiplier=runs[0]["noise_multiplier"],
+                steps=runs[0]["steps"],
+            )
+        )
     return out
 
 
@@ -328,9 +405,12 @@ def markdown_table(summary: list[dict], task: Task, delta: float, header: str = 
         means = [cell[n, e]["test_mean"] for n in names if (n, e) in cell]
         best[e] = max(means) if task.higher_is_better else min(means)
     lines = [header] if header else []
-    lines += [f"{task.metric}, mean ± std over seeds (lr chosen on the validation split)", "",
-              "| optimizer | " + " | ".join(f"ε = {_fmt_eps(e)}" for e in epss) + " |",
-              "|---|" + "---:|" * len(epss)]
+    lines += [
+        f"{task.metric}, mean ± std over seeds (lr chosen on the validation split)",
+        "",
+        "| optimizer | " + " | ".join(f"ε = {_fmt_eps(e)}" for e in epss) + " |",
+        "|---|" + "---:|" * len(epss),
+    ]
     for n in names:
         cells = []
         for e in epss:
@@ -342,11 +422,17 @@ def markdown_table(summary: list[dict], task: Task, delta: float, header: str = 
             cells.append(f"**{txt}**" if r["test_mean"] == best[e] else txt)
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     lines += ["", f"chosen learning rate / largest ε spent over seeds (δ = {delta:g})", ""]
-    lines += ["| optimizer | " + " | ".join(f"ε = {_fmt_eps(e)}" for e in epss) + " |",
-              "|---|" + "---:|" * len(epss)]
+    lines += [
+        "| optimizer | " + " | ".join(f"ε = {_fmt_eps(e)}" for e in epss) + " |",
+        "|---|" + "---:|" * len(epss),
+    ]
     for n in names:
-        cells = [f"{cell[n, e]['lr']:g} / {cell[n, e]['epsilon_spent_max']:.3f}"
-                 if (n, e) in cell else "" for e in epss]
+        cells = [
+            f"{cell[n, e]['lr']:g} / {cell[n, e]['epsilon_spent_max']:.3f}"
+            if (n, e) in cell
+            else ""
+            for e in epss
+        ]
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -354,15 +440,23 @@ def markdown_table(summary: list[dict], task: Task, delta: float, header: str = 
 def plot(summary: list[dict], task: Task, path: Path) -> None:
     """metric vs epsilon per optimizer (mean with ± std error bars) as a PNG."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
     for n in dict.fromkeys(r["optimizer"] for r in summary):
-        pts = sorted((r["epsilon"], r["test_mean"], r["test_std"])
-                     for r in summary if r["optimizer"] == n)
-        ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts],
-                    marker="o", capsize=3, label=n)
+        pts = sorted(
+            (r["epsilon"], r["test_mean"], r["test_std"]) for r in summary if r["optimizer"] == n
+        )
+        ax.errorbar(
+            [p[0] for p in pts],
+            [p[1] for p in pts],
+            yerr=[p[2] for p in pts],
+            marker="o",
+            capsize=3,
+            label=n,
+        )
     ax.set_xlabel("ε (target, δ fixed)")
     ax.set_ylabel(task.metric)
     ax.set_title(f"dpkern compare --task {task.name}")
@@ -429,46 +523,93 @@ def _unit_interval(text: str) -> float:
 
 def _optimizer_name(text: str) -> str:
     if text != "all" and text not in OPTIMIZERS:
-        raise argparse.ArgumentTypeError(f"unknown optimizer {text!r}: expected 'all' or one "
-                                         f"of {', '.join(OPTIMIZERS)}")
+        raise argparse.ArgumentTypeError(
+            f"unknown optimizer {text!r}: expected 'all' or one of {', '.join(OPTIMIZERS)}"
+        )
     return text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``dpkern compare`` (see the module docstring)."""
     parser.add_argument("--task", choices=sorted(TASKS), default="digits")
-    parser.add_argument("--epsilons", type=_positive_float, nargs="+", default=[1.0, 3.0, 7.0],
-                        metavar="EPS", help="target epsilons (default: 1 3 7)")
-    parser.add_argument("--seeds", type=_positive_int, default=3,
-                        help="seeds per cell, 0..N-1; a seed fixes the init, the sampling "
-                        "AND the noise key (not private, see above) (default: 3)")
-    parser.add_argument("--optimizers", type=_optimizer_name, nargs="+", default=["all"],
-                        metavar="NAME", help=f"'all' or some of: {', '.join(OPTIMIZERS)}")
-    parser.add_argument("--lrs", type=_positive_float, nargs="+", default=None, metavar="LR",
-                        help="one learning-rate grid for every optimizer (default: a "
-                        "grid per optimizer, see OPTIMIZERS in dpkern/cli/compare.py)")
-    parser.add_argument("--epochs", type=_positive_float, default=None,
-                        help="expected passes over the training set (default: 15 for "
-                        "digits, 1 for text)")
-    parser.add_argument("--batch-size", type=_positive_int, default=64,
-                        help="expected (Poisson) batch size (default: 64)")
+    parser.add_argument(
+        "--epsilons",
+        type=_positive_float,
+        nargs="+",
+        default=[1.0, 3.0, 7.0],
+        metavar="EPS",
+        help="target epsilons (default: 1 3 7)",
+    )
+    parser.add_argument(
+        "--seeds",
+        type=_positive_int,
+        default=3,
+        help="seeds per cell, 0..N-1; a seed fixes the init, the sampling "
+        "AND the noise key (not private, see above) (default: 3)",
+    )
+    parser.add_argument(
+        "--optimizers",
+        type=_optimizer_name,
+        nargs="+",
+        default=["all"],
+        metavar="NAME",
+        help=f"'all' or some of: {', '.join(OPTIMIZERS)}",
+    )
+    parser.add_argument(
+        "--lrs",
+        type=_positive_float,
+        nargs="+",
+        default=None,
+        metavar="LR",
+        help="one learning-rate grid for every optimizer (default: a "
+        "grid per optimizer, see OPTIMIZERS in dpkern/cli/compare.py)",
+    )
+    parser.add_argument(
+        "--epochs",
+        type=_positive_float,
+        default=None,
+        help="expected passes over the training set (default: 15 for digits, 1 for text)",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=64,
+        help="expected (Poisson) batch size (default: 64)",
+    )
     parser.add_argument("--delta", type=_unit_interval, default=1e-5)
-    parser.add_argument("--max-grad-norm", type=_positive_float, default=1.0,
-                        help="clipping bound C (not used by DP-MacAdam; default: 1)")
-    parser.add_argument("--weight-decay", type=float, default=1e-2,
-                        help="decoupled weight decay of DP-AdamW and DP-AdamW-BC "
-                        "(default: 0.01, torch.optim.AdamW's)")
+    parser.add_argument(
+        "--max-grad-norm",
+        type=_positive_float,
+        default=1.0,
+        help="clipping bound C (not used by DP-MacAdam; default: 1)",
+    )
+    parser.add_argument(
+        "--weight-decay",
+        type=float,
+        default=1e-2,
+        help="decoupled weight decay of DP-AdamW and DP-AdamW-BC "
+        "(default: 0.01, torch.optim.AdamW's)",
+    )
     parser.add_argument("--accountant", choices=ACCOUNTANTS, default="rdp")
     parser.add_argument("--backend", choices=BACKENDS, default="auto")
-    parser.add_argument("--jobs", type=_positive_int, default=os.cpu_count() or 1,
-                        help="training runs in parallel, one CPU thread each (default: the "
-                        "number of CPUs)")
-    parser.add_argument("--out-dir", type=Path, default=Path("compare_results"),
-                        help="where runs.csv, summary.csv, table.md and plot.png go "
-                        "(default ./compare_results)")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke test in seconds: first epsilon, one seed, two optimizers, "
-                        "one learning rate, one epoch")
+    parser.add_argument(
+        "--jobs",
+        type=_positive_int,
+        default=os.cpu_count() or 1,
+        help="training runs in parallel, one CPU thread each (default: the number of CPUs)",
+    )
+    parser.add_argument(
+        "--out-dir",
+        type=Path,
+        default=Path("compare_results"),
+        help="where runs.csv, summary.csv, table.md and plot.png go (default ./compare_results)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke test in seconds: first epsilon, one seed, two optimizers, "
+        "one learning rate, one epoch",
+    )
 
 
 def plan(args: argparse.Namespace, task: Task) -> list[RunConfig]:
@@ -494,9 +635,23 @@ def plan(args: argparse.Namespace, task: Task) -> list[RunConfig]:
                 grid = [grid[len(grid) // 2]]
             for lr in grid:
                 for seed in seeds:
-                    out.append(RunConfig(args.task, name, eps, seed, lr, sigma, q, steps,
-                                         args.delta, args.max_grad_norm, args.weight_decay,
-                                         args.backend, args.accountant))
+                    out.append(
+                        RunConfig(
+                            args.task,
+                            name,
+                            eps,
+                            seed,
+                            lr,
+                            sigma,
+                            q,
+                            steps,
+                            args.delta,
+                            args.max_grad_norm,
+                            args.weight_decay,
+                            args.backend,
+                            args.accountant,
+                        )
+                    )
     return out
 
 
@@ -510,15 +665,30 @@ def command_line(args: argparse.Namespace, task: Task, configs: list[RunConfig])
     """The ``dpkern compare`` command that runs exactly ``configs`` (the plan of ``args``):
     the epsilons, seeds and optimizers that ran (with --quick: its subset) and every other
     option that changes a result, each value printed so that it reads back exactly."""
-    parts = ["dpkern", "compare", "--task", args.task, "--epsilons",
-             *(_num(e) for e in dict.fromkeys(c.epsilon for c in configs)),
-             "--seeds", str(len({c.seed for c in configs})), "--optimizers",
-             *dict.fromkeys(c.optimizer for c in configs)]
+    parts = [
+        "dpkern",
+        "compare",
+        "--task",
+        args.task,
+        "--epsilons",
+        *(_num(e) for e in dict.fromkeys(c.epsilon for c in configs)),
+        "--seeds",
+        str(len({c.seed for c in configs})),
+        "--optimizers",
+        *dict.fromkeys(c.optimizer for c in configs),
+    ]
     if args.epochs is not None or not args.quick:  # (--quick alone: the task's quick epochs)
         parts += ["--epochs", _num(args.epochs or task.epochs)]
-    parts += ["--batch-size", str(args.batch_size), "--delta", _num(args.delta),
-              "--max-grad-norm", _num(args.max_grad_norm),
-              "--weight-decay", _num(args.weight_decay)]
+    parts += [
+        "--batch-size",
+        str(args.batch_size),
+        "--delta",
+        _num(args.delta),
+        "--max-grad-norm",
+        _num(args.max_grad_norm),
+        "--weight-decay",
+        _num(args.weight_decay),
+    ]
     if args.lrs:
         parts += ["--lrs", *(_num(lr) for lr in args.lrs)]
     parts += ["--accountant", args.accountant, "--backend", args.backend]
@@ -539,31 +709,47 @@ def run(args: argparse.Namespace) -> int:
         print(f"dpkern compare: error: {exc}", file=sys.stderr)
         return 2
     except ImportError as exc:  # scikit-learn (digits) or transformers (text) missing
-        print(f"dpkern compare: error: --task {args.task} needs {exc.name}: "
-              "pip install 'dpkern[compare]'", file=sys.stderr)
+        print(
+            f"dpkern compare: error: --task {args.task} needs {exc.name}: "
+            "pip install 'dpkern[compare]'",
+            file=sys.stderr,
+        )
         return 2
     if args.delta >= 1.0 / task.num_train:
-        print(f"dpkern compare: warning: --delta {args.delta:g} is not well below 1/N = "
-              f"{1.0 / task.num_train:.3g} (N = {task.num_train:,} training examples): such "
-              "a delta allows leaking whole examples", file=sys.stderr)
+        print(
+            f"dpkern compare: warning: --delta {args.delta:g} is not well below 1/N = "
+            f"{1.0 / task.num_train:.3g} (N = {task.num_train:,} training examples): such "
+            "a delta allows leaking whole examples",
+            file=sys.stderr,
+        )
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     jobs = 1 if args.quick else min(args.jobs, len(configs))  # in-process: starts at once
     t0 = time.perf_counter()
-    rows = write_csv(out / "runs.csv",
-                     tqdm(_results(configs, jobs), total=len(configs), unit="run",
-                          desc=f"compare {args.task}", file=sys.stderr), CSV_RUN_FIELDS)
+    rows = write_csv(
+        out / "runs.csv",
+        tqdm(
+            _results(configs, jobs),
+            total=len(configs),
+            unit="run",
+            desc=f"compare {args.task}",
+            file=sys.stderr,
+        ),
+        CSV_RUN_FIELDS,
+    )
     wall = time.perf_counter() - t0
     summary = select(rows, task.higher_is_better)
     write_csv(out / "summary.csv", summary, CSV_SUMMARY_FIELDS)
     cfg0 = configs[0]
     cpu = sum(r["cpu_seconds"] for r in rows)
-    header = (f"`{command_line(args, task, configs)}`\n\n{len(rows)} runs in "
-              f"{_fmt_time(wall)} wall ({_fmt_time(cpu)} CPU, {jobs} job(s)), "
-              f"{len({c.seed for c in configs})} seed(s), {cfg0.steps} steps at sample "
-              f"rate {cfg0.sample_rate:.4g} (expected batch {cfg0.sample_rate * task.num_train:.0f}"
-              f" of {task.num_train}), δ = {args.delta:g}, {args.accountant.upper()} "
-              f"accountant\n\nPrivacy: {NOISE_NOTE}.\n")
+    header = (
+        f"`{command_line(args, task, configs)}`\n\n{len(rows)} runs in "
+        f"{_fmt_time(wall)} wall ({_fmt_time(cpu)} CPU, {jobs} job(s)), "
+        f"{len({c.seed for c in configs})} seed(s), {cfg0.steps} steps at sample "
+        f"rate {cfg0.sample_rate:.4g} (expected batch {cfg0.sample_rate * task.num_train:.0f}"
+        f" of {task.num_train}), δ = {args.delta:g}, {args.accountant.upper()} "
+        f"accountant\n\nPrivacy: {NOISE_NOTE}.\n"
+    )
     table = markdown_table(summary, task, args.delta, header)
     (out / "table.md").write_text(table)
     written = [out / "runs.csv", out / "summary.csv", out / "table.md"]
@@ -571,8 +757,11 @@ def run(args: argparse.Namespace) -> int:
         plot(summary, task, out / "plot.png")
         written.append(out / "plot.png")
     except ImportError:
-        print("dpkern compare: note: matplotlib is not installed: no plot "
-              "(pip install 'dpkern[compare]')", file=sys.stderr)
+        print(
+            "dpkern compare: note: matplotlib is not installed: no plot "
+            "(pip install 'dpkern[compare]')",
+            file=sys.stderr,
+        )
     print(table)
     print("wrote " + ", ".join(map(str, written)))
     return 0

@@ -1,6 +1,7 @@
 """``dpkern finetune --nproc N``: N spawned worker processes, one data-parallel rank each
 (see the finetune module's docstring). The parent forwards SIGINT / SIGTERM to its
 workers; the ranks agree on the step to stop at, and rank 0 checkpoints."""
+
 from __future__ import annotations
 
 import argparse
@@ -30,10 +31,17 @@ def spawn(args) -> int:
                 except ProcessLookupError:
                     pass
 
-    with tempfile.TemporaryDirectory(prefix="dpkern-finetune-") as tmp, \
-            StopSignals(on_signal=forward) as stop:
-        ctx = mp.start_processes(_worker, args=(args.nproc, tmp, args), nprocs=args.nproc,
-                                 join=False, start_method="spawn")
+    with (
+        tempfile.TemporaryDirectory(prefix="dpkern-finetune-") as tmp,
+        StopSignals(on_signal=forward) as stop,
+    ):
+        ctx = mp.start_processes(
+            _worker,
+            args=(args.nproc, tmp, args),
+            nprocs=args.nproc,
+            join=False,
+            start_method="spawn",
+        )
         workers.extend(ctx.processes)
         if stop.requested:  # it came while they were being started
             forward(stop.signum)
@@ -43,8 +51,11 @@ def spawn(args) -> int:
                 pass
         except ProcessException as exc:
             if stop.requested and not rc.is_file():  # stopped before their handlers were up
-                print(f"dpkern finetune: stopped by {stop.name} while the workers were "
-                      "starting: nothing trained, nothing saved", file=sys.stderr)
+                print(
+                    f"dpkern finetune: stopped by {stop.name} while the workers were "
+                    "starting: nothing trained, nothing saved",
+                    file=sys.stderr,
+                )
                 return stop.exit_code
             print(f"dpkern finetune: error: a worker process failed: {exc}", file=sys.stderr)
             return 1
@@ -86,9 +97,12 @@ def _worker_run(rank: int, world: int, tmp: str, args, stop: StopSignals) -> Non
         job = ft._prepare(args)
     if rank != 0:
         job["out"] = None
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            init_method=f"file://{os.path.join(tmp, 'rendezvous')}",
-                            rank=rank, world_size=world)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=f"file://{os.path.join(tmp, 'rendezvous')}",
+        rank=rank,
+        world_size=world,
+    )
     try:
         with torch.no_grad():  # one model: rank 0's init (secure mode draws it per rank)
             for t in job["model"].state_dict().values():
@@ -111,18 +125,19 @@ def _shard(job: dict, args, world: int) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from ..distributed import DistributedDPOptimizer
+
     model, plan = job["model"], job["plan"]
     full_state = job["optimizer"].state_dict() if job["done"] else None
     job["per_sample"].gc.detach()
     mesh = init_device_mesh(job["device"].type, (world,))
-    blocks = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)
-                   and len(m)), [])
+    blocks = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)), [])
     for block in blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = DistributedDPOptimizer(ft._make_optimizer(plan, params, args.backend,
-                                                          plan.noise_multiplier))
+    optimizer = DistributedDPOptimizer(
+        ft._make_optimizer(plan, params, args.backend, plan.noise_multiplier)
+    )
     if full_state is not None:
         optimizer.load_state_dict(full_state)
         optimizer.noise_multiplier = plan.noise_multiplier
@@ -138,6 +153,7 @@ def check_replicas(model, world: int, device) -> None:
     import torch.distributed as dist
 
     from ..distributed import DistributedDPError
+
     sums = torch.stack([p.detach().double().sum() for p in model.parameters()]).to(device)
     rows = [torch.empty_like(sums) for _ in range(world)]
     dist.all_gather(rows, sums)

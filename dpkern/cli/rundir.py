@@ -10,6 +10,7 @@ per file), ``run_config.json`` last; files of the previous checkpoint that the n
 does not have (its manifest, ``run_config.json["checkpoint"]["files"]``) are removed.
 Any other file in the directory is left alone.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,11 +30,24 @@ STAGING_PREFIX = ".dpkern-staging-"
 #: What a run directory written before the manifest existed may hold (save_pretrained's
 #: model and tokenizer files and ours): removed when such a directory is replaced.
 _LEGACY_PATTERNS = (
-    "run_config.json", "metrics.json", "trainer_state.pt", "config.json",
-    "generation_config.json", "model.safetensors", "model-*-of-*.safetensors",
-    "model.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json",
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-    "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.*",
+    "run_config.json",
+    "metrics.json",
+    "trainer_state.pt",
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "model-*-of-*.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model*.bin",
+    "pytorch_model.bin.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.*",
 )
 _LEGACY_KEYS = {"block_size", "optimizer", "noise_multiplier", "n_train", "sample_rate"}
 _SAFE_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")  # no "..", no hidden names
@@ -65,12 +79,12 @@ def is_run_dir(path: Path) -> bool:
     """True when ``path`` holds a run_config.json written by dpkern finetune (marked, or
     with the plan's fields for directories written before the marker existed)."""
     saved = _read_run_config(Path(path))
-    return saved is not None and (saved.get("written_by") == MARKER
-                                  or _LEGACY_KEYS <= saved.keys())
+    return saved is not None and (saved.get("written_by") == MARKER or _LEGACY_KEYS <= saved.keys())
 
 
-def check_out(out_arg: str | None, *, overwrite: bool, resume: str | None,
-              protected: dict[str, str | None]) -> Path | None:
+def check_out(
+    out_arg: str | None, *, overwrite: bool, resume: str | None, protected: dict[str, str | None]
+) -> Path | None:
     """The output directory (--resume without --out writes back to the resumed run).
 
     A non-empty --out needs --overwrite, and is then replaced only if it is a dpkern run
@@ -87,8 +101,7 @@ def check_out(out_arg: str | None, *, overwrite: bool, resume: str | None,
     if not out.is_dir() or not any(out.iterdir()):
         return out
     if not overwrite:
-        raise UsageError("--out", f"{out} exists and is not empty; pass --overwrite to "
-                         "replace it")
+        raise UsageError("--out", f"{out} exists and is not empty; pass --overwrite to replace it")
     real, cwd = out.resolve(), Path.cwd().resolve()
     refuse = f"refusing to replace --out {out}:"
     if real == cwd:
@@ -101,8 +114,10 @@ def check_out(out_arg: str | None, *, overwrite: bool, resume: str | None,
             if p == real or real in p.parents:
                 raise UsageError("--overwrite", f"{refuse} it holds {option} {path}")
     if not is_run_dir(real):
-        raise UsageError("--overwrite", f"{refuse} not a dpkern run directory (no "
-                         f"{FILES['run']} written by dpkern finetune)")
+        raise UsageError(
+            "--overwrite",
+            f"{refuse} not a dpkern run directory (no {FILES['run']} written by dpkern finetune)",
+        )
     return out
 
 
@@ -117,8 +132,15 @@ def _previous_files(out: Path) -> set[str]:
     return {p.name for pattern in _LEGACY_PATTERNS for p in out.glob(pattern)}
 
 
-def write_checkpoint(out: Path, model, tokenizer, run_config: dict, metrics: dict,
-                     trainer: dict, model_state: dict | None = None) -> None:
+def write_checkpoint(
+    out: Path,
+    model,
+    tokenizer,
+    run_config: dict,
+    metrics: dict,
+    trainer: dict,
+    model_state: dict | None = None,
+) -> None:
     """Write a checkpoint into ``out`` (created if needed), replacing only dpkern's files.
 
     ``run_config``: the plan (JSON); the marker and the manifest are added. ``trainer``:
@@ -140,11 +162,13 @@ def write_checkpoint(out: Path, model, tokenizer, run_config: dict, metrics: dic
             tokenizer.save_pretrained(stage)
         torch.save(trainer, stage / FILES["trainer"])
         (stage / FILES["metrics"]).write_text(json.dumps(metrics, indent=2) + "\n")
-        names = sorted(p.relative_to(stage).as_posix() for p in stage.rglob("*")
-                       if p.is_file())
+        names = sorted(p.relative_to(stage).as_posix() for p in stage.rglob("*") if p.is_file())
         names = [FILES["trainer"]] + [n for n in names if n != FILES["trainer"]]
-        record = {"written_by": MARKER, **run_config,
-                  "checkpoint": {"step": int(trainer["step"]), "files": names + [FILES["run"]]}}
+        record = {
+            "written_by": MARKER,
+            **run_config,
+            "checkpoint": {"step": int(trainer["step"]), "files": names + [FILES["run"]]},
+        }
         (stage / FILES["run"]).write_text(json.dumps(record, indent=2) + "\n")
         for name in names + [FILES["run"]]:
             (out / name).parent.mkdir(parents=True, exist_ok=True)
@@ -163,25 +187,43 @@ def load_checkpoint(path: Path) -> tuple[dict, dict, dict]:
     Raises UsageError for a missing, incomplete, corrupt or partly written checkpoint."""
     if not path.is_dir():
         raise UsageError("--resume", f"{path} is not a directory")
-    missing = [f for f in (FILES["run"], FILES["trainer"], "config.json")
-               if not (path / f).is_file()]
+    missing = [
+        f for f in (FILES["run"], FILES["trainer"], "config.json") if not (path / f).is_file()
+    ]
     if missing:
-        raise UsageError("--resume", f"{path} is not a dpkern finetune checkpoint (missing "
-                         f"{', '.join(missing)})")
+        raise UsageError(
+            "--resume", f"{path} is not a dpkern finetune checkpoint (missing {', '.join(missing)})"
+        )
     try:
         saved = json.loads((path / FILES["run"]).read_text())
         trainer = torch.load(path / FILES["trainer"], map_location="cpu", weights_only=True)
-        metrics = json.loads((path / FILES["metrics"]).read_text()) \
-            if (path / FILES["metrics"]).is_file() else {}
+        metrics = (
+            json.loads((path / FILES["metrics"]).read_text())
+            if (path / FILES["metrics"]).is_file()
+            else {}
+        )
         if not isinstance(saved, dict) or not isinstance(trainer, dict):
             raise TypeError("not a dpkern checkpoint's structure")
-    except (OSError, ValueError, TypeError, KeyError, RuntimeError, EOFError,
-            pickle.UnpicklingError) as exc:  # corrupt files: one line, no traceback
-        raise UsageError("--resume", f"{path}: unreadable checkpoint ({type(exc).__name__}: "
-                         f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+    except (
+        OSError,
+        ValueError,
+        TypeError,
+        KeyError,
+        RuntimeError,
+        EOFError,
+        pickle.UnpicklingError,
+    ) as exc:  # corrupt files: one line, no traceback
+        raise UsageError(
+            "--resume",
+            f"{path}: unreadable checkpoint ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''})",
+        ) from None
     step = (saved.get("checkpoint") or {}).get("step")
     if step is not None and step != trainer.get("step"):
-        raise UsageError("--resume", f"{path} holds a partly written checkpoint ({FILES['run']} "
-                         f"is at step {step}, {FILES['trainer']} at step {trainer.get('step')}): "
-                         "dpkern was stopped while saving it")
+        raise UsageError(
+            "--resume",
+            f"{path} holds a partly written checkpoint ({FILES['run']} "
+            f"is at step {step}, {FILES['trainer']} at step {trainer.get('step')}): "
+            "dpkern was stopped while saving it",
+        )
     return saved, trainer, metrics

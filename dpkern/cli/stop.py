@@ -1,6 +1,7 @@
 """SIGINT (Ctrl-C) and SIGTERM (a cluster preemption) as a request to stop at the next
 step boundary, where the job checkpoints, prints one line and exits with 128 + the
 signal number (130, 143)."""
+
 from __future__ import annotations
 
 import signal

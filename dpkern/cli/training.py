@@ -2,6 +2,7 @@
 --save-every, at a SIGINT / SIGTERM step boundary, at the end), metrics.json and the
 summary. Nothing exact and data-dependent (samples drawn, clipped, non-finite) is written
 or shown; a run with --noise-seed says it is not private instead of claiming an epsilon."""
+
 from __future__ import annotations
 
 import math
@@ -21,9 +22,29 @@ def _fmt_time(seconds: float) -> str:
     return f"{seconds:.1f} s" if seconds < 120 else f"{int(seconds // 60)} min {seconds % 60:.0f} s"
 
 
-def run_training(args, plan, out, model, tokenizer, net, optimizer, accountant, per_sample,
-                 train, val, n_bytes, done, steps, micro, delta, numel, device, old_metrics,
-                 dist_ctx=None, stop: StopSignals | None = None) -> int:
+def run_training(
+    args,
+    plan,
+    out,
+    model,
+    tokenizer,
+    net,
+    optimizer,
+    accountant,
+    per_sample,
+    train,
+    val,
+    n_bytes,
+    done,
+    steps,
+    micro,
+    delta,
+    numel,
+    device,
+    old_metrics,
+    dist_ctx=None,
+    stop: StopSignals | None = None,
+) -> int:
     """The training loop. ``dist_ctx``: None, or (rank, world size) inside an initialised
     process group with ``optimizer`` a DistributedDPOptimizer. ``stop``: SIGINT/SIGTERM
     end the loop at a step boundary (every rank at the same one); the job then
@@ -47,8 +68,10 @@ def run_training(args, plan, out, model, tokenizer, net, optimizer, accountant, 
         sampler = PoissonBatchSampler(train.shape[0], q, steps - done, seed=sampler_seed)
     else:
         from ..distributed import DistributedPoissonSampler
-        sampler = DistributedPoissonSampler(train.shape[0], q, steps - done, rank=rank,
-                                            num_replicas=world, seed=sampler_seed)
+
+        sampler = DistributedPoissonSampler(
+            train.shape[0], q, steps - done, rank=rank, num_replicas=world, seed=sampler_seed
+        )
     train_time = 0.0
     segment_start = done
     loss_ema = None
@@ -62,35 +85,61 @@ def run_training(args, plan, out, model, tokenizer, net, optimizer, accountant, 
     def checkpoint(val_after=None, final=False):
         eps, delta_total = accountant.get_privacy_spent(delta, numel)
         if private:
-            privacy = {"private": True, "epsilon": eps, "target_epsilon": plan.epsilon,
-                       "delta": delta_total}
+            privacy = {
+                "private": True,
+                "epsilon": eps,
+                "target_epsilon": plan.epsilon,
+                "delta": delta_total,
+            }
         else:  # what the run would spend with a secret key: not a claim
-            privacy = {"private": False, "privacy": NOT_PRIVATE,
-                       "epsilon_if_noise_key_were_secret": eps,
-                       "epsilon_for_noise_calibration": plan.epsilon,
-                       "delta_if_noise_key_were_secret": delta_total}
+            privacy = {
+                "private": False,
+                "privacy": NOT_PRIVATE,
+                "epsilon_if_noise_key_were_secret": eps,
+                "epsilon_for_noise_calibration": plan.epsilon,
+                "delta_if_noise_key_were_secret": delta_total,
+            }
         metrics = {
-            "step": optimizer.dp_step, "steps": steps, **privacy, "target_delta": delta,
-            "noise_multiplier": sigma, "sample_rate": q, "max_grad_norm": plan.max_grad_norm,
-            "expected_batch_size": plan.batch_size, "accountant": plan.accountant,
-            "optimizer": plan.optimizer, "backend": args.backend,
-            "val_loss_before": val_before, "val_perplexity_before": math.exp(val_before),
+            "step": optimizer.dp_step,
+            "steps": steps,
+            **privacy,
+            "target_delta": delta,
+            "noise_multiplier": sigma,
+            "sample_rate": q,
+            "max_grad_norm": plan.max_grad_norm,
+            "expected_batch_size": plan.batch_size,
+            "accountant": plan.accountant,
+            "optimizer": plan.optimizer,
+            "backend": args.backend,
+            "val_loss_before": val_before,
+            "val_perplexity_before": math.exp(val_before),
             "val_loss_after": val_after,
             "val_perplexity_after": None if val_after is None else math.exp(val_after),
             "val_loss_initial": old_metrics.get("val_loss_initial", val_before),
-            "train_loss_ema": loss_ema, "train_seconds": train_time,
+            "train_loss_ema": loss_ema,
+            "train_seconds": train_time,
             "expected_tokens_per_second": expected_tokens_per_second(),
-            "total_seconds": time.perf_counter() - t_start, "num_parameters": numel,
-            "n_train_blocks": plan.n_train, "n_val_blocks": plan.n_val,
-            "block_size": plan.block_size, "finished": final, "nproc": world, "fsdp": fsdp,
+            "total_seconds": time.perf_counter() - t_start,
+            "num_parameters": numel,
+            "n_train_blocks": plan.n_train,
+            "n_val_blocks": plan.n_val,
+            "block_size": plan.block_size,
+            "finished": final,
+            "nproc": world,
+            "fsdp": fsdp,
             "bytes_per_rank": _resident_bytes(optimizer),
         }
-        segment = {"steps": [segment_start, optimizer.dp_step], "nproc": world,
-                   "fsdp": fsdp, "train_seconds": train_time}
+        segment = {
+            "steps": [segment_start, optimizer.dp_step],
+            "nproc": world,
+            "fsdp": fsdp,
+            "train_seconds": train_time,
+        }
         metrics["segments"] = _past_segments(old_metrics) + [segment]
         model_state = opt_state = None
         if fsdp and writes:  # collectives: every rank gathers, rank 0 writes
             from ..sharding import is_sharded
+
             model.reshard()
             # one gather per parameter, so tied weights stay one tensor (the same on
             # every rank: keyed by the module's parameter objects, not by storage)
@@ -107,23 +156,35 @@ def run_training(args, plan, out, model, tokenizer, net, optimizer, accountant, 
             opt_state = opt_state if fsdp else optimizer.state_dict()
             # never the optimizer's exact data-dependent counts (optimizer.stats)
             dp_state = {k: v for k, v in opt_state["dp"].items() if k != "stats"}
-            trainer = {"step": optimizer.dp_step, "optimizer": {**opt_state, "dp": dp_state},
-                       "accountant": accountant.state_dict()}
-            write_checkpoint(out, model, tokenizer, ft._run_record(plan), metrics, trainer,
-                             model_state)
+            trainer = {
+                "step": optimizer.dp_step,
+                "optimizer": {**opt_state, "dp": dp_state},
+                "accountant": accountant.state_dict(),
+            }
+            write_checkpoint(
+                out, model, tokenizer, ft._run_record(plan), metrics, trainer, model_state
+            )
         return metrics
 
     net.train()
-    bar = tqdm(total=steps, initial=done, desc="dp fine-tuning", unit="step",
-               disable=args.quiet, dynamic_ncols=True, file=sys.stderr)
+    bar = tqdm(
+        total=steps,
+        initial=done,
+        desc="dp fine-tuning",
+        unit="step",
+        disable=args.quiet,
+        dynamic_ncols=True,
+        file=sys.stderr,
+    )
     stopped = dist_ctx is None and stop.requested  # (ranks agree on a stop after a step)
-    for indices in ([] if stopped else sampler):
+    for indices in [] if stopped else sampler:
         t0 = time.perf_counter()
         batch = train[indices]
         losses = []
-        chunks = [batch[i:i + micro] for i in range(0, batch.shape[0], micro)] or [batch]
+        chunks = [batch[i : i + micro] for i in range(0, batch.shape[0], micro)] or [batch]
         if fsdp:  # every rank runs as many micro-batches (forwards are collectives)
             import torch.distributed as dist
+
             n = torch.tensor([len(chunks)], device=device)
             dist.all_reduce(n, op=dist.ReduceOp.MAX)
             chunks += [batch[:0]] * (int(n) - len(chunks))
@@ -137,8 +198,8 @@ def run_training(args, plan, out, model, tokenizer, net, optimizer, accountant, 
         stop_now = stop.requested
         if dist_ctx is not None:  # global mean loss for the bar; a stop on any rank is all's
             import torch.distributed as dist
-            t = torch.tensor([count, loss_sum, float(stop_now)], dtype=torch.float64,
-                             device=device)
+
+            t = torch.tensor([count, loss_sum, float(stop_now)], dtype=torch.float64, device=device)
             dist.all_reduce(t)
             count, loss_sum, stop_now = int(t[0]), float(t[1]), bool(t[2] > 0)
         train_time += time.perf_counter() - t0
@@ -148,15 +209,22 @@ def run_training(args, plan, out, model, tokenizer, net, optimizer, accountant, 
         now = time.perf_counter()
         if private and (now - eps_time > 5.0 or optimizer.dp_step == steps):
             eps_shown, eps_time = accountant.get_epsilon(delta), now
-        bar.set_postfix(loss=f"{loss_ema:.3f}" if loss_ema is not None else "-",
-                        **({"eps": f"{eps_shown:.2f}"} if private else {}),
-                        tok_s=f"{expected_tokens_per_second():.0f}", refresh=False)
+        bar.set_postfix(
+            loss=f"{loss_ema:.3f}" if loss_ema is not None else "-",
+            **({"eps": f"{eps_shown:.2f}"} if private else {}),
+            tok_s=f"{expected_tokens_per_second():.0f}",
+            refresh=False,
+        )
         bar.update(1)
         if stop_now and optimizer.dp_step < steps:
             stopped = True
             break
-        if args.save_every and optimizer.dp_step % args.save_every == 0 \
-                and optimizer.dp_step < steps and (out is not None or fsdp and writes):
+        if (
+            args.save_every
+            and optimizer.dp_step % args.save_every == 0
+            and optimizer.dp_step < steps
+            and (out is not None or fsdp and writes)
+        ):
             checkpoint()
     bar.close()
     if stopped:
@@ -164,13 +232,20 @@ def run_training(args, plan, out, model, tokenizer, net, optimizer, accountant, 
         metrics = checkpoint()
         if rank == 0:
             spent = f"epsilon spent {metrics['epsilon']:.3g}" if private else NOT_PRIVATE
-            where = (f"checkpoint saved, resume with --resume {out}" if out is not None
-                     else "nothing saved (no --out)")
-            print(f"dpkern finetune: stopped by {stop.name or 'SIGINT'} at step "
-                  f"{optimizer.dp_step}/{steps}, {spent}; {where}", file=sys.stderr)
+            where = (
+                f"checkpoint saved, resume with --resume {out}"
+                if out is not None
+                else "nothing saved (no --out)"
+            )
+            print(
+                f"dpkern finetune: stopped by {stop.name or 'SIGINT'} at step "
+                f"{optimizer.dp_step}/{steps}, {spent}; {where}",
+                file=sys.stderr,
+            )
         return stop.exit_code
     if dist_ctx is not None and not fsdp:
         from .parallel import check_replicas
+
         check_replicas(model, world, device)
     val_after = models.evaluate(net, val, args.eval_batch_size, device)
     metrics = checkpoint(val_after, final=True)
@@ -183,11 +258,18 @@ def _resident_bytes(optimizer) -> dict:
     """Bytes of parameters and optimizer state this rank keeps between steps (its shards
     under --fsdp, everything otherwise)."""
     from ..sharding import local_shard
+
     params = optimizer.trainable_params()
-    state = sum(v.numel() * v.element_size() for p in params
-                for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor))
-    return {"params": sum(local_shard(p)[0].numel() * p.element_size() for p in params),
-            "optimizer_state": state}
+    state = sum(
+        v.numel() * v.element_size()
+        for p in params
+        for v in optimizer.state.get(p, {}).values()
+        if isinstance(v, torch.Tensor)
+    )
+    return {
+        "params": sum(local_shard(p)[0].numel() * p.element_size() for p in params),
+        "optimizer_state": state,
+    }
 
 
 _SEGMENT_KEYS = ("steps", "nproc", "fsdp", "train_seconds")
@@ -200,39 +282,53 @@ def _past_segments(old_metrics: dict) -> list[dict]:
         return []
     if "segments" in old_metrics:
         return [{k: g.get(k) for k in _SEGMENT_KEYS} for g in old_metrics["segments"]]
-    return [{"steps": [None, old_metrics.get("step")], "nproc": old_metrics.get("nproc", 1),
-             "fsdp": old_metrics.get("fsdp", False),
-             "train_seconds": old_metrics.get("train_seconds")}]
+    return [
+        {
+            "steps": [None, old_metrics.get("step")],
+            "nproc": old_metrics.get("nproc", 1),
+            "fsdp": old_metrics.get("fsdp", False),
+            "train_seconds": old_metrics.get("train_seconds"),
+        }
+    ]
 
 
 def _print_summary(plan, args, m, n_bytes, done, out) -> None:
-    model = plan.model or ("(resumed) " + str(args.resume) if args.resume else
-                           "built-in byte-level GPT-2")
+    model = plan.model or (
+        "(resumed) " + str(args.resume) if args.resume else "built-in byte-level GPT-2"
+    )
     data = plan.data or "pydoc_data.topics (CPython help pages)"
     delta_src = "" if plan.delta is not None else " (1/N^1.1)"
-    mechanism = (f"sigma {m['noise_multiplier']:.4g}, C {plan.max_grad_norm:g}, q "
-                 f"{m['sample_rate']:.4g} (Poisson, expected batch {plan.batch_size})")
+    mechanism = (
+        f"sigma {m['noise_multiplier']:.4g}, C {plan.max_grad_norm:g}, q "
+        f"{m['sample_rate']:.4g} (Poisson, expected batch {plan.batch_size})"
+    )
     if plan.noise_seed is None:
-        privacy = (f"epsilon {m['epsilon']:.3f} spent (target {plan.epsilon:g}), delta "
-                   f"{m['delta']:.3g}{delta_src}, {mechanism}, {plan.accountant.upper()} "
-                   "accountant")
+        privacy = (
+            f"epsilon {m['epsilon']:.3f} spent (target {plan.epsilon:g}), delta "
+            f"{m['delta']:.3g}{delta_src}, {mechanism}, {plan.accountant.upper()} "
+            "accountant"
+        )
     else:
         privacy = f"{NOT_PRIVATE} (--noise-seed {plan.noise_seed}); {mechanism}"
     lines = [
         f"dpkern finetune: done in {_fmt_time(m['total_seconds'])}",
         f"  model       {model}: {m['num_parameters'] / 1e6:.2f} M parameters, block {plan.block_size}",
-        (f"  data        {data}: {n_bytes:,} bytes, {plan.n_train:,} train / "
-         f"{plan.n_val:,} validation blocks"),
+        (
+            f"  data        {data}: {n_bytes:,} bytes, {plan.n_train:,} train / "
+            f"{plan.n_val:,} validation blocks"
+        ),
         f"  optimizer   {plan.optimizer}, lr {plan.lr:g}, backend {args.backend}, "
-        f"clipping {args.clipping}" + (f" (per-sample gradients {args.grad_sample})"
-                                        if args.clipping == "per-sample" else ""),
+        f"clipping {args.clipping}"
+        + (f" (per-sample gradients {args.grad_sample})" if args.clipping == "per-sample" else ""),
         f"  privacy     {privacy}",
         f"  training    steps {done} -> {m['step']} in {_fmt_time(m['train_seconds'])} "
         f"({m['expected_tokens_per_second']:,.0f} tokens/s at the expected batch)"
         + (f", {m['nproc']} data-parallel processes" if m["nproc"] > 1 else "")
         + (" (FSDP2-sharded)" if m.get("fsdp") else ""),
-        (f"  validation  loss {m['val_loss_before']:.4f} -> {m['val_loss_after']:.4f}, "
-         f"perplexity {m['val_perplexity_before']:.2f} -> {m['val_perplexity_after']:.2f}"),
+        (
+            f"  validation  loss {m['val_loss_before']:.4f} -> {m['val_loss_after']:.4f}, "
+            f"perplexity {m['val_perplexity_before']:.2f} -> {m['val_perplexity_after']:.2f}"
+        ),
     ]
     if out is not None:
         lines.append(f"  saved       {out}")

@@ -38,6 +38,7 @@ per-sample path (``dpkern.grad_sample.compute_grad_sample`` + ``optimizer.step()
 Sources: Li et al. 2022 (arXiv 2110.05679, ghost clipping); Bu et al. 2023 (arXiv
 2210.00038, book-keeping); Goodfellow 2015 (per-example norms of a Linear layer).
 """
+
 from __future__ import annotations
 
 import torch
@@ -64,16 +65,19 @@ def supports(model: torch.nn.Module, params=None) -> tuple[bool, list[str]]:
     Returns: ``(ok, names)`` where ``names`` lists the parameters of modules ghost clipping
     refuses by construction (``nn.Embedding`` with ``max_norm`` or
     ``scale_grad_by_freq``; batch norm in training mode) as ``"name (ModuleType)"``."""
-    params = [p for p in (params if params is not None else model.parameters())
-              if p.requires_grad]
+    params = [p for p in (params if params is not None else model.parameters()) if p.requires_grad]
     ids = {id(p) for p in params}
     bad = []
     for mname, m in model.named_modules():
         refused = module_kind(m) is None or (
-            isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training)
+            isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training
+        )
         if refused:
-            bad += [f"{mname + '.' if mname else ''}{n} ({type(m).__name__})"
-                    for n, p in m.named_parameters(recurse=False) if id(p) in ids]
+            bad += [
+                f"{mname + '.' if mname else ''}{n} ({type(m).__name__})"
+                for n, p in m.named_parameters(recurse=False)
+                if id(p) in ids
+            ]
     return not bad, bad
 
 
@@ -112,20 +116,31 @@ class GhostClipping:
     Use as a context manager (hooks attached inside), or call ``attach()`` / ``detach()``.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer, *,
-                 instantiate_unsupported: bool = False, backend: str = "auto",
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, check: bool = False,
-                 verify: str = "first"):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer,
+        *,
+        instantiate_unsupported: bool = False,
+        backend: str = "auto",
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        check: bool = False,
+        verify: str = "first",
+    ):
         from ..optim import DPMacAdam, DPOptimizer
+
         inner = getattr(optimizer, "optimizer", optimizer)  # DistributedDPOptimizer
         if isinstance(inner, DPMacAdam):
-            raise ValueError("ghost clipping cannot serve DP-MacAdam: it clips whitened "
-                             "per-sample gradients (g_i - m_hat) / b, whose norms ghost "
-                             "clipping cannot compute; use the per-sample path "
-                             "(dpkern.grad_sample.compute_grad_sample + optimizer.step())")
+            raise ValueError(
+                "ghost clipping cannot serve DP-MacAdam: it clips whitened "
+                "per-sample gradients (g_i - m_hat) / b, whose norms ghost "
+                "clipping cannot compute; use the per-sample path "
+                "(dpkern.grad_sample.compute_grad_sample + optimizer.step())"
+            )
         if not isinstance(inner, DPOptimizer):
-            raise ValueError(f"ghost clipping needs a dpkern optimizer, got "
-                             f"{type(optimizer).__name__}")
+            raise ValueError(
+                f"ghost clipping needs a dpkern optimizer, got {type(optimizer).__name__}"
+            )
         if backend not in NORM_BACKENDS:
             raise ValueError(f"invalid backend={backend!r}: expected one of {NORM_BACKENDS}")
         self.optimizer = optimizer
@@ -137,8 +152,9 @@ class GhostClipping:
             # FSDP2: after a no_grad forward (evaluation) the root keeps its parameters
             # unsharded, registered as plain tensors instead of the optimizer's DTensors
             model.reshard()
-        self.capture = Capture(model, optimizer.trainable_params(),
-                               instantiate_unsupported=instantiate_unsupported)
+        self.capture = Capture(
+            model, optimizer.trainable_params(), instantiate_unsupported=instantiate_unsupported
+        )
         self._verifier = Verifier(verify, model, self.capture.params, sharded=self.sharded)
         self.verify = verify
 
@@ -214,18 +230,22 @@ class GhostClipping:
             norms disagree), FloatingPointError (a non-finite sample under
             ``nonfinite="error"``), RuntimeError (``check``)."""
         params = self.capture.params
-        pending = (self._verifier.exact(losses, self.capture)
-                   if self._verifier.due(losses) else None)  # before the graph is consumed
+        pending = (
+            self._verifier.exact(losses, self.capture) if self._verifier.due(losses) else None
+        )  # before the graph is consumed
         B, uses, summed = self.capture.backward(losses, check=self.check)
         device = losses.device
         outer_fn = self._outer_fn(device)
-        each = [param_norm_sq(u, p.shape, B, outer_fn=outer_fn, chunk_bytes=self.chunk_bytes)
-                if u else None for p, u in zip(params, uses)]
+        each = [
+            param_norm_sq(u, p.shape, B, outer_fn=outer_fn, chunk_bytes=self.chunk_bytes)
+            if u
+            else None
+            for p, u in zip(params, uses)
+        ]
         if pending is not None:
             self._verifier.compare(pending, each, device)
         per_param = [n for n in each if n is not None]
-        dtype = torch.float64 if any(n.dtype == torch.float64 for n in per_param) \
-            else torch.float32
+        dtype = torch.float64 if any(n.dtype == torch.float64 for n in per_param) else torch.float32
         norm_sq = torch.zeros(B, dtype=dtype, device=device)
         for n in per_param:
             norm_sq += n
@@ -236,9 +256,11 @@ class GhostClipping:
             raise FloatingPointError(
                 f"non-finite per-sample gradient (NaN/Inf, or a squared norm overflowing "
                 f"float32) in sample rows {bad[:20]}{' ...' if len(bad) > 20 else ''}; "
-                "nothing was updated (pass nonfinite='zero' to drop such samples)")
-        c = clip_factors(torch.where(finite, norms, torch.zeros_like(norms)),
-                         self.optimizer.max_grad_norm)
+                "nothing was updated (pass nonfinite='zero' to drop such samples)"
+            )
+        c = clip_factors(
+            torch.where(finite, norms, torch.zeros_like(norms)), self.optimizer.max_grad_norm
+        )
         drop = None
         if bad:
             drop = ~finite
@@ -250,15 +272,20 @@ class GhostClipping:
         return sums, norms
 
     def _check(self, params, uses, summed, B) -> None:
-        ones = torch.ones(B, dtype=torch.float32, device=summed[0].device
-                          if summed and summed[0] is not None else None)
+        ones = torch.ones(
+            B,
+            dtype=torch.float32,
+            device=summed[0].device if summed and summed[0] is not None else None,
+        )
         for p, u, g in zip(params, uses, summed):
             mine = clipped_sum(u, p.shape, ones) if u else torch.zeros(p.shape, device=p.device)
             ref = g.float() if g is not None else torch.zeros_like(mine)
             if not torch.allclose(mine, ref.to(mine.device), rtol=1e-4, atol=1e-6):
-                raise RuntimeError(f"ghost clipping check: the recorded uses of "
-                                   f"{self.capture._pname(p)} do not rebuild its gradient "
-                                   "(it is used outside its module's recorded forward)")
+                raise RuntimeError(
+                    f"ghost clipping check: the recorded uses of "
+                    f"{self.capture._pname(p)} do not rebuild its gradient "
+                    "(it is used outside its module's recorded forward)"
+                )
 
     def add_empty_batch(self) -> None:
         """Record an empty micro-batch without a forward (Poisson sampling may draw one;
@@ -272,10 +299,12 @@ class GhostClipping:
 
         Raises: RuntimeError under FSDP2 (instead of leaving the other ranks waiting)."""
         if self.sharded:
-            raise RuntimeError("add_empty_batch cannot be used under FSDP2: every rank must "
-                               "run the model's forward and backward (FSDP all-gathers are "
-                               "collectives); run the forward on a placeholder sample and "
-                               "call gc.backward(losses[:0])")
+            raise RuntimeError(
+                "add_empty_batch cannot be used under FSDP2: every rank must "
+                "run the model's forward and backward (FSDP all-gathers are "
+                "collectives); run the forward on a placeholder sample and "
+                "call gc.backward(losses[:0])"
+            )
         self.optimizer.accumulate_clipped([None] * len(self.capture.params), batch_size=0)
 
     def backward(self, losses: Tensor) -> None:
@@ -292,9 +321,9 @@ class GhostClipping:
         except (ValueError, FloatingPointError) as exc:
             if self.sharded:  # the other ranks wait in the reduce-scatter's validity check:
                 from ..distributed import _mesh_group, _raise_if_any_failed  # fail them too
+
                 params = self.capture.params
-                _raise_if_any_failed(exc, _mesh_group(params), params[0].device,
-                                     "ghost clipping")
+                _raise_if_any_failed(exc, _mesh_group(params), params[0].device, "ghost clipping")
             raise
         B, clipped, nonfinite = self._last
         self.optimizer.accumulate_clipped(sums, batch_size=B)

@@ -11,6 +11,7 @@ Layouts are proven from the forward's arguments, never guessed from a shape:
 A tensor with no layout does not depend on the samples (constants, buffers, positions
 from ``arange``): its dim 0 is never taken for the batch, even when it equals B.
 """
+
 from __future__ import annotations
 
 import math
@@ -24,10 +25,20 @@ LEAD, FLAT, UNKNOWN = "lead", "flat", "unknown"
 
 _T = torch.Tensor
 _TRANSPOSES = {_T.t, torch.t, _T.T.__get__, _T.mT.__get__}
-_CASTS = {_T.to, _T.float, _T.half, _T.bfloat16, _T.double, _T.type_as, _T.contiguous,
-          _T.clone}
-_RESHAPES = {_T.view, _T.reshape, torch.reshape, _T.unsqueeze, torch.unsqueeze, _T.squeeze,
-             torch.squeeze, _T.flatten, torch.flatten, _T.view_as, _T.reshape_as}
+_CASTS = {_T.to, _T.float, _T.half, _T.bfloat16, _T.double, _T.type_as, _T.contiguous, _T.clone}
+_RESHAPES = {
+    _T.view,
+    _T.reshape,
+    torch.reshape,
+    _T.unsqueeze,
+    torch.unsqueeze,
+    _T.squeeze,
+    torch.squeeze,
+    _T.flatten,
+    torch.flatten,
+    _T.view_as,
+    _T.reshape_as,
+}
 _ADDS = {_T.add, torch.add, _T.__add__, _T.__radd__, _T.__iadd__, _T.add_}
 _SUBS = {_T.sub, torch.sub, _T.__sub__, _T.__isub__, _T.sub_}
 _RSUBS = {_T.__rsub__, torch.rsub}
@@ -36,8 +47,16 @@ _DIVS = {_T.div, torch.div, _T.__truediv__, _T.__itruediv__, _T.div_}
 _NEGS = {_T.neg, torch.neg, _T.__neg__}
 INPLACE_ADDS = {_T.__iadd__, _T.add_, _T.__isub__, _T.sub_}
 _VIEWLIKE = _CASTS | _RESHAPES | {_T.expand, _T.expand_as, _T.unflatten, torch.unflatten}
-_DIMMOVES = {_T.transpose, torch.transpose, _T.swapaxes, torch.swapaxes, _T.permute,
-             torch.permute, _T.movedim, torch.movedim}
+_DIMMOVES = {
+    _T.transpose,
+    torch.transpose,
+    _T.swapaxes,
+    torch.swapaxes,
+    _T.permute,
+    torch.permute,
+    _T.movedim,
+    torch.movedim,
+}
 
 
 class Tracker:
@@ -65,6 +84,7 @@ def layout_of(layouts: Tracker, t) -> str | None:
 class Form:
     """A tensor equal to ``scale * view(param)`` (+ a constant), where view is the
     identity, a 2-D transpose (``transposed``) or a reshape to ``shape``."""
+
     param: Tensor
     transposed: bool = False
     scale: float = 1.0
@@ -97,9 +117,13 @@ def param_form(param, cur, *, func=None, args=(), kwargs=None, forms=()):
     others = [a for a in args if a is not t]
     if func in _CASTS:
         return f if tuple(cur.shape) == tuple(t.shape) else None
-    if func in _TRANSPOSES or (func in _DIMMOVES and t.dim() == 2 and cur.dim() == 2
-                               and tuple(cur.shape) == tuple(t.shape[::-1])
-                               and t.shape[0] != t.shape[1]):
+    if func in _TRANSPOSES or (
+        func in _DIMMOVES
+        and t.dim() == 2
+        and cur.dim() == 2
+        and tuple(cur.shape) == tuple(t.shape[::-1])
+        and t.shape[0] != t.shape[1]
+    ):
         if t.dim() != 2 or f.shape is not None:
             return None
         return replace(f, transposed=not f.transposed)
@@ -110,8 +134,16 @@ def param_form(param, cur, *, func=None, args=(), kwargs=None, forms=()):
     c = _scalar(others[0]) if len(others) == 1 and not kwargs else None
     if c is None and func in _NEGS and not others:
         return replace(f, scale=-f.scale)
-    if c is None or func in {_T.__iadd__, _T.add_, _T.__isub__, _T.sub_, _T.__imul__,
-                             _T.mul_, _T.__itruediv__, _T.div_}:
+    if c is None or func in {
+        _T.__iadd__,
+        _T.add_,
+        _T.__isub__,
+        _T.sub_,
+        _T.__imul__,
+        _T.mul_,
+        _T.__itruediv__,
+        _T.div_,
+    }:
         return None  # (in place on a parameter: not a form)
     if func in _ADDS or func in _SUBS:
         return f if args[0] is t else None
@@ -129,8 +161,11 @@ def _dim0_kept(func, args, kwargs, x: Tensor) -> bool:
         dims = [d % x.dim() for d in args[1:3]] if len(args) >= 3 else []
         return 0 not in dims
     if func in (_T.permute, torch.permute):
-        perm = args[1:] if len(args) > 1 and isinstance(args[1], int) else \
-            (args[1] if len(args) > 1 else kwargs.get("dims", ()))
+        perm = (
+            args[1:]
+            if len(args) > 1 and isinstance(args[1], int)
+            else (args[1] if len(args) > 1 else kwargs.get("dims", ()))
+        )
         return len(perm) > 0 and perm[0] % x.dim() == 0
     if func in (_T.movedim, torch.movedim):
         src, dst = args[1], args[2]
@@ -146,29 +181,92 @@ def _index_keeps_dim0(index, n: int) -> bool:
     first = index[0] if isinstance(index, tuple) and index else index
     if first is Ellipsis or (isinstance(first, slice) and first == slice(None)):
         return True
-    if isinstance(first, Tensor) and not first.is_floating_point() and first.dim() >= 1 \
-            and first.dtype != torch.bool and first.shape[0] == n \
-            and first.numel() == n:
+    if (
+        isinstance(first, Tensor)
+        and not first.is_floating_point()
+        and first.dim() >= 1
+        and first.dtype != torch.bool
+        and first.shape[0] == n
+        and first.numel() == n
+    ):
         return bool((first.reshape(-1) == torch.arange(n, device=first.device)).all())
     return False
 
 
-_DIM_FUNCS = {_T.sum, torch.sum, _T.mean, torch.mean, _T.softmax, torch.softmax,
-              torch.nn.functional.softmax, _T.log_softmax, torch.log_softmax,
-              torch.nn.functional.log_softmax, _T.cumsum, torch.cumsum, _T.cumprod,
-              torch.cumprod, _T.index_select, torch.index_select, _T.gather, torch.gather,
-              _T.flip, torch.flip, _T.roll, torch.roll, _T.std, torch.std, _T.var, torch.var,
-              _T.amax, torch.amax, _T.amin, torch.amin, _T.max, torch.max, _T.min, torch.min,
-              _T.prod, torch.prod, _T.logsumexp, torch.logsumexp, _T.norm, torch.norm,
-              _T.argmax, torch.argmax, _T.any, torch.any, _T.all, torch.all, torch.cat,
-              torch.concat, torch.stack, torch.nn.functional.normalize, _T.unbind, torch.unbind,
-              _T.narrow, torch.narrow, _T.select, torch.select, _T.split, torch.split,
-              _T.chunk, torch.chunk, _T.repeat_interleave, torch.repeat_interleave}
+_DIM_FUNCS = {
+    _T.sum,
+    torch.sum,
+    _T.mean,
+    torch.mean,
+    _T.softmax,
+    torch.softmax,
+    torch.nn.functional.softmax,
+    _T.log_softmax,
+    torch.log_softmax,
+    torch.nn.functional.log_softmax,
+    _T.cumsum,
+    torch.cumsum,
+    _T.cumprod,
+    torch.cumprod,
+    _T.index_select,
+    torch.index_select,
+    _T.gather,
+    torch.gather,
+    _T.flip,
+    torch.flip,
+    _T.roll,
+    torch.roll,
+    _T.std,
+    torch.std,
+    _T.var,
+    torch.var,
+    _T.amax,
+    torch.amax,
+    _T.amin,
+    torch.amin,
+    _T.max,
+    torch.max,
+    _T.min,
+    torch.min,
+    _T.prod,
+    torch.prod,
+    _T.logsumexp,
+    torch.logsumexp,
+    _T.norm,
+    torch.norm,
+    _T.argmax,
+    torch.argmax,
+    _T.any,
+    torch.any,
+    _T.all,
+    torch.all,
+    torch.cat,
+    torch.concat,
+    torch.stack,
+    torch.nn.functional.normalize,
+    _T.unbind,
+    torch.unbind,
+    _T.narrow,
+    torch.narrow,
+    _T.select,
+    torch.select,
+    _T.split,
+    torch.split,
+    _T.chunk,
+    torch.chunk,
+    _T.repeat_interleave,
+    torch.repeat_interleave,
+}
 
 
 #: every func with a layout rule of its own in :func:`_one` (the others: the general rule)
-_SPECIAL = frozenset(_DIM_FUNCS | _TRANSPOSES | _VIEWLIKE | _DIMMOVES | {
-    torch.einsum, torch.functional.einsum, _T.expand, _T.expand_as, _T.__getitem__})
+_SPECIAL = frozenset(
+    _DIM_FUNCS
+    | _TRANSPOSES
+    | _VIEWLIKE
+    | _DIMMOVES
+    | {torch.einsum, torch.functional.einsum, _T.expand, _T.expand_as, _T.__getitem__}
+)
 
 
 def _touches_dim0(func, args, kwargs, x: Tensor) -> bool:
@@ -176,10 +274,21 @@ def _touches_dim0(func, args, kwargs, x: Tensor) -> bool:
     dim = kwargs.get("dim", kwargs.get("dims"))
     if dim is None and func in (torch.cat, torch.concat, torch.stack):
         dim = args[1] if len(args) > 1 else 0
-    elif dim is None and func in (_T.split, torch.split, _T.chunk, torch.chunk,
-                                  _T.repeat_interleave, torch.repeat_interleave):
-        dim = args[2] if len(args) > 2 else 0 if func in (_T.split, torch.split, _T.chunk,
-                                                          torch.chunk) else None
+    elif dim is None and func in (
+        _T.split,
+        torch.split,
+        _T.chunk,
+        torch.chunk,
+        _T.repeat_interleave,
+        torch.repeat_interleave,
+    ):
+        dim = (
+            args[2]
+            if len(args) > 2
+            else 0
+            if func in (_T.split, torch.split, _T.chunk, torch.chunk)
+            else None
+        )
     elif dim is None and len(args) > 1 and isinstance(args[1], (int, tuple, list)):
         dim = args[1]
     if dim is None:
@@ -198,8 +307,11 @@ def _einsum_keeps(args, tainted) -> bool:
     if len(ops) == 1 and isinstance(args[1], (list, tuple)):
         ops = list(args[1])
     letters = ins.split(",")
-    firsts = {letters[k][0] for k, t in enumerate(ops) if k < len(letters) and letters[k]
-              and any(t is u for u, _ in tainted)}
+    firsts = {
+        letters[k][0]
+        for k, t in enumerate(ops)
+        if k < len(letters) and letters[k] and any(t is u for u, _ in tainted)
+    }
     return len(firsts) == 1 and out[:1] in firsts
 
 
@@ -208,8 +320,13 @@ def tainted_inputs(args, kwargs, layouts: Tracker) -> list:
     :func:`propagate` reads them: tensor args, tensors inside list / tuple args, tensor
     kwargs."""
     ins = [(a, layout_of(layouts, a)) for a in args if isinstance(a, Tensor)]
-    ins += [(x, layout_of(layouts, x)) for a in args if isinstance(a, (list, tuple))
-            for x in a if isinstance(x, Tensor)]
+    ins += [
+        (x, layout_of(layouts, x))
+        for a in args
+        if isinstance(a, (list, tuple))
+        for x in a
+        if isinstance(x, Tensor)
+    ]
     ins += [(v, layout_of(layouts, v)) for v in kwargs.values() if isinstance(v, Tensor)]
     return [(t, lay) for t, lay in ins if lay is not None]
 
@@ -222,12 +339,16 @@ def _one(func, args, kwargs, out: Tensor, tainted: list, B) -> str | None:
     src, lay = tainted[0]
     if func in _SPECIAL:  # (every other func takes the general rule at the end)
         if func in (torch.einsum, torch.functional.einsum):
-            return LEAD if _einsum_keeps(args, tainted) and all(
-                lay == LEAD for _, lay in tainted) and out.shape[0] == B else UNKNOWN
+            return (
+                LEAD
+                if _einsum_keeps(args, tainted)
+                and all(lay == LEAD for _, lay in tainted)
+                and out.shape[0] == B
+                else UNKNOWN
+            )
         if func in _DIM_FUNCS and _touches_dim0(func, args, kwargs, src):
             return UNKNOWN
-        if func in _TRANSPOSES and src.dim() >= 2 and not (func is _T.mT.__get__
-                                                           and src.dim() > 2):
+        if func in _TRANSPOSES and src.dim() >= 2 and not (func is _T.mT.__get__ and src.dim() > 2):
             return UNKNOWN
         if func in (_T.expand, _T.expand_as) and src is args[0]:
             return lay if out.shape[0] == src.shape[0] else UNKNOWN  # (broadcast rows)
@@ -235,22 +356,31 @@ def _one(func, args, kwargs, out: Tensor, tainted: list, B) -> str | None:
             if lay == LEAD:
                 if out.shape[0] == B and math.prod(src.shape[1:]) == math.prod(out.shape[1:]):
                     return LEAD
-                if out.shape[0] != B and any(math.prod(src.shape[:j]) == out.shape[0]
-                                             for j in range(2, src.dim() + 1)):
+                if out.shape[0] != B and any(
+                    math.prod(src.shape[:j]) == out.shape[0] for j in range(2, src.dim() + 1)
+                ):
                     return FLAT
                 return UNKNOWN
             if lay == FLAT:
                 if out.shape[0] == src.shape[0]:
                     return FLAT
-                if out.shape[0] == B and any(B * math.prod(out.shape[1:j]) == src.shape[0]
-                                             for j in range(2, out.dim() + 1)):
+                if out.shape[0] == B and any(
+                    B * math.prod(out.shape[1:j]) == src.shape[0] for j in range(2, out.dim() + 1)
+                ):
                     return LEAD
             return UNKNOWN
         if func in _DIMMOVES:
             return lay if _dim0_kept(func, args, kwargs, src) else UNKNOWN
         if func is _T.__getitem__:
-            return lay if (src is args[0] and _index_keeps_dim0(args[1], src.shape[0])
-                           and out.shape[0] == src.shape[0]) else UNKNOWN
+            return (
+                lay
+                if (
+                    src is args[0]
+                    and _index_keeps_dim0(args[1], src.shape[0])
+                    and out.shape[0] == src.shape[0]
+                )
+                else UNKNOWN
+            )
     # the general rule: LEAD when every such input is LEAD, B rows out, and each input
     # has the output's rank or B rows; FLAT when every one is FLAT with the rows kept
     n0 = out.shape[0]

@@ -12,6 +12,7 @@ at small cost", arXiv 2210.00038, book-keeping; SPEC section 2's ``S_p``).
 Samples whose clip factor is zero because their gradient is not finite (``nonfinite="zero"``)
 are zeroed with ``torch.where`` before any product, so a NaN never reaches the sum.
 """
+
 from __future__ import annotations
 
 import torch
@@ -34,8 +35,9 @@ def _scale(x: Tensor, c: Tensor, drop: Tensor | None) -> Tensor:
 def _zero_rows(x: Tensor, drop: Tensor | None) -> Tensor:
     if drop is None:
         return x
-    return torch.where(drop.view(-1, *([1] * (x.dim() - 1))),
-                       torch.zeros((), dtype=x.dtype, device=x.device), x)
+    return torch.where(
+        drop.view(-1, *([1] * (x.dim() - 1))), torch.zeros((), dtype=x.dtype, device=x.device), x
+    )
 
 
 def clipped_sum(uses: list, shape, c: Tensor, drop: Tensor | None = None) -> Tensor:
@@ -61,8 +63,11 @@ def clipped_sum(uses: list, shape, c: Tensor, drop: Tensor | None = None) -> Ten
         elif isinstance(u, IndexUse):
             B, T, P1 = u.g.shape
             s = torch.zeros(u.num_rows, P1, dtype=torch.float32, device=u.g.device)
-            s.index_put_((u.ids.reshape(-1).long(),), _scale(u.g, c, drop).reshape(B * T, P1),
-                         accumulate=True)
+            s.index_put_(
+                (u.ids.reshape(-1).long(),),
+                _scale(u.g, c, drop).reshape(B * T, P1),
+                accumulate=True,
+            )
         elif isinstance(u, RowsUse):
             s = _scale(u.rows, c, drop).sum(0)
         else:

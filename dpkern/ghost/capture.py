@@ -36,6 +36,7 @@ with ``max_norm`` (its forward renormalises weight rows in place) or
 ``scale_grad_by_freq``. A parameter that takes part in the loss outside the recorded
 forward is detected in the same backward.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -64,13 +65,16 @@ def module_kind(module: nn.Module) -> str | None:
 
 
 def _refused_module(module: nn.Module) -> str | None:
-    if isinstance(module, nn.Embedding) and (module.max_norm is not None
-                                             or module.scale_grad_by_freq):
+    if isinstance(module, nn.Embedding) and (
+        module.max_norm is not None or module.scale_grad_by_freq
+    ):
         what = "max_norm" if module.max_norm is not None else "scale_grad_by_freq=True"
-        return (f"an nn.Embedding with {what}: its forward "
-                + ("renormalises the looked-up weight rows in place (a data-dependent "
-                   "change of the parameters outside the mechanism)" if module.max_norm
-                   is not None else "scales gradients by batch frequencies (mixes samples)"))
+        return f"an nn.Embedding with {what}: its forward " + (
+            "renormalises the looked-up weight rows in place (a data-dependent "
+            "change of the parameters outside the mechanism)"
+            if module.max_norm is not None
+            else "scales gradients by batch frequencies (mixes samples)"
+        )
     return None
 
 
@@ -120,22 +124,29 @@ class Capture:
             self.param_names.setdefault(id(p), n)
         missing = [k for k, p in enumerate(self.params) if id(p) not in self.param_names]
         if missing:
-            raise ValueError(f"ghost clipping: trainable parameters {missing} (optimizer order, "
-                             "shapes " + ", ".join(str(tuple(self.params[k].shape))
-                                                   for k in missing) +
-                             ") are not parameters of the model")
+            raise ValueError(
+                f"ghost clipping: trainable parameters {missing} (optimizer order, "
+                "shapes "
+                + ", ".join(str(tuple(self.params[k].shape)) for k in missing)
+                + ") are not parameters of the model"
+            )
         self.owners: dict[nn.Module, dict[str, Tensor]] = {}
         self.module_names: dict[nn.Module, str] = {}
         for mname, m in model.named_modules(remove_duplicate=True):
             self.module_names[m] = mname or type(model).__name__
-            own = {n: p for n, p in m.named_parameters(recurse=False, remove_duplicate=False)
-                   if id(p) in wanted}
+            own = {
+                n: p
+                for n, p in m.named_parameters(recurse=False, remove_duplicate=False)
+                if id(p) in wanted
+            }
             if not own:
                 continue
             why = _refused_module(m)
             if why:
-                raise ValueError(f"ghost clipping refuses {mname}: {why}; use the per-sample "
-                                 "path (dpkern.grad_sample.compute_grad_sample)")
+                raise ValueError(
+                    f"ghost clipping refuses {mname}: {why}; use the per-sample "
+                    "path (dpkern.grad_sample.compute_grad_sample)"
+                )
             self.owners[m] = own
         self._handles = []
         self._active = False
@@ -144,11 +155,11 @@ class Capture:
 
     def _reset(self) -> None:
         self._records: list[Rec] = []
-        self._pending = Tracker()    # pending tensor -> (rule name, param form, inputs)
-        self.forms = Tracker()       # tensor -> Form of a parameter
-        self.layouts = Tracker()     # tensor -> LEAD / FLAT / "unknown"
+        self._pending = Tracker()  # pending tensor -> (rule name, param form, inputs)
+        self.forms = Tracker()  # tensor -> Form of a parameter
+        self.layouts = Tracker()  # tensor -> LEAD / FLAT / "unknown"
         self._fd, self._pd, self._ld = self.forms._d, self._pending._d, self.layouts._d
-        self._unknown: dict[int, str] = {}   # id(param) -> first unknown consumer
+        self._unknown: dict[int, str] = {}  # id(param) -> first unknown consumer
         self._by_output = Tracker()  # recorded output -> its records
         self._generic_records: list[_ModuleRecord] = []
         self._stack: list[nn.Module] = []
@@ -161,14 +172,13 @@ class Capture:
         """Install the hooks (idempotent)."""
         if self._handles:
             return
-        self._handles.append(self.model.register_forward_pre_hook(self._root_pre,
-                                                                  with_kwargs=True))
-        self._handles.append(self.model.register_forward_hook(self._root_post,
-                                                              always_call=True))
+        self._handles.append(self.model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
+        self._handles.append(self.model.register_forward_hook(self._root_post, always_call=True))
         for m in self.module_names:
             self._handles.append(m.register_forward_pre_hook(self._enter))
-            self._handles.append(m.register_forward_hook(self._leave, with_kwargs=True,
-                                                         always_call=True))
+            self._handles.append(
+                m.register_forward_hook(self._leave, with_kwargs=True, always_call=True)
+            )
         self._active = True
 
     def detach(self) -> None:
@@ -194,8 +204,10 @@ class Capture:
         first = next((t for t in tensors if t.dim() > 0), None)
         B = first.shape[0] if first is not None else None
         if self._batch is not None and B != self._batch and self._records:
-            raise ValueError(f"ghost clipping: a forward with batch {B} after one with "
-                             f"{self._batch} in the same micro-batch")
+            raise ValueError(
+                f"ghost clipping: a forward with batch {B} after one with "
+                f"{self._batch} in the same micro-batch"
+            )
         self._batch = B
         for t in tensors:
             if t.dim() > 0 and t.shape[0] == B:
@@ -250,8 +262,7 @@ class Capture:
         if rule is not None and rule.refuse is not None:
             why = rule.refuse(args, kwargs, self.layouts)
             if why:
-                raise ValueError(f"ghost clipping refuses {func.__name__} in "
-                                 f"{self.where()}: {why}")
+                raise ValueError(f"ghost clipping refuses {func.__name__} in {self.where()}: {why}")
         out = func(*args, **kwargs)
         if isinstance(out, Tensor):
             single = True
@@ -306,8 +317,11 @@ class Capture:
             return out
         if forms and not any(f.param.requires_grad for _, f in forms):
             return out
-        derived = param_form(None, out, func=func, args=args, kwargs=kwargs, forms=forms) \
-            if len(forms) == 1 and single and (len(tensors) == 1 or func in CASTS) else None
+        derived = (
+            param_form(None, out, func=func, args=args, kwargs=kwargs, forms=forms)
+            if len(forms) == 1 and single and (len(tensors) == 1 or func in CASTS)
+            else None
+        )
         if derived is not None:
             self.forms.put(out, derived)
             return out
@@ -334,11 +348,17 @@ class Capture:
         if not any(o.requires_grad for o in outs):
             return
         try:
-            recs = uses_of(rule, func, args, kwargs, out, forms, self.layouts, B) \
-                if rule is not None and isinstance(out, Tensor) else None
+            recs = (
+                uses_of(rule, func, args, kwargs, out, forms, self.layouts, B)
+                if rule is not None and isinstance(out, Tensor)
+                else None
+            )
         except ValueError as exc:
-            raise ValueError(f"{exc} (in {self.where()}, consuming "
-                             + ", ".join(self._pname(f.param) for _, f in forms) + ")") from None
+            raise ValueError(
+                f"{exc} (in {self.where()}, consuming "
+                + ", ".join(self._pname(f.param) for _, f in forms)
+                + ")"
+            ) from None
         if recs is None:
             for _, f in forms:
                 self._unknown.setdefault(id(f.param), f"{name} in {self.where()}")
@@ -355,8 +375,13 @@ class Capture:
         for t, rec in pend:
             recs = pending_uses(func, args, kwargs, out, t, rec, self.layouts, self._batch)
             if recs is None:
-                if func in (torch.Tensor.to, torch.Tensor.contiguous, torch.Tensor.clone,
-                            torch.Tensor.type_as, torch.Tensor.float) and isinstance(out, Tensor):
+                if func in (
+                    torch.Tensor.to,
+                    torch.Tensor.contiguous,
+                    torch.Tensor.clone,
+                    torch.Tensor.type_as,
+                    torch.Tensor.float,
+                ) and isinstance(out, Tensor):
                     self._pending.put(out, rec)  # same values: still pending
                     continue
                 raise ValueError(
@@ -365,7 +390,8 @@ class Capture:
                     f"same for every sample) and is then used by "
                     f"{getattr(func, '__name__', func)} in {self.where()}, where its "
                     "per-sample contribution cannot be proven; use the per-sample path "
-                    "(dpkern.grad_sample.compute_grad_sample)")
+                    "(dpkern.grad_sample.compute_grad_sample)"
+                )
             for r in recs:
                 r.where = rec.where
                 r.module = rec.module
@@ -398,18 +424,26 @@ class Capture:
         unknown = self._unknown
         self._reset()
         if losses.dim() != 1:
-            raise ValueError(f"ghost clipping: expected per-sample losses of shape [B], got "
-                             f"{tuple(losses.shape)} (do not average over the batch)")
+            raise ValueError(
+                f"ghost clipping: expected per-sample losses of shape [B], got "
+                f"{tuple(losses.shape)} (do not average over the batch)"
+            )
         B = losses.shape[0]
-        bad = [f"{self._pname(p)} (consumed by {unknown[id(p)]})" for p in self.params
-               if id(p) in unknown and not self.instantiate_unsupported]
+        bad = [
+            f"{self._pname(p)} (consumed by {unknown[id(p)]})"
+            for p in self.params
+            if id(p) in unknown and not self.instantiate_unsupported
+        ]
         if bad and B:
-            raise ValueError("ghost clipping has no rule for the operation consuming "
-                             "trainable parameter(s) " + ", ".join(bad) + ": freeze them, "
-                             "use the per-sample path (dpkern.grad_sample.compute_grad_sample "
-                             "+ optimizer.step()), or pass instantiate_unsupported=True")
-        generic_modules = {m for m, own in self.owners.items()
-                           if any(id(p) in unknown for p in own.values())}
+            raise ValueError(
+                "ghost clipping has no rule for the operation consuming "
+                "trainable parameter(s) " + ", ".join(bad) + ": freeze them, "
+                "use the per-sample path (dpkern.grad_sample.compute_grad_sample "
+                "+ optimizer.step()), or pass instantiate_unsupported=True"
+            )
+        generic_modules = {
+            m for m, own in self.owners.items() if any(id(p) in unknown for p in own.values())
+        }
         if generic_modules:
             records = [r for r in records if r.module not in generic_modules]
             generic = [g for g in generic if g.module in generic_modules]
@@ -418,20 +452,24 @@ class Capture:
         outputs = [r.output for r in records] + [g.output for g in generic]
         if B == 0:  # an empty micro-batch: zero gradient
             if losses.requires_grad and outputs:  # still back-propagated: under FSDP2 the
-                self._in_backward = True           # backward runs collectives (parameter
-                try:                               # all-gathers) every rank must join
+                self._in_backward = True  # backward runs collectives (parameter
+                try:  # all-gathers) every rank must join
                     torch.autograd.grad(losses.sum(), outputs, allow_unused=True)
                 finally:
                     self._in_backward = False
             return 0, [[] for _ in self.params], None
         if not losses.requires_grad:
-            raise ValueError("ghost clipping: the losses do not require grad (computed under "
-                             "torch.no_grad(), or from frozen parameters only)")
+            raise ValueError(
+                "ghost clipping: the losses do not require grad (computed under "
+                "torch.no_grad(), or from frozen parameters only)"
+            )
         for r in records:
             if r.output._version != r.version:
-                raise RuntimeError(f"ghost clipping: the output of {r.where} was modified in "
-                                   "place after its forward; its output gradient is then not "
-                                   "recoverable")
+                raise RuntimeError(
+                    f"ghost clipping: the output of {r.where} was modified in "
+                    "place after its forward; its output gradient is then not "
+                    "recoverable"
+                )
         used = {id(p) for r in records for p in r.params}
         used |= {id(p) for g in generic for p in self.owners[g.module].values()}
         extra = list(self.params) if check else [p for p in self.params if id(p) not in used]
@@ -446,20 +484,24 @@ class Capture:
         if not check:
             bad = [self._pname(p) for p, g in zip(extra, gparams) if g is not None]
             if bad:
-                raise ValueError("ghost clipping: parameter(s) " + ", ".join(bad) + " take part "
-                                 "in the loss outside the recorded forward (or through an "
-                                 "operation that bypasses torch functions): their per-sample "
-                                 "norm cannot be recorded; use the per-sample path")
+                raise ValueError(
+                    "ghost clipping: parameter(s) " + ", ".join(bad) + " take part "
+                    "in the loss outside the recorded forward (or through an "
+                    "operation that bypasses torch functions): their per-sample "
+                    "norm cannot be recorded; use the per-sample path"
+                )
         if not outputs:
-            raise ValueError("ghost clipping: no forward was recorded (run the model's "
-                             "forward with grad enabled while the hooks are attached)")
+            raise ValueError(
+                "ghost clipping: no forward was recorded (run the model's "
+                "forward with grad enabled while the hooks are attached)"
+            )
         uses: dict[int, list] = {id(p): [] for p in self.params}
-        for r, g in zip(records, gouts[:len(records)]):
+        for r, g in zip(records, gouts[: len(records)]):
             if g is None:
                 continue
             for p, use in r.make(g, B):
                 uses[id(p)].append(use)
-        for rec, g in zip(generic, gouts[len(records):]):
+        for rec, g in zip(generic, gouts[len(records) :]):
             if g is not None:
                 for p, use in self._generic(rec, g, B):
                     uses[id(p)].append(use)
@@ -474,14 +516,20 @@ class Capture:
         from torch.func import functional_call, vjp, vmap
 
         from .norms import RowsUse
+
         own = self.owners[r.module]
         names = list(own)
         prm = {n: own[n].detach() for n in names}
-        batched = [k for k, x in enumerate(r.args)
-                   if isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == B]
+        batched = [
+            k
+            for k, x in enumerate(r.args)
+            if isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == B
+        ]
         if g.shape[0] != B:
-            raise ValueError(f"ghost clipping: {self.module_names[r.module]} ran on a batch "
-                             f"of {g.shape[0]}, the per-sample losses have B = {B}")
+            raise ValueError(
+                f"ghost clipping: {self.module_names[r.module]} ran on a batch "
+                f"of {g.shape[0]}, the per-sample losses have B = {B}"
+            )
 
         def one(xs, gi):
             def f(params):
@@ -489,6 +537,7 @@ class Capture:
                 for k, x in zip(batched, xs):
                     args[k] = x.unsqueeze(0)
                 return functional_call(r.module, params, tuple(args), r.kwargs)
+
             return vjp(f, prm)[1](gi.unsqueeze(0))[0]
 
         self._active = False  # the re-run forward must not be recorded

@@ -45,6 +45,7 @@ sequences, arXiv 2110.05679); Bu et al. 2023 "Differentially private optimizatio
 large model at small cost" (book-keeping and the per-layer Gram/instantiation choice,
 arXiv 2210.00038).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -53,10 +54,24 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["OuterUse", "IndexUse", "RowsUse", "acc_dtype", "clamp_norm_sq",
-           "outer_method", "outer_norm_sq",
-           "index_norm_sq", "index_outer_cross", "rows_norm_sq", "layer_norm_rows",
-           "rms_norm_rows", "param_norm_sq", "instantiate", "no_tf32", "DEFAULT_CHUNK_BYTES"]
+__all__ = [
+    "OuterUse",
+    "IndexUse",
+    "RowsUse",
+    "acc_dtype",
+    "clamp_norm_sq",
+    "outer_method",
+    "outer_norm_sq",
+    "index_norm_sq",
+    "index_outer_cross",
+    "rows_norm_sq",
+    "layer_norm_rows",
+    "rms_norm_rows",
+    "param_norm_sq",
+    "instantiate",
+    "no_tf32",
+    "DEFAULT_CHUNK_BYTES",
+]
 
 #: Temporary memory per chunk of samples (Gram tiles or instantiated gradients).
 DEFAULT_CHUNK_BYTES = 64 * 2**20
@@ -65,6 +80,7 @@ DEFAULT_CHUNK_BYTES = 64 * 2**20
 @dataclass
 class OuterUse:
     """``grad_i = sum_t out[i, t] (x) inp[i, t]``; ``out [B, T, P0]``, ``inp [B, T, P1]``."""
+
     out: Tensor
     inp: Tensor
 
@@ -73,6 +89,7 @@ class OuterUse:
 class IndexUse:
     """``grad_i[v] = sum_{t: ids[i, t] = v} g[i, t]``; ``ids [B, T]`` int64 in [0, V),
     ``g [B, T, P1]`` (padding tokens zeroed); ``num_rows`` = V."""
+
     ids: Tensor
     g: Tensor
     num_rows: int
@@ -81,6 +98,7 @@ class IndexUse:
 @dataclass
 class RowsUse:
     """An instantiated per-sample gradient ``rows [B, *param.shape]``."""
+
     rows: Tensor
 
 
@@ -120,8 +138,9 @@ def outer_method(T: int, d: int, p: int) -> str:
     return "gram" if T * (d + p) <= d * p else "instantiate"
 
 
-def outer_norm_sq(out: Tensor, inp: Tensor, *, method: str = "auto",
-                  chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Tensor:
+def outer_norm_sq(
+    out: Tensor, inp: Tensor, *, method: str = "auto", chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> Tensor:
     """Per-sample ``||sum_t out[i,t] (x) inp[i,t]||_F^2``.
 
     Args:
@@ -136,8 +155,10 @@ def outer_norm_sq(out: Tensor, inp: Tensor, *, method: str = "auto",
     if out.dim() == 2:
         out, inp = out.unsqueeze(1), inp.unsqueeze(1)
     if out.dim() != 3 or inp.dim() != 3 or out.shape[:2] != inp.shape[:2]:
-        raise ValueError(f"outer_norm_sq: expected [B, T, P0] and [B, T, P1], got "
-                         f"{tuple(out.shape)} and {tuple(inp.shape)}")
+        raise ValueError(
+            f"outer_norm_sq: expected [B, T, P0] and [B, T, P1], got "
+            f"{tuple(out.shape)} and {tuple(inp.shape)}"
+        )
     B, T, P0 = out.shape
     P1 = inp.shape[2]
     if method == "auto":
@@ -149,12 +170,13 @@ def outer_norm_sq(out: Tensor, inp: Tensor, *, method: str = "auto",
     res = torch.empty(B, dtype=dt, device=out.device)
     with no_tf32():
         if T == 1:
-            return (out.to(dt).square().sum((1, 2)) * inp.to(dt).square().sum((1, 2)))
+            return out.to(dt).square().sum((1, 2)) * inp.to(dt).square().sum((1, 2))
         if method == "gram":
             for a, b in _chunks(B, 2 * size * T * T, chunk_bytes):
                 o, x = out[a:b].to(dt), inp[a:b].to(dt)
-                res[a:b] = (torch.bmm(o, o.transpose(1, 2)) *
-                            torch.bmm(x, x.transpose(1, 2))).sum((1, 2))
+                res[a:b] = (torch.bmm(o, o.transpose(1, 2)) * torch.bmm(x, x.transpose(1, 2))).sum(
+                    (1, 2)
+                )
             return clamp_norm_sq(res)
         for a, b in _chunks(B, size * P0 * P1, chunk_bytes):
             g = torch.bmm(out[a:b].to(dt).transpose(1, 2), inp[a:b].to(dt))
@@ -187,8 +209,9 @@ def index_norm_sq(ids: Tensor, g: Tensor, num_rows: int) -> Tensor:
     return res.index_add_(0, sample, sums.square().sum(1))
 
 
-def index_outer_cross(ids: Tensor, g: Tensor, out: Tensor, inp: Tensor, *,
-                      chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Tensor:
+def index_outer_cross(
+    ids: Tensor, g: Tensor, out: Tensor, inp: Tensor, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> Tensor:
     """Per-sample ``<E_i, L_i>`` of an IndexUse ``E`` and an OuterUse ``L`` of one ``[V, P1]``
     parameter: ``sum_{t, s} out[i, s, ids[i, t]] * <g[i, t], inp[i, s]>``.
 
@@ -207,7 +230,7 @@ def index_outer_cross(ids: Tensor, g: Tensor, out: Tensor, inp: Tensor, *,
         for a, b in _chunks(B, 2 * size * Te * Tl, chunk_bytes):
             m = torch.bmm(g[a:b].to(dt), inp[a:b].to(dt).transpose(1, 2))  # [b, Te, Tl]
             idx = ids[a:b].long().unsqueeze(1).expand(b - a, Tl, Te)
-            gx = out[a:b].gather(2, idx).to(dt)                           # [b, Tl, Te]
+            gx = out[a:b].gather(2, idx).to(dt)  # [b, Tl, Te]
             res[a:b] = (m * gx.transpose(1, 2)).sum((1, 2))
     return res
 
@@ -264,8 +287,7 @@ def instantiate(uses: list, shape, batch_size: int) -> Tensor:
     tensors) of one parameter from its uses (memory B x numel: used only where a
     parameter mixes RowsUse with other forms)."""
     dt = acc_dtype(*_all_tensors(uses))
-    res = torch.zeros(batch_size, *shape, dtype=dt,
-                      device=next(iter(_tensors(uses))).device)
+    res = torch.zeros(batch_size, *shape, dtype=dt, device=next(iter(_tensors(uses))).device)
     for u in uses:
         if isinstance(u, RowsUse):
             res += u.rows.to(dt).reshape(res.shape)
@@ -276,8 +298,10 @@ def instantiate(uses: list, shape, batch_size: int) -> Tensor:
             B, T, P1 = u.g.shape
             rows = torch.arange(B, device=u.ids.device).unsqueeze(1).expand(B, T)
             res.view(batch_size, u.num_rows, P1).index_put_(
-                (rows.reshape(-1), u.ids.reshape(-1).long()), u.g.reshape(B * T, P1).to(dt),
-                accumulate=True)
+                (rows.reshape(-1), u.ids.reshape(-1).long()),
+                u.g.reshape(B * T, P1).to(dt),
+                accumulate=True,
+            )
     return res
 
 
@@ -297,8 +321,9 @@ def _all_tensors(uses):
             yield u.g
 
 
-def param_norm_sq(uses: list, shape, batch_size: int, *, outer_fn=None,
-                  chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Tensor:
+def param_norm_sq(
+    uses: list, shape, batch_size: int, *, outer_fn=None, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> Tensor:
     """Per-sample squared norm ``[B]`` of one parameter's gradient summed over all its uses
     (cross terms included): float32, or float64 if a use holds float64 tensors (a float64
     model); >= 0 or non-finite (rounding negatives clamped, :func:`clamp_norm_sq`).
@@ -326,8 +351,7 @@ def param_norm_sq(uses: list, shape, batch_size: int, *, outer_fn=None,
     if outer:
         o, x = _cat_outer(outer)
         method = outer_method(o.shape[1], x.shape[2], o.shape[2])
-        if outer_fn is not None and method == "gram" and o.shape[1] > 1 \
-                and dt != torch.float64:
+        if outer_fn is not None and method == "gram" and o.shape[1] > 1 and dt != torch.float64:
             res += outer_fn(o, x)
         else:
             res += outer_norm_sq(o, x, method=method, chunk_bytes=chunk_bytes)

@@ -3,6 +3,7 @@
 per-sample gradients follow from the per-sample output gradient G (the uses of
 :mod:`.norms`). Every rule works on per-sample tensors ``[B, ...]`` (``*_b`` below).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ class Rec:
     and the per-sample inputs. ``pending``: the inputs do not carry the batch; ``g_map``
     (set when the pending output meets the batch) gives (G_b, inputs_b) from the gradient
     of the op where it met it, which is then ``output``."""
+
     params: list
     fn: Callable
     inputs: list
@@ -54,6 +56,7 @@ class Rec:
 class Rule:
     """``activation``: index of the argument that carries the batch; ``refuse``: returns a
     reason to refuse the call (before it runs), or None."""
+
     name: str
     uses: Callable | None = None
     activation: int = 0
@@ -88,6 +91,7 @@ def _linear(fa, args, kwargs):
         if b is not None:
             out.append(_rows(b, reduce_rows(G, b.shape or b.param.shape)))
         return out
+
     return fn
 
 
@@ -111,13 +115,16 @@ def _addmm(fa, args, kwargs):
         if b is not None:
             out.append(_rows(b, reduce_rows(G, b.shape or b.param.shape) * beta))
         return out
+
     return fn
 
 
 def _embedding_refuse(args, kwargs, layouts):
     if len(args) > 3 and args[3] is not None or kwargs.get("max_norm") is not None:
-        return ("max_norm renormalises the looked-up weight rows in place (a data-dependent "
-                "change of the parameters outside the mechanism)")
+        return (
+            "max_norm renormalises the looked-up weight rows in place (a data-dependent "
+            "change of the parameters outside the mechanism)"
+        )
     if (len(args) > 5 and args[5]) or kwargs.get("scale_grad_by_freq"):
         return "scale_grad_by_freq scales gradients by batch frequencies (mixes samples)"
     return None
@@ -143,6 +150,7 @@ def _embedding(fa, args, kwargs):
             return [(w.param, use)]
         # loralib's Embedding looks up lora_A.T: instantiate (B x V x d, a low rank d)
         return [(w.param, RowsUse(instantiate([use], (V, d), B).transpose(1, 2)))]
+
     return fn
 
 
@@ -155,8 +163,8 @@ def _layer_norm(fa, args, kwargs):
 
     def fn(G, ins):
         wr, br = layer_norm_rows(ins[0], G, shape, eps, b is not None)
-        return ([_rows(w, wr)] if w is not None else []) + \
-            ([_rows(b, br)] if b is not None else [])
+        return ([_rows(w, wr)] if w is not None else []) + ([_rows(b, br)] if b is not None else [])
+
     if w is None:  # bias only: its rows are sum of G (layer_norm_rows gives them)
         pass
     return fn
@@ -192,8 +200,10 @@ def _elementwise(kind):
                 return [_rows(f, reduce_rows(prod, shape))]
             s = sign * (alpha if pos == 1 else 1.0)
             return [_rows(f, reduce_rows(G * s if s != 1.0 else G, shape))]
+
         fn.activation = other
         return fn
+
     return rule
 
 
@@ -201,15 +211,25 @@ def _batch_norm_refuse(args, kwargs, layouts):
     training = args[5] if len(args) > 5 else kwargs.get("training", False)
     x = args[0] if args else kwargs.get("input")
     if training and layout_of(layouts, x) is not None:
-        return ("batch_norm in training mode normalises each sample with statistics of the "
-                "whole batch (it mixes samples: not DP); use GroupNorm/LayerNorm, or eval()")
+        return (
+            "batch_norm in training mode normalises each sample with statistics of the "
+            "whole batch (it mixes samples: not DP); use GroupNorm/LayerNorm, or eval()"
+        )
     return None
 
 
 def _batch_norm_eval(fa, args, kwargs):
     """Batch norm with running statistics (eval): per-sample affine rows on channel dim 1."""
-    names = ("input", "running_mean", "running_var", "weight", "bias", "training",
-             "momentum", "eps")
+    names = (
+        "input",
+        "running_mean",
+        "running_var",
+        "weight",
+        "bias",
+        "training",
+        "momentum",
+        "eps",
+    )
     get = {n: (args[k] if k < len(args) else kwargs.get(n)) for k, n in enumerate(names)}
     if get["training"] or 0 in fa or get["running_mean"] is None:
         return None
@@ -229,6 +249,7 @@ def _batch_norm_eval(fa, args, kwargs):
         if b is not None:
             out.append(_rows(b, G.sum(dims) if dims else G))
         return out
+
     return fn
 
 
@@ -255,8 +276,7 @@ RULES[F.batch_norm] = Rule("batch_norm", _batch_norm_eval, refuse=_batch_norm_re
 def _forms_by_position(args, kwargs, forms) -> dict:
     ids = {id(t): f for t, f in forms}
     fa = {k: ids[id(a)] for k, a in enumerate(args) if isinstance(a, Tensor) and id(a) in ids}
-    fa.update({k: ids[id(v)] for k, v in kwargs.items()
-               if isinstance(v, Tensor) and id(v) in ids})
+    fa.update({k: ids[id(v)] for k, v in kwargs.items() if isinstance(v, Tensor) and id(v) in ids})
     return fa
 
 
@@ -272,13 +292,16 @@ def uses_of(rule, func, args, kwargs, out, forms, layouts, B):
     act = getattr(fn, "activation", rule.activation)
     x = args[act] if 0 <= act < len(args) else None
     params = [f.param for f in fa.values()]
-    inputs = [a.detach() if k == act and isinstance(a, Tensor) else None
-              for k, a in enumerate(args)]
+    inputs = [
+        a.detach() if k == act and isinstance(a, Tensor) else None for k, a in enumerate(args)
+    ]
     lay = layout_of(layouts, x)
     if lay == UNKNOWN:
-        raise ValueError(f"ghost clipping: the input of {rule.name} depends on the samples, "
-                         "but in a layout where the batch dimension is not dim 0 (it was "
-                         "moved, flattened or reduced): per-sample gradients unproven")
+        raise ValueError(
+            f"ghost clipping: the input of {rule.name} depends on the samples, "
+            "but in a layout where the batch dimension is not dim 0 (it was "
+            "moved, flattened or reduced): per-sample gradients unproven"
+        )
     if lay in (LEAD, FLAT) and out.shape[0] != x.shape[0]:
         return None
     return [Rec(params, fn, inputs, out, pending=lay is None)]
@@ -292,8 +315,7 @@ def pending_uses(func, args, kwargs, out, t, rec: Rec, layouts, B):
         return None
     pos = 0 if args[0] is t else 1 if args[1] is t else None
     other = args[1 - pos] if pos is not None else None
-    if pos is None or layout_of(layouts, other) != LEAD or out.dim() == 0 \
-            or out.shape[0] != B:
+    if pos is None or layout_of(layouts, other) != LEAD or out.dim() == 0 or out.shape[0] != B:
         return None
     sign = -1.0 if (func in _SUBS and pos == 1) else 1.0
     aligned = t.dim() == out.dim() and t.shape[0] == B and B > 1
@@ -302,11 +324,13 @@ def pending_uses(func, args, kwargs, out, t, rec: Rec, layouts, B):
     def g_map(g, Bn):
         G = g * sign if sign != 1.0 else g
         if aligned:
-            return reduce_rows(G, t.shape[1:]), [x.reshape(Bn, *x.shape[1:]) if
-                                                 isinstance(x, Tensor) else x for x in ins]
-        return reduce_rows(G, t.shape), [x.unsqueeze(0).expand(Bn, *x.shape) if
-                                          isinstance(x, Tensor) else x for x in ins]
-    if aligned and not all(x is None or not isinstance(x, Tensor) or x.shape[0] == B
-                           for x in ins):
+            return reduce_rows(G, t.shape[1:]), [
+                x.reshape(Bn, *x.shape[1:]) if isinstance(x, Tensor) else x for x in ins
+            ]
+        return reduce_rows(G, t.shape), [
+            x.unsqueeze(0).expand(Bn, *x.shape) if isinstance(x, Tensor) else x for x in ins
+        ]
+
+    if aligned and not all(x is None or not isinstance(x, Tensor) or x.shape[0] == B for x in ins):
         return None
     return [Rec(rec.params, rec.fn, ins, out, g_map=g_map)]

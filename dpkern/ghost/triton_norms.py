@@ -23,6 +23,7 @@ under ``TRITON_INTERPRET=1`` (tests); ``dpkern.ghost`` uses it for CUDA tensors.
 Source: the Gram identity of Li et al. 2022 (arXiv 2110.05679, ghost clipping for
 sequences); the tiling is dpkern's.
 """
+
 from __future__ import annotations
 
 import torch
@@ -33,30 +34,51 @@ from .norms import clamp_norm_sq, outer_norm_sq
 
 __all__ = ["gram_norm_sq", "BLOCK_T", "BLOCK_K"]
 
-BLOCK_T = 32    # tokens per Gram tile side
-BLOCK_K = 32    # features per step of the inner products
+BLOCK_T = 32  # tokens per Gram tile side
+BLOCK_K = 32  # features per step of the inner products
 
 
 @triton.jit
-def _gram_tile(x_ptr, stride_t, stride_k, rows_s, rows_u, T, K,
-               BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gram_tile(
+    x_ptr, stride_t, stride_k, rows_s, rows_u, T, K, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr
+):
     """fp32 tile ``X[rows_s] @ X[rows_u]^T`` of one sample (x_ptr at its row 0)."""
     acc = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         kin = ks < K
-        a = tl.load(x_ptr + rows_s[:, None] * stride_t + ks[None, :] * stride_k,
-                    mask=(rows_s[:, None] < T) & kin[None, :], other=0.0).to(tl.float32)
-        b = tl.load(x_ptr + rows_u[None, :] * stride_t + ks[:, None] * stride_k,
-                    mask=(rows_u[None, :] < T) & kin[:, None], other=0.0).to(tl.float32)
+        a = tl.load(
+            x_ptr + rows_s[:, None] * stride_t + ks[None, :] * stride_k,
+            mask=(rows_s[:, None] < T) & kin[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        b = tl.load(
+            x_ptr + rows_u[None, :] * stride_t + ks[:, None] * stride_k,
+            mask=(rows_u[None, :] < T) & kin[:, None],
+            other=0.0,
+        ).to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision="ieee")
     return acc
 
 
 @triton.jit
-def _ghost_norm_kernel(o_ptr, x_ptr, partial, T, P0, P1,
-                       so_b, so_t, so_k, sx_b, sx_t, sx_k, n_tiles,
-                       BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+def _ghost_norm_kernel(
+    o_ptr,
+    x_ptr,
+    partial,
+    T,
+    P0,
+    P1,
+    so_b,
+    so_t,
+    so_k,
+    sx_b,
+    sx_t,
+    sx_k,
+    n_tiles,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     i = tl.program_id(0).to(tl.int64)
     s_tile = tl.program_id(1)
     o_base = o_ptr + i * so_b
@@ -82,8 +104,9 @@ def _sum_rows_kernel(partial, out, n, BLOCK: tl.constexpr):
     tl.store(out + i, tl.sum(acc, axis=0))
 
 
-def gram_norm_sq(out: torch.Tensor, inp: torch.Tensor, *, block_t: int = BLOCK_T,
-                 block_k: int = BLOCK_K) -> torch.Tensor:
+def gram_norm_sq(
+    out: torch.Tensor, inp: torch.Tensor, *, block_t: int = BLOCK_T, block_k: int = BLOCK_K
+) -> torch.Tensor:
     """Per-sample ``||sum_t out[i,t] (x) inp[i,t]||_F^2`` by the fused Gram kernel.
 
     Args:
@@ -96,8 +119,10 @@ def gram_norm_sq(out: torch.Tensor, inp: torch.Tensor, *, block_t: int = BLOCK_T
     Raises: ValueError for mismatched shapes or bad tile sizes.
     """
     if out.dim() != 3 or inp.dim() != 3 or out.shape[:2] != inp.shape[:2]:
-        raise ValueError(f"gram_norm_sq: expected [B, T, P0] and [B, T, P1], got "
-                         f"{tuple(out.shape)} and {tuple(inp.shape)}")
+        raise ValueError(
+            f"gram_norm_sq: expected [B, T, P0] and [B, T, P1], got "
+            f"{tuple(out.shape)} and {tuple(inp.shape)}"
+        )
     for name, v in (("block_t", block_t), ("block_k", block_k)):
         if v < 16 or v & (v - 1):
             raise ValueError(f"gram_norm_sq: {name}={v} must be a power of two >= 16")
@@ -110,8 +135,20 @@ def gram_norm_sq(out: torch.Tensor, inp: torch.Tensor, *, block_t: int = BLOCK_T
         return res
     n_tiles = triton.cdiv(T, block_t)
     partial = torch.empty(B, n_tiles, dtype=torch.float32, device=out.device)
-    _ghost_norm_kernel[(B, n_tiles)](out, inp, partial, T, P0, P1,
-                                     *out.stride(), *inp.stride(), n_tiles,
-                                     BLOCK_T=block_t, BLOCK_K=block_k)
-    _sum_rows_kernel[(B,)](partial, res, n_tiles, BLOCK=max(16, triton.next_power_of_2(min(n_tiles, 1024))))
+    _ghost_norm_kernel[(B, n_tiles)](
+        out,
+        inp,
+        partial,
+        T,
+        P0,
+        P1,
+        *out.stride(),
+        *inp.stride(),
+        n_tiles,
+        BLOCK_T=block_t,
+        BLOCK_K=block_k,
+    )
+    _sum_rows_kernel[(B,)](
+        partial, res, n_tiles, BLOCK=max(16, triton.next_power_of_2(min(n_tiles, 1024)))
+    )
     return clamp_norm_sq(res)

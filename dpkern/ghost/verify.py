@@ -40,6 +40,7 @@ one model-sized gradient at a time (``GhostClipping.verify_seconds``; measured b
 ``python -m bench.ghost``). Under FSDP2 the check is skipped with a warning (the exact
 gradients of DTensor parameters would need the backward's collectives on every rank).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -52,8 +53,17 @@ from torch import Tensor
 
 from ..sharding import is_sharded
 
-__all__ = ["MODES", "ROWS", "RTOL", "RTOL_LOW_PRECISION", "FLOOR", "Verifier", "pick_rows",
-           "default_rtol", "disagreement"]
+__all__ = [
+    "MODES",
+    "ROWS",
+    "RTOL",
+    "RTOL_LOW_PRECISION",
+    "FLOOR",
+    "Verifier",
+    "pick_rows",
+    "default_rtol",
+    "disagreement",
+]
 
 MODES = ("first", "always", "off")
 ROWS = 4
@@ -106,8 +116,8 @@ def disagreement(ghost: Tensor, exact: Tensor):
 @dataclass
 class _Pending:
     rows: list[int]
-    exact: Tensor | None      # [rows, P] float64 on the CPU
-    error: Exception | None   # autograd failed on the independent route
+    exact: Tensor | None  # [rows, P] float64 on the CPU
+    error: Exception | None  # autograd failed on the independent route
     seconds: float
 
 
@@ -158,12 +168,19 @@ class Verifier:
         if self.sharded:
             if not self._warned:
                 self._warned = True
-                warnings.warn("ghost clipping: verify skipped under FSDP2 (exact per-sample "
-                              "gradients of sharded parameters would need collectives); "
-                              "check the model unsharded (one process) first", stacklevel=3)
+                warnings.warn(
+                    "ghost clipping: verify skipped under FSDP2 (exact per-sample "
+                    "gradients of sharded parameters would need collectives); "
+                    "check the model unsharded (one process) first",
+                    stacklevel=3,
+                )
             return False
-        return (isinstance(losses, Tensor) and losses.dim() == 1 and losses.shape[0] > 0
-                and losses.requires_grad)
+        return (
+            isinstance(losses, Tensor)
+            and losses.dim() == 1
+            and losses.shape[0] > 0
+            and losses.requires_grad
+        )
 
     def exact(self, losses: Tensor, capture) -> _Pending:
         """Autograd's per-parameter squared norms of the chosen rows, before the capture's
@@ -175,19 +192,27 @@ class Verifier:
         try:
             with _not_recorded(capture):
                 for i in rows:
-                    grads = torch.autograd.grad(losses[i], self.params, retain_graph=True,
-                                                allow_unused=True)
+                    grads = torch.autograd.grad(
+                        losses[i], self.params, retain_graph=True, allow_unused=True
+                    )
                     zero = torch.zeros((), dtype=torch.float64, device=losses.device)
-                    out.append(torch.stack([g.detach().double().square().sum()
-                                            if g is not None else zero for g in grads]).cpu())
+                    out.append(
+                        torch.stack(
+                            [
+                                g.detach().double().square().sum() if g is not None else zero
+                                for g in grads
+                            ]
+                        ).cpu()
+                    )
                     del grads
         except RuntimeError as exc:
             err = exc
         exact = torch.stack(out) if out and err is None else None
         return _Pending(rows, exact, err, time.perf_counter() - t0)
 
-    def compare(self, pending: _Pending, per_param: list[Tensor | None],
-                device: torch.device | None = None) -> None:
+    def compare(
+        self, pending: _Pending, per_param: list[Tensor | None], device: torch.device | None = None
+    ) -> None:
         """Compare the ghost per-parameter squared norms (``per_param[k]``: ``[B]`` or None
         for an unused parameter) with the pending exact ones; raises ValueError on a
         mismatch (see module doc). Marks the check done when at least one row compared."""
@@ -200,15 +225,27 @@ class Verifier:
 
     def _compare(self, pending, per_param, device) -> None:
         if pending.error is not None:
-            raise RuntimeError("ghost clipping verify: autograd could not compute the exact "
-                               "per-sample gradients of the check (torch.autograd.grad of "
-                               f"one sample's loss): {pending.error}") from pending.error
+            raise RuntimeError(
+                "ghost clipping verify: autograd could not compute the exact "
+                "per-sample gradients of the check (torch.autograd.grad of "
+                f"one sample's loss): {pending.error}"
+            ) from pending.error
         rows = pending.rows
         idx = torch.tensor(rows)
         k = len(rows)
-        ghost = torch.stack([n.detach()[idx.to(n.device)].double().cpu() if n is not None
-                             else torch.zeros(k, dtype=torch.float64) for n in per_param], 1) \
-            if per_param else torch.zeros(k, 0, dtype=torch.float64)
+        ghost = (
+            torch.stack(
+                [
+                    n.detach()[idx.to(n.device)].double().cpu()
+                    if n is not None
+                    else torch.zeros(k, dtype=torch.float64)
+                    for n in per_param
+                ],
+                1,
+            )
+            if per_param
+            else torch.zeros(k, 0, dtype=torch.float64)
+        )
         exact = pending.exact if pending.exact is not None else torch.zeros_like(ghost)
         ok = torch.isfinite(ghost).all(1) & torch.isfinite(exact).all(1)
         if not ok.any():
@@ -228,14 +265,16 @@ class Verifier:
         w = int(torch.maximum(rel.max(1).values, total_rel).argmax())
         shown = order[:8]
         more = f" and {len(order) - len(shown)} more" if len(order) > len(shown) else ""
-        detail = "; ".join(f"{self.names[j]}: ghost {ghost[w, j]:.6g} vs exact "
-                           f"{exact[w, j]:.6g}" for j in shown)
+        detail = "; ".join(
+            f"{self.names[j]}: ghost {ghost[w, j]:.6g} vs exact {exact[w, j]:.6g}" for j in shown
+        )
         raise ValueError(
             "ghost clipping verify: the ghost per-sample gradient norms disagree with "
             "autograd's exact per-sample gradients of the same forward (sample rows "
             f"{rows} of this batch, tolerance {rtol:g} of each sample's squared norm). "
             "Parameter(s) whose contribution disagrees: "
-            + ", ".join(self.names[j] for j in shown) + more
+            + ", ".join(self.names[j] for j in shown)
+            + more
             + f". Worst row {rows[w]}: squared norm ghost {ghost[w].sum():.6g} vs exact "
             f"{exact[w].sum():.6g}; {detail}. Clipping by these norms would not bound each "
             "sample's contribution (not DP): the model uses these parameters in a way the "
@@ -243,4 +282,5 @@ class Verifier:
             "adds a term, a parameter also used outside its module, a custom autograd "
             "Function, an input without a batch dimension). Use the per-sample path "
             "(dpkern.grad_sample.compute_grad_sample + optimizer.step()) for this model, "
-            "and please report it. Nothing was added to the optimizer.")
+            "and please report it. Nothing was added to the optimizer."
+        )

@@ -5,8 +5,18 @@
 - :mod:`dpkern.optim.optimizers`: one class per update rule (DPSGD, DPAdam, DPAdamBC,
   DPAdamW, DPAdamWBC, DPMacAdam).
 """
+
 from .base import DPOptimizer, key_fingerprint, secure_key
 from .optimizers import DPSGD, DPAdam, DPAdamBC, DPAdamW, DPAdamWBC, DPMacAdam
 
-__all__ = ["DPOptimizer", "DPSGD", "DPAdam", "DPAdamBC", "DPAdamW", "DPAdamWBC", "DPMacAdam",
-           "key_fingerprint", "secure_key"]
+__all__ = [
+    "DPOptimizer",
+    "DPSGD",
+    "DPAdam",
+    "DPAdamBC",
+    "DPAdamW",
+    "DPAdamWBC",
+    "DPMacAdam",
+    "key_fingerprint",
+    "secure_key",
+]

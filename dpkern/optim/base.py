@@ -17,6 +17,7 @@ dpkern refuses, and why"):
 - each parameter keeps its own ``state["step"]`` for bias corrections (as torch.optim);
   the noise step is global.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -29,8 +30,14 @@ from torch import Tensor
 from .. import backends
 from .. import functional as F
 from ..backends.reference import STATE_NAMES
-from ..guards import (ALREADY_RELEASED, DPOPTIMIZER_IS_A_BASE, NO_FRESH_GRAD_SAMPLE,
-                      StepInterrupted, check_group_options, deferred_signals)
+from ..guards import (
+    ALREADY_RELEASED,
+    DPOPTIMIZER_IS_A_BASE,
+    NO_FRESH_GRAD_SAMPLE,
+    StepInterrupted,
+    check_group_options,
+    deferred_signals,
+)
 from ..hyper import Hyper, check_nonnegative, check_positive
 from ..interop import refuse_opacus_wrapper
 from ..keys import NoiseKey, key_fingerprint, secure_key
@@ -85,9 +92,18 @@ class DPOptimizer(torch.optim.Optimizer):
             raise TypeError(DPOPTIMIZER_IS_A_BASE)
         return super().__new__(cls)
 
-    def __init__(self, params, defaults: dict, *, max_grad_norm: float,
-                 noise_multiplier: float, expected_batch_size: float, seed=None,
-                 backend: str = "auto", nonfinite: str = "error"):
+    def __init__(
+        self,
+        params,
+        defaults: dict,
+        *,
+        max_grad_norm: float,
+        noise_multiplier: float,
+        expected_batch_size: float,
+        seed=None,
+        backend: str = "auto",
+        nonfinite: str = "error",
+    ):
         if isinstance(params, torch.optim.Optimizer):
             raise TypeError(DPOPTIMIZER_IS_A_BASE)
         self.max_grad_norm = max_grad_norm
@@ -122,16 +138,27 @@ class DPOptimizer(torch.optim.Optimizer):
         key is known: the run is reproducible, and not private."""
         return self._seed is None
 
-    _PICKLED = ("_seed", "_dp_step", "_max_grad_norm", "_noise_multiplier", "_failed",
-                "_expected_batch_size", "backend", "nonfinite", "b_init")  # never stats
+    _PICKLED = (
+        "_seed",
+        "_dp_step",
+        "_max_grad_norm",
+        "_noise_multiplier",
+        "_failed",
+        "_expected_batch_size",
+        "backend",
+        "nonfinite",
+        "b_init",
+    )  # never stats
 
     def __repr__(self) -> str:
-        dp = (f"    max_grad_norm: {self.max_grad_norm}\n"
-              f"    noise_multiplier: {self.noise_multiplier}\n"
-              f"    expected_batch_size: {self.expected_batch_size}\n"
-              f"    secure: {self.secure}"
-              + ("" if self.secure else " (seed given: the noise key is known, not private)")
-              + f"\n    backend: {self.backend}\n    dp_step: {self._dp_step}\n")
+        dp = (
+            f"    max_grad_norm: {self.max_grad_norm}\n"
+            f"    noise_multiplier: {self.noise_multiplier}\n"
+            f"    expected_batch_size: {self.expected_batch_size}\n"
+            f"    secure: {self.secure}"
+            + ("" if self.secure else " (seed given: the noise key is known, not private)")
+            + f"\n    backend: {self.backend}\n    dp_step: {self._dp_step}\n"
+        )
         base = super().__repr__()
         return base[:-1] + "DP settings\n" + dp + ")" if base.endswith(")") else base + "\n" + dp
 
@@ -150,9 +177,11 @@ class DPOptimizer(torch.optim.Optimizer):
     def __getstate__(self):
         # Pickling would carry the key: refused in secure mode (use state_dict()).
         if self.secure:
-            raise TypeError(f"{type(self).__name__} in secure mode cannot be pickled or "
-                            "deep-copied: the noise key must not leave the process; "
-                            "use state_dict() / load_state_dict()")
+            raise TypeError(
+                f"{type(self).__name__} in secure mode cannot be pickled or "
+                "deep-copied: the noise key must not leave the process; "
+                "use state_dict() / load_state_dict()"
+            )
         state = super().__getstate__()
         state.update({k: v for k, v in self.__dict__.items() if k in self._PICKLED})
         state["_accum"] = {}
@@ -189,9 +218,10 @@ class DPOptimizer(torch.optim.Optimizer):
         return self.hyper_class.rule
 
     def _fresh_state(self, p: Tensor, n_total: int) -> dict[str, Tensor]:
-        st = {name: torch.zeros_like(p, dtype=torch.float32,
-                                     memory_format=torch.contiguous_format)
-              for name in STATE_NAMES[self._rule()]}
+        st = {
+            name: torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+            for name in STATE_NAMES[self._rule()]
+        }
         st["step"] = torch.tensor(0.0, dtype=torch.float32)  # torch.optim's convention
         return st
 
@@ -208,17 +238,23 @@ class DPOptimizer(torch.optim.Optimizer):
         Returns (groups, owners, new_states, new_buffers): ``owners[k]`` the parameters of
         ``groups[k]``; tensors created for params seen for the first time, to commit into
         ``self.state`` / ``self._accum`` on success only."""
-        trainable = [(gi, pi, p) for gi, g in enumerate(self.param_groups)
-                     for pi, p in enumerate(g["params"]) if p.requires_grad]
+        trainable = [
+            (gi, pi, p)
+            for gi, g in enumerate(self.param_groups)
+            for pi, p in enumerate(g["params"])
+            if p.requires_grad
+        ]
         n_total = sum(p.numel() for _, _, p in trainable)  # global numel for DTensors
         any_gs = any(getattr(p, "grad_sample", None) is not None for _, _, p in trainable)
         if not any_gs and (for_accumulate or not self._accum):
             if self._dp_step > 0:
                 raise ValueError(NO_FRESH_GRAD_SAMPLE)
-            raise ValueError("no parameter has a grad_sample: per-sample gradients were "
-                             "never computed (wrap the model with opacus.GradSampleModule "
-                             "or call dpkern.grad_sample.compute_grad_sample); an empty batch "
-                             "is grad_sample tensors with B = 0, not their absence")
+            raise ValueError(
+                "no parameter has a grad_sample: per-sample gradients were "
+                "never computed (wrap the model with opacus.GradSampleModule "
+                "or call dpkern.grad_sample.compute_grad_sample); an empty batch "
+                "is grad_sample tensors with B = 0, not their absence"
+            )
         new_states, new_buffers = {}, {}
         groups, owners, offset = [], [], 0
         for gi, group in enumerate(self.param_groups):
@@ -234,20 +270,27 @@ class DPOptimizer(torch.optim.Optimizer):
                     name = f"{name[:-1]}, local shard {tuple(local.shape)})"
                 gs = self._grad_sample(p, name)
                 if gs is None and any_gs and p.grad is not None:
-                    raise ValueError(f"{name}: has .grad but no grad_sample (was it created "
-                                     "outside the module wrapped for per-sample gradients?)")
+                    raise ValueError(
+                        f"{name}: has .grad but no grad_sample (was it created "
+                        "outside the module wrapped for per-sample gradients?)"
+                    )
                 state = self.state.get(p)
                 new = {}
                 if not state:
-                    new = {k: v for k, v in self._fresh_state(local, n_total).items()
-                           if k not in unused}
+                    new = {
+                        k: v
+                        for k, v in self._fresh_state(local, n_total).items()
+                        if k not in unused
+                    }
                     state = new
-                elif any(k not in state and k not in unused
-                         for k in STATE_NAMES[self._rule()]):
+                elif any(k not in state and k not in unused for k in STATE_NAMES[self._rule()]):
                     # a state needed from now on (e.g. momentum switched on): zeros
                     fresh = self._fresh_state(local, n_total)
-                    new = {k: fresh[k] for k in STATE_NAMES[self._rule()]
-                           if k not in state and k not in unused}
+                    new = {
+                        k: fresh[k]
+                        for k in STATE_NAMES[self._rule()]
+                        if k not in state and k not in unused
+                    }
                     state = {**state, **new}
                 if new:
                     new_states[p] = new
@@ -255,15 +298,22 @@ class DPOptimizer(torch.optim.Optimizer):
                 key = (t_p, self._param_noise_var(state))
                 b = buckets.get(key)
                 if b is None:
-                    b = buckets[key] = {"params": [], "gss": [], "summed": [], "offsets": [],
-                                        "names": [], "owners": [],
-                                        "states": {s: [] for s in STATE_NAMES[self._rule()]}}
+                    b = buckets[key] = {
+                        "params": [],
+                        "gss": [],
+                        "summed": [],
+                        "offsets": [],
+                        "names": [],
+                        "owners": [],
+                        "states": {s: [] for s in STATE_NAMES[self._rule()]},
+                    }
                 for sname in b["states"]:
                     b["states"][sname].append(state.get(sname))  # None: unused by the rule
                 buf = self._accum.get(p)
                 if buf is None and for_accumulate:
                     buf = new_buffers[p] = torch.zeros_like(
-                        local, dtype=torch.float32, memory_format=torch.contiguous_format)
+                        local, dtype=torch.float32, memory_format=torch.contiguous_format
+                    )
                 b["params"].append(local)
                 b["gss"].append(gs)
                 b["summed"].append(buf)
@@ -272,9 +322,19 @@ class DPOptimizer(torch.optim.Optimizer):
                 b["owners"].append(p)
                 offset += p.numel()
             for (t_p, phi_prev), b in buckets.items():
-                groups.append(F.Group(hyper, b["params"], b["gss"], b["summed"], b["states"],
-                                      b["offsets"], b["names"],
-                                      self._noise_var_avg(hyper, phi_prev), step=t_p))
+                groups.append(
+                    F.Group(
+                        hyper,
+                        b["params"],
+                        b["gss"],
+                        b["summed"],
+                        b["states"],
+                        b["offsets"],
+                        b["names"],
+                        self._noise_var_avg(hyper, phi_prev),
+                        step=t_p,
+                    )
+                )
                 owners.append(b["owners"])
         if not groups:
             raise ValueError("the optimizer owns no trainable parameter")
@@ -292,8 +352,10 @@ class DPOptimizer(torch.optim.Optimizer):
         parts = list(gs) if isinstance(gs, (list, tuple)) else [gs]
         for x in parts:
             if x is not None and not isinstance(x, Tensor):
-                raise ValueError(f"{name}: grad_sample is a {type(x).__name__}, expected a "
-                                 "tensor (or Opacus' list of tensors)")
+                raise ValueError(
+                    f"{name}: grad_sample is a {type(x).__name__}, expected a "
+                    "tensor (or Opacus' list of tensors)"
+                )
             if x is not None and getattr(x, _RELEASED, False):
                 raise ValueError(ALREADY_RELEASED.format(name=name))
         if p.grad is not None and p.grad.is_sparse:
@@ -306,7 +368,7 @@ class DPOptimizer(torch.optim.Optimizer):
         """Mark every trainable parameter's grad_sample as released and detach it."""
         for p in self.trainable_params():
             gs = getattr(p, "grad_sample", None)
-            for x in (gs if isinstance(gs, (list, tuple)) else [gs]):
+            for x in gs if isinstance(gs, (list, tuple)) else [gs]:
                 if isinstance(x, Tensor):
                     setattr(x, _RELEASED, True)
             if gs is not None:
@@ -322,6 +384,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if mesh is None:
             return None
         import torch.distributed as dist
+
         group = mesh.get_group()
         if dist.get_world_size(group) == 1:
             return None
@@ -382,9 +445,14 @@ class DPOptimizer(torch.optim.Optimizer):
         raises."""
         self._check_can_release()
         groups, _, _, new_buffers = self._groups(for_accumulate=True)
-        result = F.accumulate_groups(groups, step=self._dp_step + 1,
-                                     max_grad_norm=self.max_grad_norm, backend=self.backend,
-                                     nonfinite=self.nonfinite, reduce=self._reduce())
+        result = F.accumulate_groups(
+            groups,
+            step=self._dp_step + 1,
+            max_grad_norm=self.max_grad_norm,
+            backend=self.backend,
+            nonfinite=self.nonfinite,
+            reduce=self._reduce(),
+        )
         self._accum.update(new_buffers)
         self._record(result, step=False)
         self._consume_grad_samples()
@@ -400,8 +468,9 @@ class DPOptimizer(torch.optim.Optimizer):
         out = []
         for p in self.trainable_params():
             if p not in self._accum:
-                self._accum[p] = torch.zeros_like(local_shard(p)[0], dtype=torch.float32,
-                                                  memory_format=torch.contiguous_format)
+                self._accum[p] = torch.zeros_like(
+                    local_shard(p)[0], dtype=torch.float32, memory_format=torch.contiguous_format
+                )
             out.append(self._accum[p])
         return out
 
@@ -424,17 +493,26 @@ class DPOptimizer(torch.optim.Optimizer):
         params = self.trainable_params()
         clipped_sums = list(clipped_sums)
         if len(clipped_sums) != len(params):
-            raise ValueError(f"accumulate_clipped: {len(clipped_sums)} sums for "
-                             f"{len(params)} trainable parameters")
+            raise ValueError(
+                f"accumulate_clipped: {len(clipped_sums)} sums for "
+                f"{len(params)} trainable parameters"
+            )
         for k, (s, p) in enumerate(zip(clipped_sums, params)):
             if s is None:
                 continue
-            if not isinstance(s, Tensor) or s.shape != p.shape or s.device != p.device \
-                    or not s.is_floating_point() or s.is_sparse \
-                    or is_sharded(s) != is_sharded(p):
-                raise ValueError(f"clipped_sums[{k}]: expected a dense float "
-                                 f"{'DTensor' if is_sharded(p) else 'tensor'} of shape "
-                                 f"{tuple(p.shape)} on {p.device}")
+            if (
+                not isinstance(s, Tensor)
+                or s.shape != p.shape
+                or s.device != p.device
+                or not s.is_floating_point()
+                or s.is_sparse
+                or is_sharded(s) != is_sharded(p)
+            ):
+                raise ValueError(
+                    f"clipped_sums[{k}]: expected a dense float "
+                    f"{'DTensor' if is_sharded(p) else 'tensor'} of shape "
+                    f"{tuple(p.shape)} on {p.device}"
+                )
             clipped_sums[k] = s = local_shard(s, f"clipped_sums[{k}]")[0]
             if not torch.isfinite(s).all():
                 raise ValueError(f"clipped_sums[{k}]: non-finite values")
@@ -473,21 +551,35 @@ class DPOptimizer(torch.optim.Optimizer):
         groups, owners, new_states, _ = self._groups()
         t = self._dp_step + 1
         reduce = self._reduce()
-        be, result = F.prepare_step(groups, step=t, max_grad_norm=self.max_grad_norm,
-                                    backend=self.backend, nonfinite=self.nonfinite,
-                                    reduce=reduce)
+        be, result = F.prepare_step(
+            groups,
+            step=t,
+            max_grad_norm=self.max_grad_norm,
+            backend=self.backend,
+            nonfinite=self.nonfinite,
+            reduce=reduce,
+        )
         with deferred_signals():
             try:
-                F.apply_step(groups, be, result, key=self._key, step=t,
-                             max_grad_norm=self.max_grad_norm,
-                             noise_multiplier=self.noise_multiplier,
-                             expected_batch_size=self.expected_batch_size, reduce=reduce)
+                F.apply_step(
+                    groups,
+                    be,
+                    result,
+                    key=self._key,
+                    step=t,
+                    max_grad_norm=self.max_grad_norm,
+                    noise_multiplier=self.noise_multiplier,
+                    expected_batch_size=self.expected_batch_size,
+                    reduce=reduce,
+                )
             except BaseException as exc:
                 self._dp_step = t  # the pair (key, t) may have been used: never again
-                self._failed = (f"step {t} failed midway ({type(exc).__name__}: {exc}); "
-                                "parameters and states hold a partly applied step. Reload "
-                                "the last checkpoint (model weights and optimizer "
-                                "load_state_dict) before stepping or saving again")
+                self._failed = (
+                    f"step {t} failed midway ({type(exc).__name__}: {exc}); "
+                    "parameters and states hold a partly applied step. Reload "
+                    "the last checkpoint (model weights and optimizer "
+                    "load_state_dict) before stepping or saving again"
+                )
                 self._accum.clear()
                 self._consume_grad_samples()
                 raise
@@ -527,9 +619,13 @@ class DPOptimizer(torch.optim.Optimizer):
         Raises: StepInterrupted after a step failed midway."""
         self._check_usable()
         sd = super().state_dict()
-        dp = {"step": self._dp_step, "max_grad_norm": self.max_grad_norm,
-              "noise_multiplier": self.noise_multiplier,
-              "expected_batch_size": self.expected_batch_size, "format": 2}
+        dp = {
+            "step": self._dp_step,
+            "max_grad_norm": self.max_grad_norm,
+            "noise_multiplier": self.noise_multiplier,
+            "expected_batch_size": self.expected_batch_size,
+            "format": 2,
+        }
         if self._seed is not None:
             dp["seed"] = self._seed
         sd["dp"] = dp
@@ -563,7 +659,8 @@ class DPOptimizer(torch.optim.Optimizer):
                 f"torch.optim or Opacus DPOptimizer checkpoint cannot be loaded into "
                 f"{type(self).__name__} (its moments were built from other gradients and "
                 "its step counts do not map onto dpkern's noise steps); start the DP "
-                "optimizer fresh, or load a state_dict saved by a dpkern optimizer")
+                "optimizer fresh, or load a state_dict saved by a dpkern optimizer"
+            )
         saved_state = sd.get("state", {})
         saved_groups = deepcopy(sd.get("param_groups", []))
         if len(saved_groups) != len(self.param_groups):
@@ -571,8 +668,10 @@ class DPOptimizer(torch.optim.Optimizer):
         id_to_param = {}
         for saved, group in zip(saved_groups, self.param_groups):
             if len(saved["params"]) != len(group["params"]):
-                raise ValueError("loaded state dict contains a parameter group that doesn't "
-                                 "match the size of optimizer's group")
+                raise ValueError(
+                    "loaded state dict contains a parameter group that doesn't "
+                    "match the size of optimizer's group"
+                )
             self._group_hyper({**group, **{k: v for k, v in saved.items() if k != "params"}})
             id_to_param.update(zip(saved["params"], group["params"]))
         step = dp.get("step", 0)
@@ -589,16 +688,20 @@ class DPOptimizer(torch.optim.Optimizer):
             for name, value in st.items():
                 if isinstance(value, Tensor):
                     if value.shape != shape and value.dim() != 0:
-                        raise ValueError(f"state {name!r} has shape {tuple(value.shape)}, "
-                                         f"parameter (shard) has {tuple(shape)}")
+                        raise ValueError(
+                            f"state {name!r} has shape {tuple(value.shape)}, "
+                            f"parameter (shard) has {tuple(shape)}"
+                        )
                     device = "cpu" if name == "step" else p.device
                     value = value.to(device=device, dtype=torch.float32).clone()
                 new_state[p][name] = value
             if "step" not in new_state[p]:  # format 1: every parameter at the global step
                 new_state[p]["step"] = torch.tensor(float(step), dtype=torch.float32)
             elif not 0 <= int(new_state[p]["step"]) <= step:
-                raise ValueError(f"state 'step' {int(new_state[p]['step'])} of parameter "
-                                 f"{pid!r} exceeds the dp step {step}")
+                raise ValueError(
+                    f"state 'step' {int(new_state[p]['step'])} of parameter "
+                    f"{pid!r} exceeds the dp step {step}"
+                )
         # validated: now change things
         for saved, group in zip(saved_groups, self.param_groups):
             saved["params"] = group["params"]
@@ -615,4 +718,3 @@ class DPOptimizer(torch.optim.Optimizer):
             self._seed, self._key = seed, NoiseKey(seed)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
-

@@ -12,12 +12,21 @@ buffers (un-noised sums of private gradients) are never put in a ``state_dict``.
 
 SPEC: ``python -m dpkern.spec`` prints the contract (docs/SPEC.md in the source tree).
 """
+
 from __future__ import annotations
 
 import torch
 
-from ..hyper import (AdamBCHyper, AdamHyper, AdamWBCHyper, AdamWHyper, MacAdamHyper,
-                     SGDHyper, check_betas, check_positive)
+from ..hyper import (
+    AdamBCHyper,
+    AdamHyper,
+    AdamWBCHyper,
+    AdamWHyper,
+    MacAdamHyper,
+    SGDHyper,
+    check_betas,
+    check_positive,
+)
 from .base import DPOptimizer
 
 __all__ = ["DPSGD", "DPAdam", "DPAdamBC", "DPAdamW", "DPAdamWBC", "DPMacAdam"]
@@ -56,7 +65,8 @@ _DP_ARGS = r"""
 
 
 class DPSGD(DPOptimizer):
-    __doc__ = r"""DP-SGD: torch.optim.SGD on the privatised gradient.
+    __doc__ = (
+        r"""DP-SGD: torch.optim.SGD on the privatised gradient.
 
     .. math::
         \begin{aligned}
@@ -73,29 +83,59 @@ class DPSGD(DPOptimizer):
         momentum (float): mu (default 0). dampening (float): tau (default 0).
         weight_decay (float): lambda, coupled L2 (default 0).
         nesterov (bool): Nesterov momentum (default False).
-    """ + _DP_ARGS + r"""
+    """
+        + _DP_ARGS
+        + r"""
     State: ``momentum_buffer`` (float32, when momentum != 0), ``step``.
     Source: Abadi et al. 2016, "Deep Learning with Differential Privacy", Algorithm 1;
     SPEC 5.1.
     """
+    )
 
     hyper_class = SGDHyper
 
-    def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
-                 weight_decay: float = 0.0, nesterov: bool = False, *, max_grad_norm: float,
-                 noise_multiplier: float, expected_batch_size: float, seed=None,
-                 backend: str = "auto", nonfinite: str = "error"):
-        defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
-                        weight_decay=weight_decay, nesterov=nesterov)
-        super().__init__(params, defaults, max_grad_norm=max_grad_norm,
-                         noise_multiplier=noise_multiplier,
-                         expected_batch_size=expected_batch_size, seed=seed, backend=backend,
-                         nonfinite=nonfinite)
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        max_grad_norm: float,
+        noise_multiplier: float,
+        expected_batch_size: float,
+        seed=None,
+        backend: str = "auto",
+        nonfinite: str = "error",
+    ):
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+        )
+        super().__init__(
+            params,
+            defaults,
+            max_grad_norm=max_grad_norm,
+            noise_multiplier=noise_multiplier,
+            expected_batch_size=expected_batch_size,
+            seed=seed,
+            backend=backend,
+            nonfinite=nonfinite,
+        )
 
     def _hyper(self, group):
-        return SGDHyper(lr=group["lr"], momentum=group["momentum"],
-                        dampening=group["dampening"], weight_decay=group["weight_decay"],
-                        nesterov=group["nesterov"])
+        return SGDHyper(
+            lr=group["lr"],
+            momentum=group["momentum"],
+            dampening=group["dampening"],
+            weight_decay=group["weight_decay"],
+            nesterov=group["nesterov"],
+        )
 
     def _unused_states(self, hyper):
         return {"momentum_buffer"} if hyper.momentum == 0 else set()
@@ -109,14 +149,31 @@ class DPSGD(DPOptimizer):
 class _AdamFamily(DPOptimizer):
     _defaults: dict = {}
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), *, max_grad_norm: float,
-                 noise_multiplier: float, expected_batch_size: float, seed=None,
-                 backend: str = "auto", nonfinite: str = "error", **extra):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas=(0.9, 0.999),
+        *,
+        max_grad_norm: float,
+        noise_multiplier: float,
+        expected_batch_size: float,
+        seed=None,
+        backend: str = "auto",
+        nonfinite: str = "error",
+        **extra,
+    ):
         defaults = dict(lr=lr, betas=tuple(betas), **extra)
-        super().__init__(params, defaults, max_grad_norm=max_grad_norm,
-                         noise_multiplier=noise_multiplier,
-                         expected_batch_size=expected_batch_size, seed=seed, backend=backend,
-                         nonfinite=nonfinite)
+        super().__init__(
+            params,
+            defaults,
+            max_grad_norm=max_grad_norm,
+            noise_multiplier=noise_multiplier,
+            expected_batch_size=expected_batch_size,
+            seed=seed,
+            backend=backend,
+            nonfinite=nonfinite,
+        )
 
     def _hyper(self, group):
         beta1, beta2 = check_betas(group["betas"])
@@ -145,51 +202,109 @@ _ADAM_ARGS = r"""
 
 
 class DPAdam(_AdamFamily):
-    __doc__ = r"""DP-Adam: torch.optim.Adam on the privatised gradient, coupled L2 decay.
-    """ + _ADAM_MATH + r"""
+    __doc__ = (
+        r"""DP-Adam: torch.optim.Adam on the privatised gradient, coupled L2 decay.
+    """
+        + _ADAM_MATH
+        + r"""
     then :math:`g = \hat g + \lambda\theta` before the moments, and
     :math:`\theta \leftarrow \theta - \gamma \hat m / (\sqrt{\hat v} + \epsilon)`.
-    """ + _ADAM_ARGS + r"""        eps (float): epsilon > 0 (default 1e-8).
+    """
+        + _ADAM_ARGS
+        + r"""        eps (float): epsilon > 0 (default 1e-8).
         weight_decay (float): lambda, coupled L2 (default 0).
-    """ + _DP_ARGS + r"""
+    """
+        + _DP_ARGS
+        + r"""
     State: ``exp_avg``, ``exp_avg_sq`` (float32), ``step``.
     Source: Abadi et al. 2016 (DP-SGD) with Kingma & Ba 2015 (Adam), as in TensorFlow
     Privacy and Opacus; SPEC 5.2.
     """
+    )
     hyper_class = AdamHyper
     _defaults = {"eps": 1e-8, "weight_decay": 0.0}
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
-                 max_grad_norm, noise_multiplier, expected_batch_size, seed=None,
-                 backend="auto", nonfinite="error"):
-        super().__init__(params, lr, betas, eps=eps, weight_decay=weight_decay,
-                         max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
-                         expected_batch_size=expected_batch_size, seed=seed,
-                         backend=backend, nonfinite=nonfinite)
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.0,
+        *,
+        max_grad_norm,
+        noise_multiplier,
+        expected_batch_size,
+        seed=None,
+        backend="auto",
+        nonfinite="error",
+    ):
+        super().__init__(
+            params,
+            lr,
+            betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            max_grad_norm=max_grad_norm,
+            noise_multiplier=noise_multiplier,
+            expected_batch_size=expected_batch_size,
+            seed=seed,
+            backend=backend,
+            nonfinite=nonfinite,
+        )
 
 
 class DPAdamW(_AdamFamily):
-    __doc__ = r"""DP-AdamW: torch.optim.AdamW on the privatised gradient (decoupled decay).
+    __doc__ = (
+        r"""DP-AdamW: torch.optim.AdamW on the privatised gradient (decoupled decay).
     First the decoupled decay :math:`\theta \leftarrow \theta (1 - \gamma\lambda)`, then
     the moments below on :math:`g = \hat g`, and
     :math:`\theta \leftarrow \theta - \gamma \hat m / (\sqrt{\hat v} + \epsilon)`.
-    """ + _ADAM_MATH + r"""
-    """ + _ADAM_ARGS + r"""        eps (float): epsilon > 0 (default 1e-8).
+    """
+        + _ADAM_MATH
+        + r"""
+    """
+        + _ADAM_ARGS
+        + r"""        eps (float): epsilon > 0 (default 1e-8).
         weight_decay (float): lambda, decoupled (default 1e-2, torch.optim.AdamW's).
-    """ + _DP_ARGS + r"""
+    """
+        + _DP_ARGS
+        + r"""
     State: ``exp_avg``, ``exp_avg_sq`` (float32), ``step``.
     Source: arXiv 2511.07843, Algorithm 1 (DP-AdamW); Loshchilov & Hutter 2019; SPEC 5.4.
     """
+    )
     hyper_class = AdamWHyper
     _defaults = {"eps": 1e-8, "weight_decay": 1e-2}
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
-                 max_grad_norm, noise_multiplier, expected_batch_size, seed=None,
-                 backend="auto", nonfinite="error"):
-        super().__init__(params, lr, betas, eps=eps, weight_decay=weight_decay,
-                         max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
-                         expected_batch_size=expected_batch_size, seed=seed,
-                         backend=backend, nonfinite=nonfinite)
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=1e-2,
+        *,
+        max_grad_norm,
+        noise_multiplier,
+        expected_batch_size,
+        seed=None,
+        backend="auto",
+        nonfinite="error",
+    ):
+        super().__init__(
+            params,
+            lr,
+            betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            max_grad_norm=max_grad_norm,
+            noise_multiplier=noise_multiplier,
+            expected_batch_size=expected_batch_size,
+            seed=seed,
+            backend=backend,
+            nonfinite=nonfinite,
+        )
 
 
 class _BCMixin:
@@ -220,54 +335,115 @@ _BC_MATH = r"""
 
 
 class DPAdamBC(_BCMixin, _AdamFamily):
-    __doc__ = r"""DP-AdamBC: DP-Adam with the noise variance removed from the second moment.
-    """ + _ADAM_MATH + _BC_MATH + r"""
+    __doc__ = (
+        r"""DP-AdamBC: DP-Adam with the noise variance removed from the second moment.
+    """
+        + _ADAM_MATH
+        + _BC_MATH
+        + r"""
     Coupled L2: :math:`g = \hat g + \lambda\theta`;
     :math:`\theta \leftarrow \theta - \gamma \hat m / \sqrt{\max(\hat v - \hat\varphi, \gamma_0)}`.
-    """ + _ADAM_ARGS + r"""        gamma (float): gamma_0 > 0, the floor inside the sqrt (default 1e-8).
+    """
+        + _ADAM_ARGS
+        + r"""        gamma (float): gamma_0 > 0, the floor inside the sqrt (default 1e-8).
         weight_decay (float): lambda, coupled L2 (default 0).
-    """ + _DP_ARGS + r"""
+    """
+        + _DP_ARGS
+        + r"""
     State: ``exp_avg``, ``exp_avg_sq`` (float32), ``noise_var_avg`` (phi, 0-dim), ``step``.
     Source: Tang et al., "DP-AdamBC: Your DP-Adam Is Actually DP-SGD (Unless You Apply Bias
     Correction)", AAAI 2024, arXiv 2312.14334, Algorithm 1; SPEC 5.3.
     """
+    )
     hyper_class = AdamBCHyper
     _defaults = {"gamma": 1e-8, "weight_decay": 0.0}
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), gamma=1e-8, weight_decay=0.0, *,
-                 max_grad_norm, noise_multiplier, expected_batch_size, seed=None,
-                 backend="auto", nonfinite="error"):
-        super().__init__(params, lr, betas, gamma=gamma, weight_decay=weight_decay,
-                         max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
-                         expected_batch_size=expected_batch_size, seed=seed,
-                         backend=backend, nonfinite=nonfinite)
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        gamma=1e-8,
+        weight_decay=0.0,
+        *,
+        max_grad_norm,
+        noise_multiplier,
+        expected_batch_size,
+        seed=None,
+        backend="auto",
+        nonfinite="error",
+    ):
+        super().__init__(
+            params,
+            lr,
+            betas,
+            gamma=gamma,
+            weight_decay=weight_decay,
+            max_grad_norm=max_grad_norm,
+            noise_multiplier=noise_multiplier,
+            expected_batch_size=expected_batch_size,
+            seed=seed,
+            backend=backend,
+            nonfinite=nonfinite,
+        )
 
 
 class DPAdamWBC(_BCMixin, _AdamFamily):
-    __doc__ = r"""DP-AdamW-BC: DP-AdamW with DP-AdamBC's denominator.
+    __doc__ = (
+        r"""DP-AdamW-BC: DP-AdamW with DP-AdamBC's denominator.
     First the decoupled decay :math:`\theta \leftarrow \theta (1 - \gamma\lambda)`, then
     the moments below on :math:`g = \hat g`,
-    """ + _ADAM_MATH + _BC_MATH + r"""
-    """ + _ADAM_ARGS + r"""        gamma (float): gamma_0 > 0, the floor inside the sqrt (default 1e-8).
+    """
+        + _ADAM_MATH
+        + _BC_MATH
+        + r"""
+    """
+        + _ADAM_ARGS
+        + r"""        gamma (float): gamma_0 > 0, the floor inside the sqrt (default 1e-8).
         weight_decay (float): lambda, decoupled (default 1e-2).
-    """ + _DP_ARGS + r"""
+    """
+        + _DP_ARGS
+        + r"""
     State: ``exp_avg``, ``exp_avg_sq`` (float32), ``noise_var_avg`` (phi, 0-dim), ``step``.
     Source: arXiv 2511.07843, Algorithm 2 (DP-AdamW-BC); SPEC 5.5.
     """
+    )
     hyper_class = AdamWBCHyper
     _defaults = {"gamma": 1e-8, "weight_decay": 1e-2}
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), gamma=1e-8, weight_decay=1e-2, *,
-                 max_grad_norm, noise_multiplier, expected_batch_size, seed=None,
-                 backend="auto", nonfinite="error"):
-        super().__init__(params, lr, betas, gamma=gamma, weight_decay=weight_decay,
-                         max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
-                         expected_batch_size=expected_batch_size, seed=seed,
-                         backend=backend, nonfinite=nonfinite)
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        gamma=1e-8,
+        weight_decay=1e-2,
+        *,
+        max_grad_norm,
+        noise_multiplier,
+        expected_batch_size,
+        seed=None,
+        backend="auto",
+        nonfinite="error",
+    ):
+        super().__init__(
+            params,
+            lr,
+            betas,
+            gamma=gamma,
+            weight_decay=weight_decay,
+            max_grad_norm=max_grad_norm,
+            noise_multiplier=noise_multiplier,
+            expected_batch_size=expected_batch_size,
+            seed=seed,
+            backend=backend,
+            nonfinite=nonfinite,
+        )
 
 
 class DPMacAdam(_AdamFamily):
-    __doc__ = r"""DP-MacAdam: per-coordinate whitening before clipping, noise in the whitened
+    __doc__ = (
+        r"""DP-MacAdam: per-coordinate whitening before clipping, noise in the whitened
     space, and the same mean/variance estimates drive clipping and the update.
 
     .. math::
@@ -293,27 +469,57 @@ class DPMacAdam(_AdamFamily):
         b_init (float or None): initial scale b; None = 1/d, d = number of trainable
             coordinates at the first step.
         variance_estimate (str): "unbiased" (default), "paper" or "code" (SPEC 7).
-    """ + _DP_ARGS.replace("""        max_grad_norm (float): C > 0, the L2 bound on each sample's gradient over ALL
+    """
+        + _DP_ARGS.replace(
+            """        max_grad_norm (float): C > 0, the L2 bound on each sample's gradient over ALL
             parameters (flat clipping, c_i = min(1, C / (||g_i|| + 1e-6)), SPEC 2).
-""", "") + r"""
+""",
+            "",
+        )
+        + r"""
     State: ``exp_avg``, ``exp_avg_sq``, ``exp_var`` (S), ``scale`` (b), all float32; ``step``.
     Source: arXiv 2606.05435, Algorithm 1 (DP-MacAdam); AdaClip, Pichapati et al.,
     arXiv 1908.07643; SPEC 7.
     """
+    )
     hyper_class = MacAdamHyper
     _defaults = {"gamma": 1e-8, "h1": 1e-9, "h2": 1e-6, "variance_estimate": "unbiased"}
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), gamma=1e-8, h1=1e-9, h2=1e-6,
-                 b_init=None, variance_estimate="unbiased", *, noise_multiplier,
-                 expected_batch_size, seed=None, backend="auto", nonfinite="error"):
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        gamma=1e-8,
+        h1=1e-9,
+        h2=1e-6,
+        b_init=None,
+        variance_estimate="unbiased",
+        *,
+        noise_multiplier,
+        expected_batch_size,
+        seed=None,
+        backend="auto",
+        nonfinite="error",
+    ):
         if b_init is not None:
             check_positive("b_init", b_init)
         self.b_init = b_init
-        super().__init__(params, lr, betas, gamma=gamma, h1=h1, h2=h2,
-                         variance_estimate=variance_estimate, max_grad_norm=1.0,
-                         noise_multiplier=noise_multiplier,
-                         expected_batch_size=expected_batch_size, seed=seed,
-                         backend=backend, nonfinite=nonfinite)
+        super().__init__(
+            params,
+            lr,
+            betas,
+            gamma=gamma,
+            h1=h1,
+            h2=h2,
+            variance_estimate=variance_estimate,
+            max_grad_norm=1.0,
+            noise_multiplier=noise_multiplier,
+            expected_batch_size=expected_batch_size,
+            seed=seed,
+            backend=backend,
+            nonfinite=nonfinite,
+        )
 
     def _fresh_state(self, p, n_total):
         st = super()._fresh_state(p, n_total)
@@ -328,4 +534,5 @@ class DPMacAdam(_AdamFamily):
                     f"global function of them): {grp.names[0]} is at its own step "
                     f"{grp.step} while the optimizer is at step {self._dp_step + 1}; add "
                     "every parameter group and unfreeze every parameter before the first "
-                    "step")
+                    "step"
+                )

@@ -7,6 +7,7 @@ Same functions and signatures as :mod:`dpkern.backends.reference`:
 Importing it raises ImportError when triton is not installed (the registry relies on it).
 Block sizes: :func:`configure` / :data:`_common.CONFIG` (results do not depend on them).
 """
+
 import triton  # noqa: F401  (ImportError here marks the backend unavailable)
 
 from ..reference import STATE_NAMES
@@ -15,6 +16,17 @@ from .noise import gaussian_noise, philox_words
 from .norms import per_sample_norms, whitened_norms
 from .step import accumulate, macadam_update_scale, step
 
-__all__ = ["philox_words", "gaussian_noise", "per_sample_norms", "whitened_norms",
-           "accumulate", "step", "macadam_update_scale", "STATE_NAMES", "Config", "config",
-           "configure", "INTERPRETED"]
+__all__ = [
+    "philox_words",
+    "gaussian_noise",
+    "per_sample_norms",
+    "whitened_norms",
+    "accumulate",
+    "step",
+    "macadam_update_scale",
+    "STATE_NAMES",
+    "Config",
+    "config",
+    "configure",
+    "INTERPRETED",
+]

@@ -30,6 +30,7 @@ launches per kernel.
 Nothing here depends on the block size or on how tensors are split into launches except
 the launch layout itself: the noise of an element is a function of its global index only.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -51,13 +52,13 @@ from ...keys import reveal
 # --------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class Config:
-    step_block: int = 1024       # elements per program in pass 2 / accumulate / noise
-    norm_block: int = 1024       # elements per row per iteration in pass 1
-    norm_iters: int = 4          # blocks per program in pass 1 (chunk = block * iters)
-    reduce_block: int = 1024     # partial sums per iteration in pass 1's second stage
-    rows_unroll: int = 4         # sample rows whose loads are issued together (pass 1, 2)
+    step_block: int = 1024  # elements per program in pass 2 / accumulate / noise
+    norm_block: int = 1024  # elements per row per iteration in pass 1
+    norm_iters: int = 4  # blocks per program in pass 1 (chunk = block * iters)
+    reduce_block: int = 1024  # partial sums per iteration in pass 1's second stage
+    rows_unroll: int = 4  # sample rows whose loads are issued together (pass 1, 2)
     num_warps: int = 4
-    max_tensors_per_launch: int = 0   # 0: no limit (split only by dtype / alignment)
+    max_tensors_per_launch: int = 0  # 0: no limit (split only by dtype / alignment)
 
     def validate(self):
         for name in ("step_block", "norm_block", "reduce_block"):
@@ -128,14 +129,20 @@ def check_device(device) -> torch.device:
     if device.type == ("cpu" if INTERPRETED else "cuda"):
         return device
     if device.type == "cuda":  # the tables hold raw addresses the interpreter reads on the host
-        raise RuntimeError("dpkern backend='triton' under TRITON_INTERPRET=1 runs on CPU "
-                           "tensors only; unset TRITON_INTERPRET to use the GPU")
+        raise RuntimeError(
+            "dpkern backend='triton' under TRITON_INTERPRET=1 runs on CPU "
+            "tensors only; unset TRITON_INTERPRET to use the GPU"
+        )
     if device.type == "cpu":
-        hint = ("set TRITON_INTERPRET=1 before importing dpkern to run the kernels on CPU "
-                "(slow; for tests)")
+        hint = (
+            "set TRITON_INTERPRET=1 before importing dpkern to run the kernels on CPU "
+            "(slow; for tests)"
+        )
         if triton_interpret():
-            hint = ("TRITON_INTERPRET=1 was set after dpkern.backends.triton was imported; "
-                    "set it before")
+            hint = (
+                "TRITON_INTERPRET=1 was set after dpkern.backends.triton was imported; "
+                "set it before"
+            )
         raise RuntimeError(f"dpkern backend='triton' needs CUDA tensors, got CPU tensors: {hint}")
     raise RuntimeError(f"dpkern backend='triton' needs CUDA tensors, got {device.type} tensors")
 
@@ -188,8 +195,12 @@ COL_NUMEL, COL_NOFF, COL_PHASE, COL_P, COL_G, COL_SUM, COL_S0 = (tl.constexpr(i)
 NCOL = tl.constexpr(10)
 ALIGN_BYTES = 16
 
-TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
-             torch.float64: tl.float64}
+TL_DTYPES = {
+    torch.float32: tl.float32,
+    torch.bfloat16: tl.bfloat16,
+    torch.float16: tl.float16,
+    torch.float64: tl.float64,
+}
 
 
 def tl_dtype(dtype: torch.dtype):
@@ -202,19 +213,20 @@ def tl_dtype(dtype: torch.dtype):
 @dataclasses.dataclass
 class Entry:
     """One tensor of a multi-tensor launch. ``bufs`` = (param, grad_sample, summed, *states)."""
-    index: int                  # position in the caller's list
+
+    index: int  # position in the caller's list
     numel: int
     noise_offset: int
-    bufs: tuple                 # tensors or None, in table column order from COL_P
+    bufs: tuple  # tensors or None, in table column order from COL_P
 
 
 @dataclasses.dataclass
 class Launch:
     entries: list[Entry]
-    dtypes: tuple               # torch dtypes of the typed buffers (group key)
+    dtypes: tuple  # torch dtypes of the typed buffers (group key)
     aligned: bool
-    table: torch.Tensor         # int64 [T, NCOL] on the device
-    chunks: torch.Tensor        # int32 [n_chunks, 2] on the device
+    table: torch.Tensor  # int64 [T, NCOL] on the device
+    chunks: torch.Tensor  # int32 [n_chunks, 2] on the device
     n_chunks: int
 
 
@@ -252,8 +264,10 @@ def _chunk_table(numels: tuple, phases: tuple, chunk: int, device) -> torch.Tens
     Depends on the element counts only: cached per parameter list."""
 
     def make():
-        counts = torch.tensor([(n + f + chunk - 1) // chunk if n else 0
-                               for n, f in zip(numels, phases)], dtype=torch.int64)
+        counts = torch.tensor(
+            [(n + f + chunk - 1) // chunk if n else 0 for n, f in zip(numels, phases)],
+            dtype=torch.int64,
+        )
         total = int(counts.sum())
         if total >= 2**31:
             raise ValueError("dpkern backend='triton': too many blocks for one launch")
@@ -270,16 +284,19 @@ def _device_table(rows: list[list[int]], device) -> torch.Tensor:
     accumulation buffers keep their addresses from step to step (and PyTorch's caching
     allocator often hands grad_samples the same ones), so steady-state steps copy nothing
     from the host."""
-    return _TABLES.get((tuple(map(tuple, rows)), str(device)),
-                       lambda: torch.tensor(rows, dtype=torch.int64).to(device))
+    return _TABLES.get(
+        (tuple(map(tuple, rows)), str(device)),
+        lambda: torch.tensor(rows, dtype=torch.int64).to(device),
+    )
 
 
 def plan(entries: list[Entry], typed: tuple[int, ...], chunk: int, device) -> list[Launch]:
     """Group entries into launches: same dtypes of the buffers at positions ``typed`` (of
     ``bufs``), same alignment class, at most ``max_tensors_per_launch`` each."""
     entries = [e for e in entries if e.numel]
-    keys = [tuple(e.bufs[i].dtype if e.bufs[i] is not None else None for i in typed)
-            for e in entries]
+    keys = [
+        tuple(e.bufs[i].dtype if e.bufs[i] is not None else None for i in typed) for e in entries
+    ]
     # A buffer absent in some entries (grad_sample None) takes the dtype seen elsewhere,
     # so that it does not cost a launch of its own.
     fill = []
@@ -294,7 +311,7 @@ def plan(entries: list[Entry], typed: tuple[int, ...], chunk: int, device) -> li
     launches = []
     for (dts, aligned), es in groups.items():
         for i in range(0, len(es), limit):
-            part = es[i:i + limit]
+            part = es[i : i + limit]
             rows = []
             for e in part:
                 row = [e.numel, e.noise_offset, e.noise_offset & 1]
@@ -302,8 +319,9 @@ def plan(entries: list[Entry], typed: tuple[int, ...], chunk: int, device) -> li
                 row += [0] * (NCOL.value - len(row))
                 rows.append(row)
             table = _device_table(rows, device)
-            chunks = _chunk_table(tuple(e.numel for e in part),
-                                  tuple(e.noise_offset & 1 for e in part), chunk, device)
+            chunks = _chunk_table(
+                tuple(e.numel for e in part), tuple(e.noise_offset & 1 for e in part), chunk, device
+            )
             launches.append(Launch(part, dts, aligned, table, chunks, chunks.shape[0]))
     return launches
 
@@ -321,7 +339,6 @@ def step_words(step: int, stream: int) -> tuple[int, int]:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
 
 
 # --------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ many Philox calls and transcendentals as elements, and interleaves the two lanes
 their tile by one element (the "phase", see ``_common``). The value of an element depends
 on (key, step, stream, global index) only: never on the block size, grid or launch split.
 """
+
 from __future__ import annotations
 
 import math
@@ -119,8 +120,18 @@ def _philox_words_kernel(idx_ptr, out_ptr, n, key_lo, key_hi, c2, c3, BLOCK: tl.
 
 
 @triton.jit(do_not_specialize=_INT_ARGS + ["numel", "offset", "phase"])
-def _gaussian_noise_kernel(out_ptr, numel, offset, phase, key_lo, key_hi, c2, c3,
-                           BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+def _gaussian_noise_kernel(
+    out_ptr,
+    numel,
+    offset,
+    phase,
+    key_lo,
+    key_hi,
+    c2,
+    c3,
+    BLOCK: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
+):
     e0 = tl.program_id(0).to(tl.int64) * BLOCK - phase  # tile starts at an even global index
     z = tile_normals(offset + e0, key_lo, key_hi, c2, c3, BLOCK, LIBDEVICE)
     e = e0 + tl.arange(0, BLOCK)
@@ -158,13 +169,20 @@ def philox_words(index: torch.Tensor, *, key: int, step: int, stream: int = 0) -
     if n:
         block = C.config().step_block
         _philox_words_kernel[(C.cdiv(n, block),)](
-            index, out, n, *C.key_words(key), *C.step_words(step, stream), BLOCK=block,
-            num_warps=C.config().num_warps)
+            index,
+            out,
+            n,
+            *C.key_words(key),
+            *C.step_words(step, stream),
+            BLOCK=block,
+            num_warps=C.config().num_warps,
+        )
     return out
 
 
-def gaussian_noise(numel: int, *, key: int, step: int, offset: int = 0, stream: int = 0,
-                   device=None) -> torch.Tensor:
+def gaussian_noise(
+    numel: int, *, key: int, step: int, offset: int = 0, stream: int = 0, device=None
+) -> torch.Tensor:
     """z for global elements ``offset ... offset + numel - 1``: float32 ``[numel]``."""
     dev = C.check_device(_default_device(device))
     out = C.empty((numel,), torch.float32, dev)
@@ -172,8 +190,16 @@ def gaussian_noise(numel: int, *, key: int, step: int, offset: int = 0, stream: 
         block = C.config().step_block
         phase = offset & 1
         _gaussian_noise_kernel[(C.cdiv(numel + phase, block),)](
-            out, numel, offset, phase, *C.key_words(key), *C.step_words(step, stream),
-            BLOCK=block, LIBDEVICE=C.LIBDEVICE, num_warps=C.config().num_warps)
+            out,
+            numel,
+            offset,
+            phase,
+            *C.key_words(key),
+            *C.step_words(step, stream),
+            BLOCK=block,
+            LIBDEVICE=C.LIBDEVICE,
+            num_warps=C.config().num_warps,
+        )
     return out
 
 
@@ -185,6 +211,5 @@ def normal_from_words(words: torch.Tensor) -> torch.Tensor:
     n = words.shape[0]
     out = C.empty((n, 2), torch.float32, dev)
     if n:
-        _words_to_normal_kernel[(C.cdiv(n, 256),)](words, out, n, BLOCK=256,
-                                                   LIBDEVICE=C.LIBDEVICE)
+        _words_to_normal_kernel[(C.cdiv(n, 256),)](words, out, n, BLOCK=256, LIBDEVICE=C.LIBDEVICE)
     return out

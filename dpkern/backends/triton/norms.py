@@ -12,6 +12,7 @@ across runs with the same configuration (block sizes change the rounding only).
 The partial buffer holds B x ceil(d / norm_block) floats (0.1% of the bytes read for
 norm_block=1024 and fp32 grad_samples).
 """
+
 from __future__ import annotations
 
 import torch
@@ -22,10 +23,22 @@ from . import _common as C
 
 
 @triton.jit(do_not_specialize=["B", "n_slots", "slot0", "bc1"])
-def _sq_partial_kernel(table, chunks, partial, B, n_slots, slot0, bc1,
-                       G_DTYPE: tl.constexpr, WHITEN: tl.constexpr, HAS_PREV: tl.constexpr,
-                       ALIGNED: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
-                       ROWS: tl.constexpr):
+def _sq_partial_kernel(
+    table,
+    chunks,
+    partial,
+    B,
+    n_slots,
+    slot0,
+    bc1,
+    G_DTYPE: tl.constexpr,
+    WHITEN: tl.constexpr,
+    HAS_PREV: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ITERS: tl.constexpr,
+    ROWS: tl.constexpr,
+):
     pid = tl.program_id(0)
     row, blk = C.chunk_row(table, chunks, pid)
     numel = C.row_numel(row, ALIGNED)
@@ -51,8 +64,9 @@ def _sq_partial_kernel(table, chunks, partial, B, n_slots, slot0, bc1,
                 x = tl.load(g_ptr + (b0 + j) * numel + offs, mask=ld, other=0.0).to(tl.float32)
                 if WHITEN:
                     x = tl.where(inb, (x - m_hat) / scale, 0.0)
-                tl.store(partial + (b0 + j) * row_stride + slot, tl.sum(x * x, axis=0),
-                         mask=b0 + j < B)
+                tl.store(
+                    partial + (b0 + j) * row_stride + slot, tl.sum(x * x, axis=0), mask=b0 + j < B
+                )
 
 
 @triton.jit(do_not_specialize=["n_slots"])
@@ -65,8 +79,15 @@ def _sum_rows_kernel(partial, out, n_slots, BLOCK: tl.constexpr):
     tl.store(out + b, tl.math.sqrt_rn(tl.sum(acc, axis=0)))
 
 
-def norms(grad_samples, batch_size: int, device, exp_avgs=None, scales=None,
-          bias_correction1: float = 0.0, out: torch.Tensor | None = None) -> torch.Tensor:
+def norms(
+    grad_samples,
+    batch_size: int,
+    device,
+    exp_avgs=None,
+    scales=None,
+    bias_correction1: float = 0.0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """sqrt(sum_p ||x_p[i]||^2) for each row i, x = grad_sample or (for DP-MacAdam, when
     ``exp_avgs``/``scales`` are given) its whitened rows. ``out``: optional float32 [B]."""
     dev = C.check_device(device)
@@ -80,8 +101,9 @@ def norms(grad_samples, batch_size: int, device, exp_avgs=None, scales=None,
     for k, gs in enumerate(grad_samples):
         if whiten:
             m, b = exp_avgs[k], scales[k]
-            entries.append(C.Entry(k, m.numel(), 0,
-                                   (None, C.readonly(gs), None, C.readonly(m), C.readonly(b))))
+            entries.append(
+                C.Entry(k, m.numel(), 0, (None, C.readonly(gs), None, C.readonly(m), C.readonly(b)))
+            )
         elif gs is not None:
             entries.append(C.Entry(k, gs[0].numel(), 0, (None, C.readonly(gs))))
     launches = C.plan(entries, typed=(1,), chunk=cfg.norm_block * cfg.norm_iters, device=dev)
@@ -92,13 +114,26 @@ def norms(grad_samples, batch_size: int, device, exp_avgs=None, scales=None,
     slot0 = 0
     for ln in launches:
         _sq_partial_kernel[(ln.n_chunks,)](
-            ln.table, ln.chunks, partial, batch_size, n_slots, slot0, float(bias_correction1),
-            G_DTYPE=C.tl_dtype(ln.dtypes[0]), WHITEN=whiten, HAS_PREV=bias_correction1 > 0,
-            ALIGNED=ln.aligned, BLOCK=cfg.norm_block, ITERS=cfg.norm_iters, ROWS=cfg.rows_unroll,
-            num_warps=cfg.num_warps)
+            ln.table,
+            ln.chunks,
+            partial,
+            batch_size,
+            n_slots,
+            slot0,
+            float(bias_correction1),
+            G_DTYPE=C.tl_dtype(ln.dtypes[0]),
+            WHITEN=whiten,
+            HAS_PREV=bias_correction1 > 0,
+            ALIGNED=ln.aligned,
+            BLOCK=cfg.norm_block,
+            ITERS=cfg.norm_iters,
+            ROWS=cfg.rows_unroll,
+            num_warps=cfg.num_warps,
+        )
         slot0 += ln.n_chunks * cfg.norm_iters
-    _sum_rows_kernel[(batch_size,)](partial, out, max(n_slots, 1), BLOCK=cfg.reduce_block,
-                                    num_warps=cfg.num_warps)
+    _sum_rows_kernel[(batch_size,)](
+        partial, out, max(n_slots, 1), BLOCK=cfg.reduce_block, num_warps=cfg.num_warps
+    )
     return out
 
 
@@ -107,7 +142,8 @@ def per_sample_norms(grad_samples, batch_size: int, device) -> torch.Tensor:
     return norms(grad_samples, batch_size, device)
 
 
-def whitened_norms(grad_samples, exp_avgs, scales, bias_correction1: float, batch_size: int,
-                   device) -> torch.Tensor:
+def whitened_norms(
+    grad_samples, exp_avgs, scales, bias_correction1: float, batch_size: int, device
+) -> torch.Tensor:
     """||w_i|| over all coordinates, w_i = (g_i - m_hat_{t-1}) / b (DP-MacAdam pass 1)."""
     return norms(grad_samples, batch_size, device, exp_avgs, scales, bias_correction1)

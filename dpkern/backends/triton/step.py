@@ -16,6 +16,7 @@ Update-rule formulas follow ``reference.py`` operation by operation so that floa
 rounding agrees closely. The rows are summed in order i = 0, 1, ..., whatever the block
 size, so every element-wise result is bit-identical across configurations.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,14 +31,32 @@ from .noise import tile_normals
 
 # RULE codes (constexpr): the update rule family compiled into a kernel
 SGD, ADAM, MACADAM, ACCUMULATE = 0, 1, 2, 3
-_RULE_CODE = {"sgd": SGD, "adam": ADAM, "adam_bc": ADAM, "adamw": ADAM, "adamw_bc": ADAM,
-              "macadam": MACADAM}
+_RULE_CODE = {
+    "sgd": SGD,
+    "adam": ADAM,
+    "adam_bc": ADAM,
+    "adamw": ADAM,
+    "adamw_bc": ADAM,
+    "macadam": MACADAM,
+}
 _VARIANCE_CODE = {"unbiased": 0, "paper": 1, "code": 2}
 
 
 @triton.jit
-def _clipped_sum(g_ptr, has_g, clip_ptr, B, numel, offs, inb, m_hat_prev, scale,
-                 WHITEN: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+def _clipped_sum(
+    g_ptr,
+    has_g,
+    clip_ptr,
+    B,
+    numel,
+    offs,
+    inb,
+    m_hat_prev,
+    scale,
+    WHITEN: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+):
     """sum_i c_i x_i over the block, rows added in order i = 0, 1, ... (ROWS rows unrolled
     so that their loads are in flight together; rows past B have c = 0 and add +0.0);
     rows with c_i == 0 are not read."""
@@ -55,17 +74,58 @@ def _clipped_sum(g_ptr, has_g, clip_ptr, B, numel, offs, inb, m_hat_prev, scale,
 
 
 @triton.jit(do_not_specialize=["B", "slot0", "key_lo", "key_hi", "c2", "c3"])
-def _step_kernel(table, chunks, clip_ptr, partial, B, slot0,
-                 key_lo, key_hi, c2, c3, noise_std, batch_e,
-                 lr, wd, momentum, one_m_damp, decay, beta1, beta2, one_m_b1, one_m_b2,
-                 bc1, bc2, bc1_prev, eps, phi_hat, kappa, noise_var, h1, h2,
-                 P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, RULE: tl.constexpr,
-                 HAS_GS: tl.constexpr, HAS_NOISE: tl.constexpr, ALIGNED: tl.constexpr,
-                 COUPLED_WD: tl.constexpr, DECOUPLED: tl.constexpr, BC: tl.constexpr,
-                 MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, FIRST: tl.constexpr,
-                 HAS_PREV: tl.constexpr, VARIANCE: tl.constexpr, RET_SUM: tl.constexpr,
-                 WHITEN: tl.constexpr, LOAD_M: tl.constexpr, ROWS: tl.constexpr,
-                 BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+def _step_kernel(
+    table,
+    chunks,
+    clip_ptr,
+    partial,
+    B,
+    slot0,
+    key_lo,
+    key_hi,
+    c2,
+    c3,
+    noise_std,
+    batch_e,
+    lr,
+    wd,
+    momentum,
+    one_m_damp,
+    decay,
+    beta1,
+    beta2,
+    one_m_b1,
+    one_m_b2,
+    bc1,
+    bc2,
+    bc1_prev,
+    eps,
+    phi_hat,
+    kappa,
+    noise_var,
+    h1,
+    h2,
+    P_DTYPE: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+    RULE: tl.constexpr,
+    HAS_GS: tl.constexpr,
+    HAS_NOISE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    COUPLED_WD: tl.constexpr,
+    DECOUPLED: tl.constexpr,
+    BC: tl.constexpr,
+    MOMENTUM: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    FIRST: tl.constexpr,
+    HAS_PREV: tl.constexpr,
+    VARIANCE: tl.constexpr,
+    RET_SUM: tl.constexpr,
+    WHITEN: tl.constexpr,
+    LOAD_M: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
+):
     pid = tl.program_id(0)
     row, blk = C.chunk_row(table, chunks, pid)
     numel = C.row_numel(row, ALIGNED)
@@ -100,14 +160,16 @@ def _step_kernel(table, chunks, clip_ptr, partial, B, slot0,
     if HAS_GS:
         g_ptr = C.typed_ptr(row, C.COL_G, G_DTYPE, ALIGNED)
         has_g = tl.load(row + C.COL_G) != 0
-        S = S + _clipped_sum(g_ptr, has_g, clip_ptr, B, numel, offs, inb, m_hat_prev, scale,
-                             WHITEN, BLOCK, ROWS)
+        S = S + _clipped_sum(
+            g_ptr, has_g, clip_ptr, B, numel, offs, inb, m_hat_prev, scale, WHITEN, BLOCK, ROWS
+        )
     if RULE == 3:  # ACCUMULATE: the buffer is the summed column
         tl.store(sum_ptr + offs, S, mask=inb)
     else:
         if HAS_NOISE:
-            z = tile_normals(tl.load(row + C.COL_NOFF) + e0, key_lo, key_hi, c2, c3,
-                             BLOCK, LIBDEVICE)
+            z = tile_normals(
+                tl.load(row + C.COL_NOFF) + e0, key_lo, key_hi, c2, c3, BLOCK, LIBDEVICE
+            )
             S = S + noise_std * z
         g = S / batch_e
         p_ptr = C.typed_ptr(row, C.COL_P, P_DTYPE, ALIGNED)
@@ -170,16 +232,23 @@ def _macadam_variance(var, scale, kappa, noise_var, h1, h2):
 
 
 @triton.jit
-def _scale_kernel(table, chunks, kappa, noise_var, h1, h2, root,
-                  ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+def _scale_kernel(
+    table, chunks, kappa, noise_var, h1, h2, root, ALIGNED: tl.constexpr, BLOCK: tl.constexpr
+):
     """b <- S_hat^(1/4) * root, root = (sum_j S_hat_j^(1/2))^(1/2) (SPEC section 7)."""
     row, blk = C.chunk_row(table, chunks, tl.program_id(0))
     offs = blk * BLOCK + tl.arange(0, BLOCK)
     inb = offs < C.row_numel(row, ALIGNED)
     S_ptr = C.typed_ptr(row, C.COL_S0 + 2, tl.float32, ALIGNED)
     b_ptr = C.typed_ptr(row, C.COL_S0 + 3, tl.float32, ALIGNED)
-    s_hat = _macadam_variance(tl.load(S_ptr + offs, mask=inb, other=1.0),
-                              tl.load(b_ptr + offs, mask=inb, other=1.0), kappa, noise_var, h1, h2)
+    s_hat = _macadam_variance(
+        tl.load(S_ptr + offs, mask=inb, other=1.0),
+        tl.load(b_ptr + offs, mask=inb, other=1.0),
+        kappa,
+        noise_var,
+        h1,
+        h2,
+    )
     tl.store(b_ptr + offs, tl.math.sqrt_rn(tl.math.sqrt_rn(s_hat)) * root, mask=inb)
 
 
@@ -194,17 +263,27 @@ def _scalars(hyper, dp) -> dict:
     wd = getattr(h, "weight_decay", 0.0)
     be = dp.expected_batch_size
     return dict(
-        noise_std=dp.noise_std, batch_e=be, lr=h.lr, wd=wd,
-        momentum=getattr(h, "momentum", 0.0), one_m_damp=1 - getattr(h, "dampening", 0.0),
-        decay=1 - h.lr * wd, beta1=beta1, beta2=beta2, one_m_b1=1 - beta1, one_m_b2=1 - beta2,
-        bc1=1 - beta1**t, bc2=1 - beta2**t,
+        noise_std=dp.noise_std,
+        batch_e=be,
+        lr=h.lr,
+        wd=wd,
+        momentum=getattr(h, "momentum", 0.0),
+        one_m_damp=1 - getattr(h, "dampening", 0.0),
+        decay=1 - h.lr * wd,
+        beta1=beta1,
+        beta2=beta2,
+        one_m_b1=1 - beta1,
+        one_m_b2=1 - beta2,
+        bc1=1 - beta1**t,
+        bc2=1 - beta2**t,
         bc1_prev=(1 - beta1 ** (t - 1)) if t > 1 else 1.0,
         # eps slot: eps (Adam), gamma (BC variants: the floor inside the sqrt; MacAdam: outside)
         eps=getattr(h, "eps", getattr(h, "gamma", 1.0)),
         phi_hat=dp.noise_var_avg / (1 - beta2**t),
         kappa=macadam_kappa(beta1, t) if t > 1 else 1.0,
         noise_var=(dp.noise_std / be) ** 2,
-        h1=getattr(h, "h1", 0.0), h2=getattr(h, "h2", 0.0),
+        h1=getattr(h, "h1", 0.0),
+        h2=getattr(h, "h2", 0.0),
     )
 
 
@@ -227,8 +306,9 @@ def _flags(hyper, dp) -> dict:
     )
 
 
-def _launch(hyper, dp, params, grad_samples, clip_factors, summed, states, offsets,
-            accumulate_only: bool) -> float:
+def _launch(
+    hyper, dp, params, grad_samples, clip_factors, summed, states, offsets, accumulate_only: bool
+) -> float:
     dev = C.first_device(params, *states.values(), summed)
     if dev is None:
         return 0.0  # no tensors at all
@@ -264,12 +344,26 @@ def _launch(hyper, dp, params, grad_samples, clip_factors, summed, states, offse
     slot0 = 0
     for ln in launches:
         _step_kernel[(ln.n_chunks,)](
-            ln.table, ln.chunks, clip if has_gs else ln.table, partial if partial is not None
-            else ln.table, B, slot0, *C.key_words(dp.key), *C.step_words(dp.noise_step, dp.stream),
-            **scalars, P_DTYPE=C.tl_dtype(ln.dtypes[0]), G_DTYPE=C.tl_dtype(ln.dtypes[1]),
-            HAS_GS=has_gs, HAS_NOISE=dp.noise_std != 0, ALIGNED=ln.aligned,
-            ROWS=cfg.rows_unroll, BLOCK=block, LIBDEVICE=C.LIBDEVICE,
-            num_warps=cfg.num_warps, **flags)
+            ln.table,
+            ln.chunks,
+            clip if has_gs else ln.table,
+            partial if partial is not None else ln.table,
+            B,
+            slot0,
+            *C.key_words(dp.key),
+            *C.step_words(dp.noise_step, dp.stream),
+            **scalars,
+            P_DTYPE=C.tl_dtype(ln.dtypes[0]),
+            G_DTYPE=C.tl_dtype(ln.dtypes[1]),
+            HAS_GS=has_gs,
+            HAS_NOISE=dp.noise_std != 0,
+            ALIGNED=ln.aligned,
+            ROWS=cfg.rows_unroll,
+            BLOCK=block,
+            LIBDEVICE=C.LIBDEVICE,
+            num_warps=cfg.num_warps,
+            **flags,
+        )
         slot0 += ln.n_chunks
     inplace.finish()
     if partial is None:
@@ -280,14 +374,32 @@ def _launch(hyper, dp, params, grad_samples, clip_factors, summed, states, offse
 def step(hyper, dp, params, grad_samples, clip_factors, summed, states, offsets) -> float:
     """One DP step of one parameter group, in place on ``params`` and ``states``
     (see ``reference.step``). Returns DP-MacAdam's partial sum of sqrt(S_hat_j)."""
-    return _launch(hyper, dp, params, grad_samples, clip_factors, summed, states, offsets,
-                   accumulate_only=False)
+    return _launch(
+        hyper,
+        dp,
+        params,
+        grad_samples,
+        clip_factors,
+        summed,
+        states,
+        offsets,
+        accumulate_only=False,
+    )
 
 
 def accumulate(hyper, dp, grad_samples, clip_factors, buffers, states) -> None:
     """buffers[k] += sum_i c_i x_i (x = per-sample gradient, or whitened for MacAdam)."""
-    _launch(hyper, dp, [None] * len(buffers), grad_samples, clip_factors, buffers, states,
-            [0] * len(buffers), accumulate_only=True)
+    _launch(
+        hyper,
+        dp,
+        [None] * len(buffers),
+        grad_samples,
+        clip_factors,
+        buffers,
+        states,
+        [0] * len(buffers),
+        accumulate_only=True,
+    )
 
 
 def macadam_update_scale(hyper, dp, exp_vars, scales, sqrt_sum: float) -> None:
@@ -300,11 +412,22 @@ def macadam_update_scale(hyper, dp, exp_vars, scales, sqrt_sum: float) -> None:
     C.check_device(dev)
     cfg = C.config()
     inplace = C.InPlace()
-    entries = [C.Entry(k, b.numel(), 0, (None, None, None, None, None, C.readonly(S), inplace(b)))
-               for k, (S, b) in enumerate(zip(exp_vars, scales))]
+    entries = [
+        C.Entry(k, b.numel(), 0, (None, None, None, None, None, C.readonly(S), inplace(b)))
+        for k, (S, b) in enumerate(zip(exp_vars, scales))
+    ]
     s = _scalars(hyper, dp)
     for ln in C.plan(entries, typed=(), chunk=cfg.step_block, device=dev):
-        _scale_kernel[(ln.n_chunks,)](ln.table, ln.chunks, s["kappa"], s["noise_var"], s["h1"],
-                                     s["h2"], math.sqrt(sqrt_sum), ALIGNED=ln.aligned,
-                                     BLOCK=cfg.step_block, num_warps=cfg.num_warps)
+        _scale_kernel[(ln.n_chunks,)](
+            ln.table,
+            ln.chunks,
+            s["kappa"],
+            s["noise_var"],
+            s["h1"],
+            s["h2"],
+            math.sqrt(sqrt_sum),
+            ALIGNED=ln.aligned,
+            BLOCK=cfg.step_block,
+            num_warps=cfg.num_warps,
+        )
     inplace.finish()
