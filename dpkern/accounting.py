@@ -9,7 +9,11 @@ sampling rate q and noise multiplier sigma, under add/remove-one neighbouring da
 - :class:`PrivacyAccountant` -- a running history for training loops with changing sigma
   or q (noise schedules, resume), with ``state_dict`` round-trips;
 - :func:`truncation_delta` -- the delta cost of the noise stream's 11.6 sigma tail bound
-  (SPEC section 3), which :meth:`PrivacyAccountant.get_privacy_spent` adds to delta.
+  (SPEC section 3), which :meth:`PrivacyAccountant.get_privacy_spent` adds to delta;
+- :func:`batch_overflow_probability` -- the probability that a Poisson batch exceeds a
+  fixed batch shape B_max (truncated Poisson sampling, SPEC section 8), whose delta cost
+  :meth:`PrivacyAccountant.get_privacy_spent` adds too (:func:`overflow_delta`);
+- :meth:`PrivacyAccountant.epsilon_curve` -- epsilon at several deltas, one composition.
 
 RDP uses Opacus' (and TF Privacy's) grid of orders, so epsilons agree with Opacus'
 ``RDPAccountant`` (to 1e-3 relative wherever epsilon <= 12; for larger epsilons
@@ -156,8 +160,120 @@ def truncation_delta(steps: int, numel: int) -> float:
     return _check_steps(steps) * math.ceil(_check_count("numel", numel) / 2) * 2.0**-96
 
 
-#: The keys of :meth:`PrivacyAccountant.state_dict`.
-STATE_KEYS = ("accountant", "history")
+def _binomial_pieces(m: int, q: float, J: int):
+    """pmf of Binomial(m, q) at 0..J (float64 numpy) and P[X > J], each term computed
+    directly (Boost's binomial via scipy: no 1 - cdf cancellation)."""
+    import numpy as np
+    from scipy import stats
+
+    J = min(J, m)
+    j = np.arange(J + 1)
+    pmf = stats.binom.pmf(j, m, q)
+    tail = float(stats.binom.sf(J, m, q)) if J < m else 0.0
+    return pmf, tail
+
+
+def batch_overflow_probability(
+    unit_rows: Mapping[int, int] | int,
+    sample_rate: float,
+    max_batch_size: int,
+    *,
+    neighbour_rows: int = 1,
+) -> float:
+    """P[the Poisson batch has more than B_max rows], for the worst neighbouring dataset.
+
+    Each unit is in the batch independently with probability q and brings its rows; the
+    batch's row count is S = sum_s s * Binomial(m_s, q) over the classes of m_s units of
+    s rows. The neighbouring dataset with the most rows has one more unit of
+    ``neighbour_rows`` k rows (every neighbour's S is stochastically at most that one's),
+    so this returns ``P[S + k * Bernoulli(q) > B_max]``: for units of one example,
+    ``P[Binomial(N + 1, q) > B_max]``.
+
+    Computed in float64 without cancellation: the pmf of each class from Boost's
+    binomial (scipy), convolved over [0, B_max] with the mass beyond B_max summed
+    directly (never 1 - cdf), then multiplied by (1 + 1e-9) to cover rounding, so the
+    result is an upper bound to within float64 underflow (terms below 1e-300 vanish).
+    Cost: one class is closed-form; further classes O(B_max^2 / s) each.
+
+    Args:
+        unit_rows: ``{rows s: number of units m_s with s rows}`` (ints >= 1), or an int N
+            (N units of one row).
+        sample_rate: q in [0, 1].
+        max_batch_size: B_max (int >= 0).
+        neighbour_rows: k, the rows of the neighbour's extra unit (int >= 0; 0 = this
+            dataset itself).
+    Returns: the probability (float in [0, 1]).
+    Raises: ValueError on arguments out of range."""
+    import numpy as np
+
+    q = _check_rate(sample_rate)
+    B = _check_count("max_batch_size", max_batch_size)
+    k = _check_count("neighbour_rows", neighbour_rows)
+    if isinstance(unit_rows, numbers.Integral) and not isinstance(unit_rows, bool):
+        unit_rows = {1: _check_count("unit_rows", unit_rows)}
+    if not isinstance(unit_rows, Mapping):
+        raise ValueError(
+            f"invalid unit_rows={unit_rows!r}: expected an int or a dict {{rows: units}}"
+        )
+    classes: dict[int, int] = {}
+    for s, m in unit_rows.items():
+        s, m = _check_count("unit_rows size", s), _check_count("unit_rows count", m)
+        if s == 0:
+            raise ValueError("invalid unit_rows: a size of 0 rows")
+        if m:
+            classes[s] = classes.get(s, 0) + m
+    if k:
+        classes[k] = classes.get(k, 0) + 1
+    if not classes or q == 0.0:
+        return 0.0
+    order = sorted(classes)  # the smallest unit first: the only class with a long pmf
+    s0 = order[0]
+    pmf0, overflow = _binomial_pieces(classes[s0], q, B // s0)
+    cur = np.zeros(B + 1)
+    cur[: s0 * (len(pmf0) - 1) + 1 : s0] = pmf0
+    for s in order[1:]:
+        pmf, tail = _binomial_pieces(classes[s], q, B // s)
+        suffix = np.cumsum(cur[::-1])[::-1]  # suffix[i] = sum_{x >= i} cur[x]
+        new = np.zeros(B + 1)
+        over = overflow + tail * float(suffix[0])
+        for j, p in enumerate(pmf.tolist()):
+            if p == 0.0:
+                continue
+            shift = s * j
+            new[shift:] += p * cur[: B + 1 - shift]
+            if shift:
+                over += p * float(suffix[B + 1 - shift])
+        cur, overflow = new, over
+    return min(1.0, overflow * (1.0 + 1e-9))
+
+
+def overflow_delta(overflow: float, epsilon: float) -> float:
+    """delta cost of truncating Poisson batches: (1 + e^epsilon) * P[overflow].
+
+    With the same randomness the truncated run equals the Poisson run except on the
+    event E that some step's batch overflows, so each output distribution is within
+    total variation P[E] <= sum_t P_t[overflow] of its Poisson twin, on both neighbouring
+    datasets; an (epsilon, delta) guarantee of the Poisson run then gives
+    ``P[M'(D) in A] <= e^eps P[M'(D') in A] + delta + P_D[E] + e^eps P_D'[E]``.
+
+    Args:
+        overflow: sum over steps of :func:`batch_overflow_probability` (float >= 0).
+        epsilon: the epsilon of the guarantee (float >= 0, may be ``inf``).
+    Returns: the additive delta (float; 0.0 when ``overflow`` is 0).
+    Raises: ValueError if ``overflow`` is negative or not finite."""
+    if not math.isfinite(check_nonnegative("overflow", overflow)):
+        raise ValueError(f"invalid overflow={overflow!r}: expected a finite number >= 0")
+    if overflow == 0.0:
+        return 0.0
+    if epsilon > 700:  # e^eps overflows a float: the bound is vacuous anyway
+        return 1.0
+    return min(1.0, (1.0 + math.exp(epsilon)) * overflow)
+
+
+#: The keys of :meth:`PrivacyAccountant.state_dict` (``"batch_overflow"`` may be absent
+#: in checkpoints of dpkern before fixed-shape batches: it then counts as 0).
+STATE_KEYS = ("accountant", "history", "batch_overflow")
+_REQUIRED_KEYS = ("accountant", "history")
 
 
 def _check_run(k: int, run) -> list:
@@ -194,7 +310,12 @@ class PrivacyAccountant:
     probability ``sample_rate`` q, and Gaussian noise of standard deviation
     ``noise_multiplier * max_grad_norm`` is added to the sum of per-sample gradients
     clipped to ``max_grad_norm`` (SPEC sections 2-4); neighbouring datasets differ by
-    adding or removing one example. Steps compose adaptively.
+    adding or removing one privacy unit (an example, or a user's or document's examples
+    clipped together as one row; SPEC section 8). Steps compose adaptively. Fixed-shape
+    batches (Poisson batches truncated to B_max rows) are charged in delta: record each
+    step's ``overflow_probability`` and :meth:`get_privacy_spent` adds
+    ``(1 + e^epsilon) * sum_t P_t[overflow]`` (Chua et al. 2024, "Scalable DP-SGD:
+    Shuffling vs. Poisson Subsampling").
 
     Call :meth:`step` once after each optimizer step (or once per run of equal steps)
     and :meth:`get_epsilon` at any time. Like Opacus' accountants it is separate from the
@@ -226,6 +347,8 @@ class PrivacyAccountant:
             steps]`` (float, float, int) in training order; consecutive steps with equal
             sigma and q are merged into one run. Treat it as read-only: use :meth:`step`
             and :meth:`load_state_dict` to change it.
+        batch_overflow (float): the sum over steps of the probability that a fixed-shape
+            batch overflowed B_max (0.0 for plain Poisson sampling); read-only too.
 
     Example::
 
@@ -239,31 +362,62 @@ class PrivacyAccountant:
     def __init__(self, accountant: str = "rdp"):
         self.accountant = _check_accountant(accountant)
         self.history: list[list] = []
+        self.batch_overflow = 0.0
 
     @property
     def steps(self) -> int:
         """Steps accounted so far (int >= 0): the sum of the runs' step counts."""
         return sum(run[2] for run in self.history)
 
-    def step(self, noise_multiplier: float, sample_rate: float, num_steps: int = 1) -> None:
+    def step(
+        self,
+        noise_multiplier: float,
+        sample_rate: float,
+        num_steps: int = 1,
+        *,
+        overflow_probability: float = 0.0,
+    ) -> None:
         """Record ``num_steps`` DP-SGD steps at noise multiplier sigma and sample rate q.
 
         Args:
             noise_multiplier: sigma, the noise standard deviation divided by the clipping
                 bound ``max_grad_norm`` (dimensionless, finite, >= 0; 0 means no noise:
                 epsilon becomes infinite once q > 0).
-            sample_rate: q, each example's probability of being in the batch (Poisson
-                sampling; expected batch size / dataset size), in [0, 1].
+            sample_rate: q, each unit's probability of being in the batch (Poisson
+                sampling; expected batch size / number of units), in [0, 1].
             num_steps: how many such steps (int >= 0; default 1).
+            overflow_probability: for fixed-shape (truncated Poisson) batches, each step's
+                probability that the Poisson batch exceeded B_max
+                (``PoissonBatchSampler.overflow_probability``, from
+                :func:`batch_overflow_probability`); 0 (default) for plain Poisson.
+                Summed into :attr:`batch_overflow`, charged to delta by
+                :meth:`get_privacy_spent`.
         Raises:
             ValueError: an argument out of range; the ledger is then unchanged."""
         check_nonnegative("noise_multiplier", noise_multiplier)
         _check_rate(sample_rate)
         _check_steps(num_steps)
+        if not 0.0 <= check_nonnegative("overflow_probability", overflow_probability) <= 1.0:
+            raise ValueError(
+                f"invalid overflow_probability={overflow_probability!r}: must be in [0, 1]"
+            )
         if self.history and self.history[-1][:2] == [noise_multiplier, sample_rate]:
             self.history[-1][2] += num_steps
         else:
             self.history.append([float(noise_multiplier), float(sample_rate), num_steps])
+        self.batch_overflow += num_steps * float(overflow_probability)
+
+    def _composed(self):
+        """The dp-accounting accountant of every run, or 0.0 / inf when trivial."""
+        runs = [r for r in self.history if r[1] > 0 and r[2] > 0]
+        if not runs:
+            return 0.0
+        if any(r[0] == 0.0 for r in runs):
+            return math.inf
+        acc = _fresh(self.accountant)
+        for sigma, q, T in runs:
+            acc.compose(dpsgd_event(sigma, q, T))
+        return acc
 
     def get_epsilon(self, delta: float) -> float:
         """The epsilon spent by every step recorded so far, at ``delta``.
@@ -280,41 +434,87 @@ class PrivacyAccountant:
         Raises:
             ValueError: ``delta`` outside (0, 1)."""
         _check_delta("delta", delta)
-        runs = [r for r in self.history if r[1] > 0 and r[2] > 0]
-        if not runs:
-            return 0.0
-        if any(r[0] == 0.0 for r in runs):
-            return math.inf
-        acc = _fresh(self.accountant)
-        for sigma, q, T in runs:
-            acc.compose(dpsgd_event(sigma, q, T))
-        return float(acc.get_epsilon(delta))
+        acc = self._composed()
+        return acc if isinstance(acc, float) else float(acc.get_epsilon(delta))
+
+    def epsilon_curve(self, deltas) -> list[float]:
+        """epsilon at each delta of ``deltas``: the privacy curve eps(delta) of the steps
+        recorded so far, from one composition (as :meth:`get_epsilon` at each delta).
+
+        Args:
+            deltas: an iterable of deltas, each in (0, 1).
+        Returns:
+            list of epsilons (floats), one per delta, in order; non-increasing in delta.
+        Raises:
+            ValueError: a delta outside (0, 1)."""
+        deltas = [_check_delta("delta", d) for d in deltas]
+        acc = self._composed()
+        if isinstance(acc, float):
+            return [acc] * len(deltas)
+        return [float(acc.get_epsilon(d)) for d in deltas]
 
     def get_privacy_spent(self, delta: float, numel: int) -> tuple[float, float]:
-        """What to report: ``(epsilon, delta + truncation_delta(steps, numel))``.
+        """What to report: ``(epsilon, total_delta)``, epsilon at ``delta`` and
+
+            total_delta = delta + truncation_delta(steps, numel)
+                          + overflow_delta(batch_overflow, epsilon)
 
         dpkern's noise stream bounds each Gaussian draw at about 11.6 sigma (SPEC
         section 3), which costs an additive ``T * ceil(d / 2) * 2**-96`` in delta
-        (:func:`truncation_delta`); this adds it to the target.
+        (:func:`truncation_delta`); fixed-shape batches that truncate the Poisson batch
+        cost ``(1 + e^epsilon) * sum_t P_t[overflow]`` (:func:`overflow_delta`; 0 without
+        ``overflow_probability`` in :meth:`step`). :meth:`privacy_report` itemises them.
 
         Args:
             delta: target delta of the Gaussian mechanism, in (0, 1).
             numel: noised coordinates per step (int >= 0: the trainable parameters' numel).
         Returns:
-            ``(epsilon, total_delta)``: epsilon as :meth:`get_epsilon` at ``delta``.
+            ``(epsilon, total_delta)``: epsilon as :meth:`get_epsilon` at ``delta``;
+            total_delta at most 1.
         Raises:
             ValueError: ``delta`` outside (0, 1) or ``numel`` not an int >= 0."""
-        truncation = truncation_delta(self.steps, numel)
-        return self.get_epsilon(delta), delta + truncation
+        report = self.privacy_report(delta, numel)
+        return report["epsilon"], report["delta_total"]
+
+    def privacy_report(self, delta: float, numel: int) -> dict:
+        """The guarantee, itemised (plain floats, JSON-serialisable).
+
+        Args:
+            delta: target delta, in (0, 1).
+            numel: noised coordinates per step (int >= 0).
+        Returns:
+            ``{"epsilon", "delta" (the target), "delta_noise_tail"
+            (:func:`truncation_delta`), "delta_batch_truncation" (:func:`overflow_delta`),
+            "batch_overflow" (sum over steps of the overflow probability), "delta_total",
+            "steps", "accountant"}``.
+        Raises:
+            ValueError: ``delta`` outside (0, 1) or ``numel`` not an int >= 0."""
+        noise_tail = truncation_delta(self.steps, numel)
+        eps = self.get_epsilon(delta)
+        batch = overflow_delta(self.batch_overflow, eps)
+        return {
+            "epsilon": eps,
+            "delta": delta,
+            "delta_noise_tail": noise_tail,
+            "delta_batch_truncation": batch,
+            "batch_overflow": self.batch_overflow,
+            "delta_total": min(1.0, delta + noise_tail + batch),
+            "steps": self.steps,
+            "accountant": self.accountant,
+        }
 
     def state_dict(self) -> dict:
         """The ledger as a plain dict (picklable and JSON-serialisable), to checkpoint
         next to the model and optimizer and restore with :meth:`load_state_dict`.
 
         Returns:
-            ``{"accountant": "rdp" | "pld", "history": [[sigma, q, steps], ...]}``, a copy
-            (later steps do not change it)."""
-        return {"accountant": self.accountant, "history": [list(r) for r in self.history]}
+            ``{"accountant": "rdp" | "pld", "history": [[sigma, q, steps], ...],
+            "batch_overflow": float}``, a copy (later steps do not change it)."""
+        return {
+            "accountant": self.accountant,
+            "history": [list(r) for r in self.history],
+            "batch_overflow": self.batch_overflow,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Replace the ledger by a checkpoint's (from :meth:`state_dict`).
@@ -337,7 +537,7 @@ class PrivacyAccountant:
                 f"{list(STATE_KEYS)} (from state_dict()), got "
                 f"{type(state).__name__}"
             )
-        missing = [k for k in STATE_KEYS if k not in state]
+        missing = [k for k in _REQUIRED_KEYS if k not in state]
         unknown = sorted(map(repr, set(state) - set(STATE_KEYS)))
         if missing or unknown:
             raise ValueError(
@@ -368,4 +568,20 @@ class PrivacyAccountant:
                 "sample_rate, steps] runs"
             )
         history = [_check_run(k, r) for k, r in enumerate(runs)]
+        overflow = state.get("batch_overflow", 0.0)
+        try:
+            ok = (
+                not isinstance(overflow, bool)
+                and isinstance(overflow, numbers.Real)
+                and math.isfinite(float(overflow))
+                and overflow >= 0
+            )
+        except OverflowError:
+            ok = False
+        if not ok:
+            raise ValueError(
+                f"PrivacyAccountant.load_state_dict: invalid batch_overflow={overflow!r}: "
+                "expected a finite real >= 0"
+            )
         self.history = history
+        self.batch_overflow = float(overflow)

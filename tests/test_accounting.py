@@ -222,3 +222,66 @@ def test_public_accountant_api_is_documented():
             assert "Raises" in doc, name
         if callable(member) and name in ("get_epsilon", "get_privacy_spent", "state_dict"):
             assert "Returns" in doc, name
+
+
+# -- fixed-shape batches: the truncation term, the epsilon(delta) curve ------------------------
+def test_batch_truncation_is_charged_to_delta():
+    from scipy import stats
+
+    N, q, B_max, T = 10_000, 0.01, 140, 500  # mean 100, sd ~10: B_max 4 sd above
+    eta = A.batch_overflow_probability(N, q, B_max)
+    assert eta == pytest.approx(stats.binom.sf(B_max, N + 1, q), rel=1e-7)
+    acc = A.PrivacyAccountant("rdp")
+    acc.step(1.0, q, T, overflow_probability=eta)
+    plain = A.PrivacyAccountant("rdp")
+    plain.step(1.0, q, T)
+    eps, total = acc.get_privacy_spent(1e-6, numel=1000)
+    assert eps == plain.get_epsilon(1e-6)  # epsilon for the user's delta, as before
+    want = 1e-6 + A.truncation_delta(T, 1000) + (1 + math.exp(eps)) * T * eta
+    assert total == pytest.approx(want, rel=1e-12)
+    report = acc.privacy_report(1e-6, numel=1000)
+    assert report["delta_batch_truncation"] == pytest.approx((1 + math.exp(eps)) * T * eta)
+    assert report["batch_overflow"] == pytest.approx(T * eta) and report["delta_total"] == total
+    assert plain.privacy_report(1e-6, 1000)["delta_batch_truncation"] == 0.0
+    # the ledger keeps the overflow mass through a checkpoint; old checkpoints load as 0
+    clone = A.PrivacyAccountant("rdp")
+    clone.load_state_dict(acc.state_dict())
+    assert clone.get_privacy_spent(1e-6, 1000) == (eps, total)
+    old = A.PrivacyAccountant("rdp")
+    old.load_state_dict({"accountant": "rdp", "history": [[1.0, q, T]]})
+    assert old.batch_overflow == 0.0
+    for bad in (-1.0, math.nan, math.inf, "1e-9", True):
+        with pytest.raises(ValueError, match="batch_overflow"):
+            old.load_state_dict({"accountant": "rdp", "history": [], "batch_overflow": bad})
+    for bad in (-0.1, 1.5, math.nan):
+        with pytest.raises(ValueError, match="overflow_probability"):
+            acc.step(1.0, q, overflow_probability=bad)
+    assert acc.batch_overflow == pytest.approx(T * eta)  # unchanged by the refused steps
+
+
+def test_overflow_delta_edge_cases():
+    assert A.overflow_delta(0.0, math.inf) == 0.0
+    assert A.overflow_delta(1e-30, 2.0) == pytest.approx((1 + math.e**2) * 1e-30)
+    assert A.overflow_delta(1e-3, 1e4) == 1.0
+    with pytest.raises(ValueError, match="overflow"):
+        A.overflow_delta(-1.0, 1.0)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        A.batch_overflow_probability(100, 0.1, -1)
+    with pytest.raises(ValueError, match="unit_rows"):
+        A.batch_overflow_probability({0: 3}, 0.1, 5)
+    assert A.batch_overflow_probability(100, 0.0, 5) == 0.0
+    assert A.batch_overflow_probability(10, 1.0, 10) == 1.0  # the neighbour has 11 rows
+    assert A.batch_overflow_probability(10, 1.0, 11) == 0.0
+
+
+@pytest.mark.parametrize("kind", ["rdp", "pld"])
+def test_epsilon_curve(kind):
+    acc = A.PrivacyAccountant(kind)
+    acc.step(1.1, 0.02, 200)
+    deltas = [1e-9, 1e-7, 1e-5, 1e-3]
+    curve = acc.epsilon_curve(deltas)
+    assert curve == [acc.get_epsilon(d) for d in deltas]
+    assert all(a >= b for a, b in zip(curve, curve[1:]))
+    assert A.PrivacyAccountant(kind).epsilon_curve(deltas) == [0.0] * 4
+    with pytest.raises(ValueError, match="delta"):
+        acc.epsilon_curve([1e-5, 1.5])
