@@ -18,11 +18,13 @@ Pieces (usable alone or through :class:`DistributedDPOptimizer`):
 - :func:`verify_lockstep`: that check alone (one small all-gather); it runs before every
   step by default, so a rank that resumed with a different key or step is caught.
 - :func:`all_reduce_clipped_sums`: SUM over ranks of ``optimizer.clipped_sum_buffers()``.
-- :class:`DistributedPoissonSampler`: each rank Poisson-samples its own shard of the
-  dataset with the global rate q, so the union over ranks is Poisson(q) over the whole
-  dataset; every rank yields every step (empty local batches included), so collectives
-  never desync. Feed the accountant ``sample_rate`` (the global q) and give the optimizer
-  ``expected_batch_size = q * N`` (the global one).
+- :class:`DistributedPoissonSampler`: counter-based Poisson sampling (SPEC 3.1) split by
+  rank: rank r evaluates the units i with i % W == r under the shared sampling key (rank
+  0's secret key, broadcast; or one derived from a common seed), so the union over ranks
+  is exactly the single-process batch of every step; every rank yields every step (empty
+  local batches included), so collectives never desync. Feed the accountant
+  ``sample_rate`` (the global q) and give the optimizer ``expected_batch_size =
+  sampler.expected_batch_size`` (the global one).
 
 DDP: wrap the model in ``DistributedDataParallel`` as usual (it broadcasts rank 0's
 parameters at construction) and call :func:`disable_gradient_allreduce` on it: DDP's own
@@ -89,7 +91,7 @@ from .optimizer import (
     all_reduce_clipped_sums,
     disable_gradient_allreduce,
 )
-from .sampler import DistributedPoissonSampler
+from .sampler import DistributedPoissonSampler, broadcast_sampling_key
 
 __all__ = [
     "DistributedDPError",
@@ -97,6 +99,7 @@ __all__ = [
     "DistributedPoissonSampler",
     "all_reduce_clipped_sums",
     "broadcast_key",
+    "broadcast_sampling_key",
     "disable_gradient_allreduce",
     "key_fingerprint",
     "reduce_scatter_clipped_sums",
