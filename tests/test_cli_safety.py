@@ -145,12 +145,12 @@ def test_no_exact_data_dependent_counts_in_any_output(text_file, tmp_path, capsy
 
 
 class _RecordingSampler(sampling.PoissonBatchSampler):
-    batches: list = []
+    recorded: list = []
 
-    def __iter__(self):
-        for batch in super().__iter__():
-            _RecordingSampler.batches.append(list(batch))
-            yield batch
+    def batch(self, step):
+        batch = super().batch(step)
+        _RecordingSampler.recorded.append(batch.indices[batch.mask].tolist())
+        return batch
 
 
 def _run_recorded(monkeypatch, out, *argv):
@@ -166,9 +166,9 @@ def _run_recorded(monkeypatch, out, *argv):
 
     monkeypatch.setattr(ft, "make_optimizer", make)
     monkeypatch.setattr(sampling, "PoissonBatchSampler", _RecordingSampler)
-    _RecordingSampler.batches = []
+    _RecordingSampler.recorded = []
     assert finetune(*argv, "--out", out) == 0
-    return initial[0], list(_RecordingSampler.batches), load_file(out / "model.safetensors")
+    return initial[0], list(_RecordingSampler.recorded), load_file(out / "model.safetensors")
 
 
 def _same(a, b):

@@ -12,13 +12,27 @@ offline), 150 steps of DP-AdamW (lr 5e-3) at an expected batch of 128 blocks
 (micro-batches of 64), epsilon = 8, delta = 1/N^1.1 (N = training blocks), C = 1.
 About 45 s on 2 idle CPU cores; validation perplexity goes from about 240 to about 14.
 
-Privacy unit: one block of --block-size tokens (adding or removing one block of the
-training text). Losses shown on the progress bar and saved in metrics.json are computed
+Privacy unit (--privacy-unit): by default one block of --block-size tokens (adding or
+removing one block of the training text). With "document" (a .jsonl line, or a topic of
+the default corpus) or "user" (all lines with the same --user-field value), each unit's
+text is cut into blocks of its own, units are Poisson-sampled (--batch-size is then the
+expected number of units per step, delta's default 1/N^1.1 counts units), and the
+gradients of a unit's blocks are summed and clipped as one row (per-sample clipping:
+ghost clipping clips blocks alone), so the guarantee is about adding or removing a whole
+document or user. The summary and metrics.json name the unit and the number of units.
+
+Fixed shapes (--max-batch-size B_MAX): each Poisson batch is truncated to B_MAX blocks
+(whole units, in a random order) and padded to B_MAX; the padding is masked out of the
+losses, the norms and the counts. The accountant adds (1 + e^epsilon) * T * P[a batch
+exceeds B_MAX] to delta and metrics.json reports it (delta_batch_truncation); a B_MAX
+below the expected batch, or one whose truncation would cost more than a tenth of
+delta, is refused. Losses shown on the progress bar and saved in metrics.json are computed
 on the private data without noise: they are for the operator, not for publication. No
 exact data-dependent count (samples drawn, clipped or non-finite) is written or shown:
 throughput is that of the expected batch.
 
-Seeds: --seed fixes the model init, the Poisson sampling and dropout; the noise key stays
+Seeds: --seed fixes the model init, the Poisson sampling (its key is derived from the
+seed; without --seed it is a secret drawn from os.urandom) and dropout; the noise key stays
 secret (os.urandom, never saved) unless --noise-seed is given, which makes the noise
 reproducible and the run NOT private (whoever knows the key can subtract the noise): its
 outputs say "not private: the noise key is known" instead of claiming an epsilon.
@@ -40,12 +54,13 @@ examples:
 Data parallelism (--nproc N > 1): N worker processes (torch.multiprocessing, file://
 rendezvous in a temp dir; gloo on CPU, NCCL on CUDA with rank r on cuda:r) build the same
 model and data; rank 0's parameters are broadcast. Each rank Poisson-samples its shard of
-the training blocks with the global rate q (dpkern.distributed.DistributedPoissonSampler),
+the training units with the global rate q (dpkern.distributed.DistributedPoissonSampler),
 and dpkern.distributed.DistributedDPOptimizer all-reduces the clipped sums once per step
 and adds the same noise on every rank (secure key drawn on rank 0 and broadcast), so the
 mechanism, sigma and the accounting are those of the single-process run. Only rank 0
-shows progress and writes --out. The sampled batches differ from a single-process run
-with the same --seed (a different sampler), so the two runs are not equal.
+shows progress and writes --out. Sampling is counter-based, so with the same --seed the
+ranks together take exactly the single-process batches (and with the same --noise-seed
+the same steps, up to the float summation order).
 
 --fsdp (with --nproc N): parameters, gradients and optimizer state are sharded over the N
 processes (FSDP2 fully_shard, one unit per transformer block plus the root) instead of

@@ -15,7 +15,11 @@ from .plan import Plan
 
 
 class PerSample:
-    """Sets ``p.grad_sample`` for a micro-batch and returns its per-sample losses."""
+    """Sets ``p.grad_sample`` for a micro-batch and returns its per-sample losses.
+
+    ``mask`` (bool ``[B]``, fixed-shape batches): padding rows are run (static shapes)
+    and then dropped from ``p.grad_sample`` and the losses, so they reach neither the
+    norms nor the counts. :meth:`units` clips a privacy unit's blocks together."""
 
     def __init__(self, net, mode: str):
         self.mode = mode
@@ -25,18 +29,82 @@ class PerSample:
 
             self.gsm = GradSampleModule(net, batch_first=True, loss_reduction="sum")
 
-    def __call__(self, ids):
+    def _params(self):
+        return [p for p in self.net.parameters() if p.requires_grad]
+
+    def __call__(self, ids, mask=None):
         from ...grad_sample import compute_grad_sample
 
         if self.mode == "functorch" or ids.shape[0] == 0:
-            return compute_grad_sample(self.net, models.sample_loss, ids, ids)
-        with warnings.catch_warnings():  # integer inputs: torch notes the hook sees no input grads
-            warnings.filterwarnings("ignore", message="Full backward hook is firing")
-            losses = models.token_loss(self.gsm(ids), ids)
-            losses.sum().backward()
-        for p in self.net.parameters():
-            p.grad = None
-        return losses.detach()
+            losses = compute_grad_sample(self.net, models.sample_loss, ids, ids)
+        else:
+            with warnings.catch_warnings():  # integer inputs: the hook sees no input grads
+                warnings.filterwarnings("ignore", message="Full backward hook is firing")
+                losses = models.token_loss(self.gsm(ids), ids)
+                weights = losses if mask is None else losses * mask.to(losses.dtype)
+                weights.sum().backward()
+            for p in self.net.parameters():
+                p.grad = None
+            losses = losses.detach()
+        if mask is not None:
+            keep = mask.to(ids.device)
+            for p in self._params():
+                if getattr(p, "grad_sample", None) is not None:
+                    p.grad_sample = p.grad_sample[keep]
+            losses = losses[keep]
+        return losses
+
+    def units(self, ids, unit_ids, micro: int):
+        """Per-unit rows for whole privacy units: ``ids`` ``[R, T]`` holds the blocks of
+        one or more units (``unit_ids`` ``[R]``, contiguous per unit). Per-sample
+        gradients are computed ``micro`` rows at a time and summed per unit (also across
+        passes, for a unit of more than ``micro`` blocks), then ``p.grad_sample`` is set to
+        ``[units, *p.shape]``: the optimizer clips ||sum of the unit's gradients||.
+        Returns the per-block losses."""
+        from ...sampling import group_grad_samples
+
+        params = self._params()
+        running, running_ids, losses = None, None, []
+        for s in range(0, ids.shape[0], micro):
+            sub_units = unit_ids[s : s + micro]
+            losses.append(self(ids[s : s + micro]))
+            rows = group_grad_samples([p.grad_sample for p in params], sub_units)
+            for p in params:
+                p.grad_sample = None
+            ids_here = torch.unique(sub_units)
+            if running is not None:
+                rows = [None if a is None else torch.cat([a, b]) for a, b in zip(running, rows)]
+                ids_here = torch.cat([running_ids, ids_here])
+                rows = group_grad_samples(rows, ids_here)
+                ids_here = torch.unique(ids_here)
+            running, running_ids = rows, ids_here
+        for p, g in zip(params, running or [None] * len(params)):
+            p.grad_sample = g
+        return torch.cat(losses) if losses else torch.zeros(0)
+
+
+def unit_chunks(unit_ids: torch.Tensor, micro: int) -> list[tuple[int, int]]:
+    """Row ranges ``(start, end)`` of whole units, each at most ``micro`` rows unless it
+    is a single unit with more (then :meth:`PerSample.units` sums its passes).
+    ``unit_ids`` is contiguous per unit (the sampler groups rows by unit)."""
+    if unit_ids.numel() == 0:
+        return []
+    _, counts = torch.unique_consecutive(unit_ids, return_counts=True)
+    chunks, start, size = [], 0, 0
+    for c in counts.tolist():
+        if size and size + c > micro:
+            chunks.append((start, start + size))
+            start, size = start + size, 0
+        size += c
+    chunks.append((start, start + size))
+    return chunks
+
+
+UNITS_NEED_PER_SAMPLE = (
+    "ghost clipping clips each block alone; --privacy-unit document/user clips the sum "
+    "of a unit's blocks, which needs per-sample gradients (--clipping per-sample, "
+    "without --fsdp)"
+)
 
 
 FSDP_NEEDS_GHOST = (
@@ -56,6 +124,17 @@ def choose_clipping(args, plan: Plan, net, params) -> str:
         "--fsdp",
         FSDP_NEEDS_GHOST,
     )
+    if plan.privacy_unit != "block":
+        # a unit's norm is ||sum of its blocks' gradients||: per-sample gradients, summed
+        require(not getattr(args, "fsdp", False), "--fsdp", UNITS_NEED_PER_SAMPLE)
+        require(args.clipping != "ghost", "--clipping", UNITS_NEED_PER_SAMPLE)
+        if args.clipping is None:
+            print(
+                f"dpkern finetune: note: --privacy-unit {plan.privacy_unit} clips the sum of "
+                "a unit's per-block gradients: using --clipping per-sample",
+                file=sys.stderr,
+            )
+        return "per-sample"
     if plan.optimizer == "dp-macadam":
         require(
             args.clipping != "ghost",
@@ -135,7 +214,9 @@ class Ghost:
         self.net = net
         self.placeholder = placeholder  # FSDP2: one block run by a rank without samples
 
-    def __call__(self, ids):
+    def __call__(self, ids, mask=None):
+        """``mask`` (fixed-shape batches): padding rows' losses are multiplied by 0, so
+        their gradients, norms and clipped contributions are exactly 0."""
         if ids.shape[0] == 0 and self.placeholder is not None:
             # FSDP2: the forward's all-gathers are collectives; the loss is dropped
             ph = self.placeholder.to(ids.device)
@@ -145,5 +226,9 @@ class Ghost:
             self.gc.add_empty_batch()
             return torch.zeros(0, device=ids.device)
         losses = models.token_loss(self.net(ids), ids)
-        self.gc.backward(losses)
-        return losses.detach()
+        if mask is None:
+            self.gc.backward(losses)
+            return losses.detach()
+        keep = mask.to(losses.device)
+        self.gc.backward(losses * keep.to(losses.dtype))
+        return losses.detach()[keep]

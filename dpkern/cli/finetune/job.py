@@ -21,8 +21,10 @@ from .plan import (
     Plan,
     calibrate_extension,
     check_batch_fits,
+    check_units,
     plan_from_args,
     saved_plan,
+    unit_name,
     warn_delta,
 )
 
@@ -33,7 +35,8 @@ class Job:
     is None on ranks that do not write; ``done``: steps already taken (a resumed run);
     ``steps``: the total at the end; ``micro``: the micro-batch size; ``delta``: the
     target delta; ``numel``: trainable parameters; ``old_metrics``: the resumed
-    checkpoint's metrics.json ({} for a new run)."""
+    checkpoint's metrics.json ({} for a new run); ``units``: None (each block its own
+    privacy unit) or int64 ``[len(train)]``, the unit of each training block (0 .. U-1)."""
 
     plan: Plan
     out: Path | None
@@ -53,6 +56,7 @@ class Job:
     numel: int
     device: torch.device
     old_metrics: dict
+    units: torch.Tensor | None = None
 
 
 def load_model(plan: Plan, args):
@@ -76,23 +80,32 @@ def load_model(plan: Plan, args):
     return model, tokenizer
 
 
-def load_blocks(plan: Plan, tokenizer, block_size_given: bool):
-    """(train blocks, validation blocks, bytes of text, tokens of text)."""
+def _encode(tokenizer, text: str) -> torch.Tensor:
     from ... import data
 
+    if tokenizer is None:
+        return data.byte_encode(text)
+    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+
+def _data_error(plan: Plan, exc: Exception) -> UsageError:
+    msg = exc.strerror + f": {plan.data}" if isinstance(exc, OSError) and exc.strerror else str(exc)
+    field = plan.user_field is not None and f'"{plan.user_field}"' in msg
+    return UsageError("--user-field" if field else "--data", msg)
+
+
+def load_blocks(plan: Plan, tokenizer, block_size_given: bool):
+    """(train blocks, validation blocks, bytes of text, tokens of text, units): ``units``
+    is None for block-level privacy, else the unit of each training block."""
+    from ... import data
+
+    if plan.privacy_unit != "block":
+        return _load_unit_blocks(plan, tokenizer)
     try:
         text = data.read_text(plan.data) if plan.data is not None else data.default_text()
     except (OSError, ValueError) as exc:
-        msg = (
-            exc.strerror + f": {plan.data}"
-            if isinstance(exc, OSError) and exc.strerror
-            else str(exc)
-        )
-        raise UsageError("--data", msg) from None
-    if tokenizer is None:
-        ids = data.byte_encode(text)
-    else:
-        ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+        raise _data_error(plan, exc) from None
+    ids = _encode(tokenizer, text)
     blocks = data.make_blocks(ids, plan.block_size)
     try:
         train, val = data.split_blocks(blocks, plan.val_fraction)
@@ -107,7 +120,94 @@ def load_blocks(plan: Plan, tokenizer, block_size_given: bool):
         raise UsageError(
             "--data", f"{exc} at --block-size {plan.block_size} ({ids.numel()} tokens)"
         ) from None
-    return train, val, len(text.encode("utf-8")), ids.numel()
+    return train, val, len(text.encode("utf-8")), ids.numel(), None
+
+
+def _load_unit_blocks(plan: Plan, tokenizer):
+    """Documents or users: each unit's text cut into blocks of its own; whole units held
+    out for validation; the training units numbered 0 .. U-1 in order."""
+    from ... import data
+
+    try:
+        docs = (
+            data.read_documents(plan.data, user_field=plan.user_field)
+            if plan.data is not None
+            else data.default_documents()
+        )
+    except (OSError, ValueError) as exc:
+        raise _data_error(plan, exc) from None
+    texts, _ = data.group_units(docs)
+    ids = [_encode(tokenizer, t) for t in texts]
+    blocks, unit_of = data.make_unit_blocks(ids, plan.block_size)
+    n_tokens = sum(x.numel() for x in ids)
+    try:
+        train_idx, val_idx = data.split_units(unit_of, plan.val_fraction)
+    except ValueError as exc:
+        raise UsageError(
+            "--data",
+            f"{str(exc).replace('unit(s)', unit_name(plan) + '(s)')} at --block-size "
+            f"{plan.block_size} ({len(texts)} {unit_name(plan, len(texts))}, "
+            f"{n_tokens} tokens; a {unit_name(plan, 1)} shorter than a block has none)",
+        ) from None
+    units = torch.unique(unit_of[train_idx], return_inverse=True)[1]
+    n_bytes = sum(len(t.encode("utf-8")) for t in texts)
+    return blocks[train_idx], blocks[val_idx], n_bytes, n_tokens, units
+
+
+def _fixed_shape(plan: Plan, n_blocks: int, units, steps: int, delta: float) -> float:
+    """--max-batch-size: check it against the data (a sampler validates it) and return
+    the per-step overflow probability; refuse a B_max below the expected batch, or one
+    whose truncation would cost more than a tenth of delta at the target epsilon (the
+    message gives the smallest B_max that would do)."""
+    from ...accounting import overflow_delta
+    from ...sampling import PoissonBatchSampler
+
+    def sampler(B_max):
+        return PoissonBatchSampler(
+            n_blocks,
+            plan.sample_rate,
+            1,
+            seed=0,  # (a throw-away: only the shape is checked)
+            units=units,
+            max_batch_size=B_max,
+            max_unit_size=plan.max_blocks_per_unit,
+        )
+
+    rows = n_blocks if units is None or plan.max_blocks_per_unit is None else None
+    if rows is None:
+        sizes = torch.bincount(units).clamp(max=plan.max_blocks_per_unit)
+        rows = int(sizes.sum())
+    expected = plan.sample_rate * rows
+    require(
+        plan.max_batch_size >= expected,
+        "--max-batch-size",
+        f"{plan.max_batch_size} is below the expected batch of {expected:.1f} blocks: most "
+        "steps would be truncated",
+    )
+    try:
+        eta = sampler(plan.max_batch_size).overflow_probability
+    except ValueError as exc:
+        option = "--max-blocks-per-unit" if "max_unit_size" in str(exc) else "--max-batch-size"
+        raise UsageError(option, str(exc).replace("rows", "blocks")) from None
+
+    def cost(B_max, eta=None):
+        eta = sampler(B_max).overflow_probability if eta is None else eta
+        return overflow_delta(steps * eta, plan.epsilon)
+
+    if cost(plan.max_batch_size, eta) > 0.1 * delta:
+        lo, hi = plan.max_batch_size, rows  # cost(hi) = 0: a batch never exceeds all rows
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if cost(mid) <= 0.1 * delta else (mid, hi)
+        raise UsageError(
+            "--max-batch-size",
+            f"{plan.max_batch_size} blocks truncate too often: the truncation would add "
+            f"{cost(plan.max_batch_size, eta):.3g} to delta (target {delta:.3g}; "
+            f"P[a batch exceeds it] = {eta:.3g} per step, charged (1 + e^epsilon) times "
+            f"over {steps} steps); use at least {hi} (the expected batch is "
+            f"{expected:.1f} blocks)",
+        )
+    return eta
 
 
 def make_optimizer(plan: Plan, params, backend: str, sigma: float):
@@ -183,6 +283,7 @@ def prepare(args) -> Job:
         saved, trainer_state, old_metrics = load_checkpoint(Path(args.resume))
         saved = saved_plan(saved, trainer_state)
     plan = plan_from_args(args, saved)
+    check_units(plan)
     out = check_out(
         args.out,
         overwrite=args.overwrite,
@@ -222,12 +323,17 @@ def prepare(args) -> Job:
     logging.getLogger("absl").setLevel(logging.ERROR)  # dp-accounting's RDP series notes
     model, tokenizer = load_model(plan, args)
     block_size_given = args.block_size is not None and saved is None
-    train, val, n_bytes, n_tokens = load_blocks(plan, tokenizer, block_size_given)
-    n = train.shape[0]
-    if saved is not None and (n, val.shape[0]) != (saved.get("n_train"), saved.get("n_val")):
+    train, val, n_bytes, n_tokens, units = load_blocks(plan, tokenizer, block_size_given)
+    n_blocks = train.shape[0]
+    n = n_blocks if units is None else int(units.max()) + 1  # training units
+    if saved is not None and (n_blocks, val.shape[0], n) != (
+        saved.get("n_train"),
+        saved.get("n_val"),
+        saved.get("n_units") or saved.get("n_train"),
+    ):
         raise UsageError(
             "--data",
-            f"gives {n} training blocks, the checkpoint was trained on "
+            f"gives {n_blocks} training blocks, the checkpoint was trained on "
             f"{saved.get('n_train')}: not the same data",
         )
     check_batch_fits(plan, n, n_tokens, block_size_given)
@@ -264,8 +370,11 @@ def prepare(args) -> Job:
                 accountant.history, q, steps - done, plan.epsilon, delta, plan.accountant
             )
     plan.steps, plan.epochs = steps, None
-    plan.n_train, plan.n_val, plan.sample_rate, plan.noise_multiplier = n, val.shape[0], q, sigma
+    plan.n_train, plan.n_val, plan.sample_rate = n_blocks, val.shape[0], q
+    plan.noise_multiplier, plan.n_units = sigma, n
     plan.tokenizer = "bytes" if tokenizer is None else "hf"
+    if plan.max_batch_size is not None:
+        plan.batch_overflow_probability = _fixed_shape(plan, n_blocks, units, steps, delta)
 
     model.to(device)
     net = models.CausalLMLogits(model, explicit_positions=args.grad_sample == "opacus")
@@ -286,7 +395,7 @@ def prepare(args) -> Job:
         Ghost(net, optimizer) if args.clipping == "ghost" else PerSample(net, args.grad_sample)
     )
     numel = sum(p.numel() for p in params)
-    warn_delta(plan.delta, n)  # (last: bad input stays a one-line error)
+    warn_delta(plan.delta, n, f"training {unit_name(plan, n)}")  # (last: input errors first)
     return Job(
         plan=plan,
         out=out,
@@ -306,4 +415,5 @@ def prepare(args) -> Job:
         numel=numel,
         device=device,
         old_metrics=old_metrics or {},
+        units=units,
     )

@@ -14,7 +14,8 @@ import torch
 from ... import models
 from ..stop import StopSignals
 from .checkpoint import write_checkpoint
-from .plan import NOT_PRIVATE, run_record
+from .clipping import unit_chunks
+from .plan import NOT_PRIVATE, run_record, unit_name
 
 
 def _fmt_time(seconds: float) -> str:
@@ -35,8 +36,6 @@ def run_training(args, job, dist_ctx=None, stop: StopSignals | None = None) -> i
 
     from tqdm import tqdm
 
-    from ...sampling import PoissonBatchSampler
-
     stop = stop or StopSignals()
     q, sigma = plan.sample_rate, plan.noise_multiplier
     private = plan.noise_seed is None
@@ -45,29 +44,28 @@ def run_training(args, job, dist_ctx=None, stop: StopSignals | None = None) -> i
     writes = getattr(args, "writes", out is not None)  # (FSDP: ranks != 0 join the gathers)
     t_start = time.perf_counter()
     val_before = models.evaluate(net, val, args.eval_batch_size, device)
-    sampler_seed = None if plan.seed is None else (plan.seed * 1_000_003 + done) % 2**63
     if plan.seed is not None:  # dropout masks (a --model with dropout): per rank, per resume
-        torch.manual_seed((sampler_seed * 1009 + rank + 1) % 2**63)
-    if dist_ctx is None:
-        sampler = PoissonBatchSampler(train.shape[0], q, steps - done, seed=sampler_seed)
-    else:
-        from ...distributed import DistributedPoissonSampler
-
-        sampler = DistributedPoissonSampler(
-            train.shape[0], q, steps - done, rank=rank, num_replicas=world, seed=sampler_seed
-        )
+        segment_seed = (plan.seed * 1_000_003 + done) % 2**63
+        torch.manual_seed((segment_seed * 1009 + rank + 1) % 2**63)
+    sampler = _make_sampler(plan, job, steps - done, dist_ctx)
+    fixed = plan.max_batch_size is not None
+    overflow = plan.batch_overflow_probability if fixed else 0.0
     train_time = 0.0
     segment_start = done
     loss_ema = None
     eps_shown, eps_time = accountant.get_epsilon(delta), 0.0
 
+    # blocks of the expected batch (units hold several blocks: q times the blocks)
+    expected_rows = plan.batch_size if job.units is None else q * plan.n_train
+
     def expected_tokens_per_second():
         # of the EXPECTED batch: the exact count of sampled blocks depends on the data set
-        tokens = (optimizer.dp_step - segment_start) * plan.batch_size * plan.block_size
+        tokens = (optimizer.dp_step - segment_start) * expected_rows * plan.block_size
         return tokens / max(train_time, 1e-9)
 
     def checkpoint(val_after=None, final=False):
-        eps, delta_total = accountant.get_privacy_spent(delta, numel)
+        report = accountant.privacy_report(delta, numel)
+        eps, delta_total = report["epsilon"], report["delta_total"]
         if private:
             privacy = {
                 "private": True,
@@ -83,6 +81,14 @@ def run_training(args, job, dist_ctx=None, stop: StopSignals | None = None) -> i
                 "epsilon_for_noise_calibration": plan.epsilon,
                 "delta_if_noise_key_were_secret": delta_total,
             }
+        if getattr(args, "epsilon_curve", False):
+            deltas = sorted({delta, *(10.0**-k for k in range(2, 13))})
+            curve = [
+                {"delta": d, "epsilon": e} for d, e in zip(deltas, accountant.epsilon_curve(deltas))
+            ]
+            privacy["epsilon_curve" if private else "epsilon_curve_if_noise_key_were_secret"] = (
+                curve
+            )
         metrics = {
             "step": optimizer.dp_step,
             "steps": steps,
@@ -108,6 +114,13 @@ def run_training(args, job, dist_ctx=None, stop: StopSignals | None = None) -> i
             "n_train_blocks": plan.n_train,
             "n_val_blocks": plan.n_val,
             "block_size": plan.block_size,
+            "privacy_unit": plan.privacy_unit,
+            "n_units": plan.n_units,
+            "delta_noise_tail": report["delta_noise_tail"],
+            "max_batch_size": plan.max_batch_size,
+            "max_blocks_per_unit": plan.max_blocks_per_unit,
+            "batch_overflow_probability": overflow,
+            "delta_batch_truncation": report["delta_batch_truncation"],
             "finished": final,
             "nproc": world,
             "fsdp": fsdp,
@@ -159,24 +172,36 @@ def run_training(args, job, dist_ctx=None, stop: StopSignals | None = None) -> i
         file=sys.stderr,
     )
     stopped = dist_ctx is None and stop.requested  # (ranks agree on a stop after a step)
-    for indices in [] if stopped else sampler:
+    for sampled in iter(()) if stopped else sampler.batches():
         t0 = time.perf_counter()
-        batch = train[indices]
+        batch = train[sampled.indices]
+        mask = sampled.mask if fixed else None
         losses = []
-        chunks = [batch[i : i + micro] for i in range(0, batch.shape[0], micro)] or [batch]
-        if fsdp:  # every rank runs as many micro-batches (forwards are collectives)
-            import torch.distributed as dist
-
-            n = torch.tensor([len(chunks)], device=device)
-            dist.all_reduce(n, op=dist.ReduceOp.MAX)
-            chunks += [batch[:0]] * (int(n) - len(chunks))
-        for chunk in chunks:
-            losses.append(per_sample(chunk.to(device)))
-            if not getattr(per_sample, "accumulates", False):
+        if job.units is not None:  # whole units per micro-batch, padding dropped
+            rows = sampled.mask.nonzero().flatten()
+            unit_ids = sampled.unit_ids[rows]
+            for a, b in unit_chunks(unit_ids, micro):
+                losses.append(per_sample.units(batch[rows[a:b]].to(device), unit_ids[a:b], micro))
                 optimizer.accumulate()
+            if not losses:
+                losses.append(per_sample(batch[:0].to(device)))
+                optimizer.accumulate()
+        else:
+            chunks = [(i, i + micro) for i in range(0, batch.shape[0], micro)] or [(0, 0)]
+            if fsdp:  # every rank runs as many micro-batches (forwards are collectives)
+                import torch.distributed as dist
+
+                n = torch.tensor([len(chunks)], device=device)
+                dist.all_reduce(n, op=dist.ReduceOp.MAX)
+                chunks += [(0, 0)] * (int(n) - len(chunks))
+            for a, b in chunks:
+                chunk_mask = None if mask is None else mask[a:b]
+                losses.append(per_sample(batch[a:b].to(device), chunk_mask))
+                if not getattr(per_sample, "accumulates", False):
+                    optimizer.accumulate()
         optimizer.step()
-        accountant.step(sigma, q)
-        count, loss_sum = batch.shape[0], float(torch.cat(losses).sum()) if losses else 0.0
+        accountant.step(sigma, q, overflow_probability=overflow)
+        count, loss_sum = sampled.num_rows, float(torch.cat(losses).sum()) if losses else 0.0
         stop_now = stop.requested
         if dist_ctx is not None:  # global mean loss for the bar; a stop on any rank is all's
             import torch.distributed as dist
@@ -236,6 +261,28 @@ def run_training(args, job, dist_ctx=None, stop: StopSignals | None = None) -> i
     return 0
 
 
+def _make_sampler(plan, job, steps: int, dist_ctx):
+    """The counter-based Poisson sampler of the remaining steps (SPEC 3.1): it starts at
+    step done + 1, so a resumed run continues the same sequence of batches. The sampling
+    key derives from --seed, or is a secret (os.urandom; rank 0's, broadcast)."""
+    kw = {
+        "seed": plan.seed,
+        "start_step": job.done + 1,
+        "units": job.units,
+        "max_batch_size": plan.max_batch_size,
+        "max_unit_size": plan.max_blocks_per_unit,
+    }
+    n, q = job.train.shape[0], plan.sample_rate
+    if dist_ctx is None:
+        from ...sampling import PoissonBatchSampler
+
+        return PoissonBatchSampler(n, q, steps, **kw)
+    from ...distributed import DistributedPoissonSampler
+
+    rank, world = dist_ctx
+    return DistributedPoissonSampler(n, q, steps, rank=rank, num_replicas=world, **kw)
+
+
 def _resident_bytes(optimizer) -> dict:
     """Bytes of parameters and optimizer state this rank keeps between steps (its shards
     under --fsdp, everything otherwise)."""
@@ -274,21 +321,50 @@ def _past_segments(old_metrics: dict) -> list[dict]:
     ]
 
 
+def _unit_line(plan) -> str:
+    """What the guarantee protects, and how many of them the training set holds."""
+    n = plan.n_units
+    if plan.privacy_unit == "block":
+        return f"one block of {plan.block_size} tokens: {n:,} training blocks"
+    what = (
+        f"one user (--user-field {plan.user_field}; all of the user's blocks)"
+        if plan.privacy_unit == "user"
+        else "one document (all of its blocks)"
+    )
+    cap = (
+        f", at most {plan.max_blocks_per_unit} blocks each"
+        if plan.max_blocks_per_unit is not None
+        else ""
+    )
+    return f"{what}: {n:,} training {unit_name(plan, n)}, clipped as one row each{cap}"
+
+
 def _print_summary(plan, args, m, n_bytes, done, out) -> None:
     model = plan.model or (
         "(resumed) " + str(args.resume) if args.resume else "built-in byte-level GPT-2"
     )
     data = plan.data or "pydoc_data.topics (CPython help pages)"
     delta_src = "" if plan.delta is not None else " (1/N^1.1)"
+    units = unit_name(plan, plan.n_units)
+    sampling = (
+        "Poisson"
+        if plan.max_batch_size is None
+        else f"truncated Poisson padded to {plan.max_batch_size} blocks"
+    )
     mechanism = (
         f"sigma {m['noise_multiplier']:.4g}, C {plan.max_grad_norm:g}, q "
-        f"{m['sample_rate']:.4g} (Poisson, expected batch {plan.batch_size})"
+        f"{m['sample_rate']:.4g} ({sampling}, expected batch {plan.batch_size} {units})"
+    )
+    truncation = (
+        f" (truncation {m['delta_batch_truncation']:.2g} of it)"
+        if plan.max_batch_size is not None
+        else ""
     )
     if plan.noise_seed is None:
         privacy = (
             f"epsilon {m['epsilon']:.3f} spent (target {plan.epsilon:g}), delta "
-            f"{m['delta']:.3g}{delta_src}, {mechanism}, {plan.accountant.upper()} "
-            "accountant"
+            f"{m['delta']:.3g}{delta_src}{truncation}, {mechanism}, "
+            f"{plan.accountant.upper()} accountant"
         )
     else:
         privacy = f"{NOT_PRIVATE} (--noise-seed {plan.noise_seed}); {mechanism}"
@@ -299,6 +375,7 @@ def _print_summary(plan, args, m, n_bytes, done, out) -> None:
             f"  data        {data}: {n_bytes:,} bytes, {plan.n_train:,} train / "
             f"{plan.n_val:,} validation blocks"
         ),
+        f"  unit        {_unit_line(plan)}",
         f"  optimizer   {plan.optimizer}, lr {plan.lr:g}, backend {args.backend}, "
         f"clipping {args.clipping}"
         + (f" (per-sample gradients {args.grad_sample})" if args.clipping == "per-sample" else ""),

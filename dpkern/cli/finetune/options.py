@@ -18,6 +18,9 @@ GRAD_SAMPLE_MODES = ("functorch", "opacus")
 CLIPPING_MODES = ("ghost", "per-sample")
 
 
+PRIVACY_UNITS = ("block", "document", "user")
+
+
 #: Defaults of the run plan (kept in one place; the help text is built from it).
 DEFAULTS = {
     "block_size": 64,
@@ -31,6 +34,7 @@ DEFAULTS = {
     "max_grad_norm": 1.0,
     "batch_size": 128,
     "steps": 150,
+    "privacy_unit": "block",
 }
 
 
@@ -51,6 +55,10 @@ PLAN_OPTIONS = (
     "batch_size",
     "seed",
     "noise_seed",
+    "privacy_unit",
+    "user_field",
+    "max_batch_size",
+    "max_blocks_per_unit",
 )
 
 
@@ -81,7 +89,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--val-fraction",
         type=float,
         metavar="F",
-        help=f"blocks held out for validation (default {d['val_fraction']})",
+        help="blocks (whole documents or users with --privacy-unit document/user) held "
+        f"out for validation (default {d['val_fraction']})",
+    )
+    g.add_argument(
+        "--privacy-unit",
+        choices=PRIVACY_UNITS,
+        help="what the guarantee protects: one block of --block-size tokens, one "
+        "document (a .jsonl line, a default-corpus topic: all of its blocks), or one user "
+        "(all lines with the same --user-field value). Units are Poisson-sampled and a "
+        "unit's blocks are clipped together (per-sample clipping) "
+        f"(default {d['privacy_unit']})",
+    )
+    g.add_argument(
+        "--user-field",
+        metavar="NAME",
+        help="with --privacy-unit user: the .jsonl field that names each line's user "
+        "(a string or an integer on every line)",
     )
     g = parser.add_argument_group("privacy")
     g.add_argument(
@@ -90,7 +114,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"target epsilon at the end of training (default {d['epsilon']:g})",
     )
     g.add_argument(
-        "--delta", type=float, help="target delta (default 1/N^1.1, N = number of training blocks)"
+        "--delta",
+        type=float,
+        help="target delta (default 1/N^1.1, N = number of training units: blocks, "
+        "documents or users)",
     )
     g.add_argument(
         "--accountant",
@@ -107,7 +134,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--batch-size",
         type=int,
         metavar="B",
-        help=f"expected logical batch under Poisson sampling (default {d['batch_size']})",
+        help="expected logical batch under Poisson sampling, in privacy units (blocks, "
+        f"documents or users) (default {d['batch_size']})",
+    )
+    g.add_argument(
+        "--max-batch-size",
+        type=int,
+        metavar="B_MAX",
+        help="fixed-shape batches: truncate each Poisson batch to B_MAX blocks and pad it "
+        "to B_MAX (padding is masked out of losses, norms and counts); the accountant "
+        "adds the truncation's cost to delta and reports it. Default: variable batches",
+    )
+    g.add_argument(
+        "--max-blocks-per-unit",
+        type=int,
+        metavar="K",
+        help="with --privacy-unit document/user: use at most the first K blocks of each "
+        "unit (required with --max-batch-size: the truncation term assumes it)",
     )
     g.add_argument(
         "--micro-batch-size",
@@ -215,6 +258,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="blocks per validation forward pass (default 64)",
     )
+    g.add_argument(
+        "--epsilon-curve",
+        action="store_true",
+        help=f"also write epsilon at delta = 1e-2 ... 1e-12 (and the target) to {FILES['metrics']}",
+    )
     g.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -271,8 +319,10 @@ def check_numbers(args) -> None:
         ("save_every", 1),
         ("eval_batch_size", 1),
         ("nproc", 1),
+        ("max_batch_size", 1),
+        ("max_blocks_per_unit", 1),
     ):
-        v = getattr(args, opt)
+        v = getattr(args, opt, None)
         require(v is None or v >= low, "--" + opt.replace("_", "-"), f"must be >= {low}, got {v}")
     require(args.epochs is None or args.epochs > 0, "--epochs", f"must be > 0, got {args.epochs}")
     for opt in ("seed", "noise_seed"):

@@ -43,6 +43,23 @@ class Plan:
     n_val: int = 0
     sample_rate: float = 0.0
     noise_multiplier: float = 0.0
+    privacy_unit: str = "block"
+    user_field: str | None = None
+    max_batch_size: int | None = None
+    max_blocks_per_unit: int | None = None
+    n_units: int = 0
+    batch_overflow_probability: float = 0.0
+
+
+#: How each privacy unit is named in messages and the summary (singular, plural).
+UNIT_NAMES = {"block": ("block", "blocks"), "document": ("document", "documents")}
+UNIT_NAMES["user"] = ("user", "users")
+
+
+def unit_name(plan: Plan, n: int | None = None) -> str:
+    """The privacy unit's name, plural unless ``n`` is 1."""
+    one, many = UNIT_NAMES[plan.privacy_unit]
+    return one if n == 1 else many
 
 
 def plan_from_args(args, saved: dict | None) -> Plan:
@@ -64,6 +81,10 @@ def plan_from_args(args, saved: dict | None) -> Plan:
         "epochs",
         "seed",
         "noise_seed",
+        "privacy_unit",
+        "user_field",
+        "max_batch_size",
+        "max_blocks_per_unit",
     ):
         given = getattr(args, name, None)
         if saved is not None and name in PLAN_OPTIONS:
@@ -118,7 +139,41 @@ def saved_plan(saved: dict, trainer_state: dict) -> dict:
     if "noise_seed" not in saved:
         dp = (trainer_state.get("optimizer") or {}).get("dp") or {}
         saved["noise_seed"] = dp.get("seed")
+    saved.setdefault("privacy_unit", "block")  # (checkpoints before privacy units)
+    for name in ("user_field", "max_batch_size", "max_blocks_per_unit"):
+        saved.setdefault(name, None)
     return saved
+
+
+def check_units(plan: Plan) -> None:
+    """The privacy-unit options fit together (UsageError naming the option)."""
+    unit = plan.privacy_unit
+    if unit == "user" and plan.user_field is None:
+        raise UsageError(
+            "--user-field",
+            "--privacy-unit user needs --user-field NAME (the .jsonl field naming each "
+            "line's user)",
+        )
+    if unit != "user" and plan.user_field is not None:
+        raise UsageError("--user-field", f"only with --privacy-unit user, not {unit}")
+    if unit != "block" and plan.data is not None and Path(plan.data).suffix.lower() != ".jsonl":
+        raise UsageError(
+            "--privacy-unit",
+            f"{unit} needs a .jsonl --data file (one document per line"
+            + (", with a user field" if unit == "user" else "")
+            + f"): a {Path(plan.data).suffix or 'plain'} file is a single document",
+        )
+    if unit == "block" and plan.max_blocks_per_unit is not None:
+        raise UsageError(
+            "--max-blocks-per-unit", "only with --privacy-unit document or user (a block is one)"
+        )
+    if unit != "block" and plan.max_batch_size is not None and plan.max_blocks_per_unit is None:
+        raise UsageError(
+            "--max-blocks-per-unit",
+            f"--max-batch-size with --privacy-unit {unit} needs --max-blocks-per-unit K: "
+            "the truncation term of the accounting assumes that a neighbouring "
+            f"{unit} brings at most K blocks",
+        )
 
 
 def calibrate_extension(
@@ -151,10 +206,16 @@ def calibrate_extension(
 
 
 def check_batch_fits(plan: Plan, n: int, n_tokens: int, block_size_given: bool) -> None:
-    """The expected batch must not exceed the training blocks. Blamed on --block-size when
+    """The expected batch must not exceed the training units. Blamed on --block-size when
     the user chose it and a smaller one would give enough blocks, else on --batch-size."""
     if plan.batch_size <= n:
         return
+    if plan.privacy_unit != "block":
+        raise UsageError(
+            "--batch-size",
+            f"{plan.batch_size} is larger than the data set ({n} training "
+            f"{unit_name(plan, n)} with a block of {plan.block_size} tokens)",
+        )
     blocks_at_2 = n_tokens // 2
     train_at_2 = blocks_at_2 - min(blocks_at_2 - 1, max(1, round(blocks_at_2 * plan.val_fraction)))
     if block_size_given and plan.batch_size <= train_at_2:
@@ -171,13 +232,13 @@ def check_batch_fits(plan: Plan, n: int, n_tokens: int, block_size_given: bool) 
     )
 
 
-def warn_delta(delta: float | None, n: int) -> None:
+def warn_delta(delta: float | None, n: int, units: str = "training blocks") -> None:
     """--delta should be well below 1/N: a mechanism that publishes one random example in
     full is (0, 1/N)-DP. A warning, not an error (one line on stderr)."""
     if delta is not None and delta >= 1.0 / n:
         print(
             f"dpkern finetune: warning: --delta {delta:g} is not well below 1/N = "
-            f"{1.0 / n:.3g} (N = {n:,} training blocks): such a delta allows leaking "
+            f"{1.0 / n:.3g} (N = {n:,} {units}): such a delta allows leaking "
             "whole examples; the default is 1/N^1.1",
             file=sys.stderr,
         )
