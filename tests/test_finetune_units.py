@@ -206,3 +206,40 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, text_file, users_fil
     argv = ["--data", bad, "--privacy-unit", "user", "--user-field", "author", "--out", out]
     assert finetune(*argv, *TINY) == 2
     assert 'bad.jsonl:2: no "author" field' in capsys.readouterr().err and not out.exists()
+
+
+def test_secure_sampling_key_never_reaches_the_run_directory(users_file, tmp_path, monkeypatch):
+    """Without --seed the sampling key is a secret from os.urandom: no file of the run
+    holds it (nor the noise key), in any common encoding."""
+    import os
+
+    from dpkern.sampling import stream
+
+    drawn, keys = [], []
+    real_urandom, real_key = os.urandom, stream.sampling_key
+
+    def urandom(n):
+        drawn.append(real_urandom(n))
+        return drawn[-1]
+
+    def sampling_key(seed=None):
+        keys.append(real_key(seed))
+        return keys[-1]
+
+    monkeypatch.setattr(os, "urandom", urandom)
+    monkeypatch.setattr(stream, "sampling_key", sampling_key)
+    monkeypatch.setattr("dpkern.sampling.poisson.sampling_key", sampling_key)
+    out = tmp_path / "run"
+    argv = ["--data", users_file, "--privacy-unit", "user", "--user-field", "author"]
+    assert finetune(*argv, "--batch-size", 6, "--steps", 2, "--out", out, *TINY) == 0
+    secret = [k for k in keys if not k.seeded]
+    assert secret and all(not k.seeded for k in secret)
+    needles = set()
+    for b in [k._value.to_bytes(8, "little") for k in secret] + [d[:8] for d in drawn]:
+        for v in (int.from_bytes(b, "little"), int.from_bytes(b, "big")):
+            needles |= {str(v).encode(), f"{v:x}".encode(), f"{v:016x}".encode()}
+        needles |= {b, b[::-1]}
+    for path in out.rglob("*"):
+        if path.is_file():
+            raw = path.read_bytes()
+            assert not any(n in raw for n in needles if len(n) >= 8), path.name

@@ -284,6 +284,14 @@ def prepare(args) -> Job:
         saved = saved_plan(saved, trainer_state)
     plan = plan_from_args(args, saved)
     check_units(plan)
+    require(
+        getattr(args, "nproc", 1) == 1
+        or plan.max_batch_size is None
+        or plan.privacy_unit == "block",
+        "--max-batch-size",
+        f"fixed shapes over --nproc ranks need units of one block; --privacy-unit "
+        f"{plan.privacy_unit} keeps a unit's blocks on one rank (use variable batches)",
+    )
     out = check_out(
         args.out,
         overwrite=args.overwrite,

@@ -83,7 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--block-size",
         type=int,
         metavar="T",
-        help=f"tokens per training example (the privacy unit) (default {d['block_size']})",
+        help="tokens per training example (the privacy unit with --privacy-unit block) "
+        f"(default {d['block_size']})",
     )
     g.add_argument(
         "--val-fraction",
