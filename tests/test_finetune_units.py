@@ -243,3 +243,30 @@ def test_secure_sampling_key_never_reaches_the_run_directory(users_file, tmp_pat
         if path.is_file():
             raw = path.read_bytes()
             assert not any(n in raw for n in needles if len(n) >= 8), path.name
+
+
+def test_units_are_summed_across_micro_batches_before_clipping():
+    """PerSample.units: a unit with more blocks than a micro-batch is summed over its
+    passes, so the optimizer sees the same unit rows whatever the micro-batch size."""
+    from dpkern import models
+    from dpkern.cli.finetune.clipping import PerSample, unit_chunks
+    from dpkern.grad_sample import compute_grad_sample
+    from dpkern.sampling import group_grad_samples
+
+    torch.manual_seed(0)
+    net = models.CausalLMLogits(models.default_model(16, seed=0))
+    params = [p for p in net.parameters() if p.requires_grad]
+    ids = torch.randint(0, 256, (11, 16))
+    units = torch.tensor([4, 4, 4, 4, 4, 4, 4, 7, 9, 9, 9])
+    compute_grad_sample(net, models.sample_loss, ids, ids)
+    want = group_grad_samples([p.grad_sample for p in params], units)
+    for micro in (2, 3, 100):
+        assert unit_chunks(units, micro)[0] == ((0, 7) if micro < 7 else (0, 11))
+        got_rows = None
+        for a, b in unit_chunks(units, micro):
+            PerSample(net, "functorch").units(ids[a:b], units[a:b], micro)
+            rows = [p.grad_sample for p in params]
+            got_rows = rows if got_rows is None else [torch.cat(x) for x in zip(got_rows, rows)]
+        for g, w in zip(got_rows, want):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+    assert unit_chunks(units, 3) == [(0, 7), (7, 8), (8, 11)]

@@ -383,3 +383,41 @@ def test_a_million_units_per_step_is_fast():
     elapsed = time.perf_counter() - t0
     assert abs(int(mask.sum()) - 1000) < 5 * math.sqrt(1000)
     assert elapsed < 5.0, elapsed  # about 0.15 s on one idle core
+
+
+def test_padding_rows_never_reach_the_released_sum():
+    """The padded batch (static shape, padding rows holding real data of pad_index) gives
+    the same noiseless DP-SGD step as the unpadded batch: the mask keeps padding out."""
+    import dpkern
+    from dpkern.grad_sample import compute_grad_sample
+
+    torch.manual_seed(0)
+    x, y = 10 * torch.randn(200, 4), torch.randint(0, 3, (200,))
+    fixed = PoissonBatchSampler(200, 0.1, 3, seed=2, max_batch_size=40, pad_index=7)
+
+    def step(indices, unit_ids):
+        torch.manual_seed(1)
+        net = torch.nn.Linear(4, 3)
+        params = list(net.parameters())
+        opt = dpkern.DPSGD(
+            params,
+            lr=1.0,
+            max_grad_norm=0.5,
+            noise_multiplier=0.0,
+            expected_batch_size=1.0,
+            backend="torch",
+        )
+        compute_grad_sample(net, torch.nn.functional.cross_entropy, x[indices], y[indices])
+        for p, g in zip(params, S.group_grad_samples([p.grad_sample for p in params], unit_ids)):
+            p.grad_sample = g
+        opt.step()
+        return [p.detach().clone() for p in params], opt.stats["samples"]
+
+    for batch in fixed.batches():
+        assert len(batch) == 40 and (batch.indices[~batch.mask] == 7).all()
+        padded, n_padded = step(batch.indices, batch.unit_ids)
+        real = batch.indices[batch.mask]
+        plain, n_plain = step(real, real)
+        assert n_padded == n_plain == batch.num_rows  # padding is not counted either
+        for a, b in zip(padded, plain):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

@@ -52,8 +52,11 @@ class Plan:
 
 
 #: How each privacy unit is named in messages and the summary (singular, plural).
-UNIT_NAMES = {"block": ("block", "blocks"), "document": ("document", "documents")}
-UNIT_NAMES["user"] = ("user", "users")
+UNIT_NAMES = {
+    "block": ("block", "blocks"),
+    "document": ("document", "documents"),
+    "user": ("user", "users"),
+}
 
 
 def unit_name(plan: Plan, n: int | None = None) -> str:
