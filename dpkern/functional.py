@@ -2,8 +2,10 @@
 
 Each ``dp_<rule>`` function runs one DP step (SPEC sections 2-7): per-sample norms over
 all given parameters (pass 1), clip factors, then clip + sum + Philox noise + moment update
-+ parameter update (pass 2) on the chosen backend. ``dpkern.optim`` is a thin stateful
-layer over :func:`dp_step_groups`, the multi-group form used by every front-end.
++ parameter update (pass 2) on the chosen backend. :func:`dp_step` does the same for any
+rule of the registry (:mod:`dpkern.rules`) given its hyper-parameter dataclass and its
+states by name. ``dpkern.optim`` is a thin stateful layer over :func:`dp_step_groups`, the
+multi-group form used by every front-end.
 
 Shapes and dtypes (all functions):
 - ``params``: list of parameters (float32, bfloat16 or float16), updated in place;
@@ -12,7 +14,8 @@ Shapes and dtypes (all functions):
   the whole argument means "no per-sample gradients, use ``summed_grads``";
 - ``summed_grads``: list of float32 tensors shaped like the parameters (or ``None``
   entries): clipped sums the caller computed itself (ghost clipping, earlier micro-batches);
-- optimizer states: float32 tensors shaped like the parameters, updated in place.
+- optimizer states: float32 tensors shaped as the rule's ``StateSpec`` says (most are
+  shaped like the parameters), updated in place.
 
 Errors: ``ValueError`` for bad hyper-parameters and bad tensors (naming the parameter),
 ``FloatingPointError`` for non-finite per-sample gradients with ``nonfinite="error"``;
@@ -21,13 +24,13 @@ in every error case nothing has been modified.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
 
-from . import backends
+from . import backends, rules
 from .hyper import (
     AdamBCHyper,
     AdamHyper,
@@ -41,6 +44,31 @@ from .hyper import (
     check_nonnegative,
     check_positive,
 )
+
+__all__ = [
+    "CLIP_EPS",
+    "NONFINITE_MODES",
+    "PARAM_DTYPES",
+    "Group",
+    "StepResult",
+    "accumulate_groups",
+    "apply_step",
+    "check_params",
+    "clip_and_check",
+    "clip_factors",
+    "dp_adam",
+    "dp_adam_bc",
+    "dp_adamw",
+    "dp_adamw_bc",
+    "dp_macadam",
+    "dp_sgd",
+    "dp_step",
+    "dp_step_groups",
+    "gaussian_noise",
+    "noise_var_ema",
+    "per_sample_norms",
+    "prepare_step",
+]
 
 NONFINITE_MODES = ("error", "zero")
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -58,7 +86,7 @@ def gaussian_noise(
     step: int,
     offset: int = 0,
     stream: int = 0,
-    device=None,
+    device: torch.device | str | None = None,
     backend: str = "auto",
 ) -> Tensor:
     """Standard normals of the dpkern noise stream v1 (SPEC section 3).
@@ -222,7 +250,7 @@ def check_params(groups: list[Group]) -> torch.device:
 
 def _pass1(groups: list[Group], backend, batch_size: int, device, dp_step: int) -> Tensor:
     """Per-sample norms over every parameter of every group (whitened for MacAdam)."""
-    if groups[0].hyper.rule != "macadam":
+    if not rules.of(groups[0].hyper).whitening:
         return backend.per_sample_norms(
             [g for grp in groups for g in grp.grad_samples], batch_size, device
         )
@@ -283,7 +311,7 @@ def clip_and_check(
             "nothing was updated (pass nonfinite='zero' to drop such samples)"
         )
     c = torch.clamp(max_grad_norm / (norms + CLIP_EPS), max=1.0)
-    if groups[0].hyper.rule == "macadam":  # w_bar = w / max(1, ||w||), bound 1 (SPEC 7)
+    if rules.of(groups[0].hyper).whitening:  # w_bar = w / max(1, ||w||), bound 1 (SPEC 7)
         c = 1.0 / torch.clamp(norms, min=1.0)
     c = torch.where(finite, c, torch.zeros_like(c))
     clipped = int((finite & (c < 1.0)).sum()) if B else 0
@@ -356,7 +384,7 @@ def prepare_step(
     Returns (backend module, StepResult). Modifies nothing; raises ValueError /
     FloatingPointError as :func:`dp_step_groups`."""
     device = check_params(groups)
-    be = backends.resolve(backends.check_name(backend), device)
+    be = backends.resolve(backends.check_name(backend), device, groups[0].hyper.rule)
     pass1 = clip_and_check(
         groups,
         backend=be,
@@ -385,7 +413,7 @@ def apply_step(
     DP-MacAdam's scale update, in place. Only errors of the machine (out of memory) can
     stop it midway; callers that must stay consistent treat that as a failed step."""
     device = next((p.device for grp in groups for p in grp.params), torch.device("cpu"))
-    macadam = groups[0].hyper.rule == "macadam"
+    macadam = rules.of(groups[0].hyper).whitening  # the global scale update follows
     noise_std = noise_multiplier * (1.0 if macadam else max_grad_norm)
     sqrt_sum = 0.0
     steps = []
@@ -414,10 +442,25 @@ def apply_step(
         reduce(total)
         sqrt_sum = float(total)
     if macadam:
-        for grp, dp in zip(groups, steps):
+        for grp, dp in zip(groups, steps, strict=True):
             be.macadam_update_scale(
                 grp.hyper, dp, grp.states["exp_var"], grp.states["scale"], sqrt_sum
             )
+
+
+def noise_var_ema(
+    prev: float,
+    *,
+    beta2: float,
+    max_grad_norm: float,
+    noise_multiplier: float,
+    expected_batch_size: float,
+) -> float:
+    """phi_t = beta2 phi_{t-1} + (1 - beta2) Phi_t, Phi_t = (sigma C / B_e)^2: the EMA of
+    the noise variance in each coordinate of g_hat that DP-AdamBC / DP-AdamW-BC remove from
+    the second moment (SPEC 5.3; Tang et al., arXiv 2312.14334). Python floats (double)."""
+    Phi = (noise_multiplier * max_grad_norm / expected_batch_size) ** 2
+    return beta2 * prev + (1 - beta2) * Phi
 
 
 def check_privacy(max_grad_norm, noise_multiplier, expected_batch_size) -> None:
@@ -432,23 +475,37 @@ def check_nonfinite(nonfinite) -> str:
     return nonfinite
 
 
-def _single(
+def dp_step(
     hyper: Hyper,
-    params,
-    grad_samples,
-    summed_grads,
-    states: dict,
+    params: Sequence[Tensor],
+    grad_samples: Sequence[Tensor | None] | None,
+    states: Mapping[str, Sequence[Tensor | None]],
     *,
-    step,
+    step: int,
     key,
-    max_grad_norm,
-    noise_multiplier,
-    expected_batch_size,
-    offset,
-    nonfinite,
-    backend,
+    max_grad_norm: float,
+    noise_multiplier: float,
+    expected_batch_size: float,
+    summed_grads: Sequence[Tensor | None] | None = None,
+    offset: int = 0,
     noise_var_avg: float = 0.0,
+    nonfinite: str = "error",
+    backend: str = "auto",
 ) -> StepResult:
+    """One DP step of any registered update rule (:mod:`dpkern.rules`), in place.
+
+    Args:
+        hyper: the rule's hyper-parameter dataclass (:mod:`dpkern.hyper`), e.g.
+            ``AdamWHyper(lr=1e-3)``; its ``rule`` picks the update.
+        params, grad_samples, summed_grads: see the module docstring.
+        states: one list per kernel state of the rule (``RuleSpec.kernel_state_names``),
+            entry k a float32 tensor on params[k]'s device shaped as its ``StateSpec``
+            says for params[k] (None where the hyper-parameters do not need the state).
+        noise_var_avg: phi_t, the already-updated noise-variance EMA of the rules with
+            ``noise_bias_correction`` (:func:`noise_var_ema`); ignored by the others.
+        max_grad_norm: ignored by rules with ``whitening`` (their bound is 1).
+    """
+    spec = rules.of(hyper)
     check_privacy(max_grad_norm, noise_multiplier, expected_batch_size)
     check_nonfinite(nonfinite)
     n = len(params)
@@ -456,22 +513,27 @@ def _single(
         raise ValueError("give grad_samples (per-sample gradients) or summed_grads")
     grad_samples = list(grad_samples) if grad_samples is not None else [None] * n
     summed = list(summed_grads) if summed_grads is not None else [None] * n
+    states = {name: list(lst) for name, lst in states.items()}
+    if set(states) != set(spec.kernel_state_names):
+        raise ValueError(
+            f"states: expected {spec.kernel_state_names} for {spec.title}, got {tuple(states)}"
+        )
     for name, lst in [("grad_samples", grad_samples), ("summed_grads", summed), *states.items()]:
         if len(lst) != n:
             raise ValueError(f"{name}: {len(lst)} entries for {n} params")
     for name, lst in states.items():
-        for k, (s, p) in enumerate(zip(lst, params)):
-            if s is None and name == "momentum_buffer" and hyper.momentum == 0:
-                continue  # unused without momentum (torch.optim's functional sgd allows it)
+        st = spec.state(name)
+        for k, (s, p) in enumerate(zip(lst, params, strict=True)):
+            if s is None and not st.is_needed(hyper):
+                continue  # unused (torch.optim's functional sgd allows it without momentum)
+            want = st.shape_for(p.shape)
             if (
                 not isinstance(s, Tensor)
-                or s.shape != p.shape
+                or tuple(s.shape) != want
                 or s.dtype != torch.float32
                 or s.device != p.device
             ):
-                raise ValueError(
-                    f"{name}[{k}]: expected float32 of shape {tuple(p.shape)} on {p.device}"
-                )
+                raise ValueError(f"{name}[{k}]: expected float32 of shape {want} on {p.device}")
     if not isinstance(offset, int) or offset < 0:
         raise ValueError(f"invalid offset={offset!r}: expected an int >= 0")
     offsets, off = [], offset
@@ -542,12 +604,12 @@ def dp_sgd(
         if momentum != 0:
             raise ValueError("momentum_buffers: required when momentum != 0")
         momentum_buffers = [None] * len(params)
-    return _single(
+    return dp_step(
         hyper,
         params,
         grad_samples,
-        summed_grads,
         {"momentum_buffer": list(momentum_buffers)},
+        summed_grads=summed_grads,
         step=step,
         key=key,
         max_grad_norm=max_grad_norm,
@@ -588,14 +650,19 @@ def _adam_family(
         if not (isinstance(noise_var_avg, Tensor) and noise_var_avg.numel() == 1):
             raise ValueError("noise_var_avg: expected a one-element float tensor")
         check_privacy(max_grad_norm, noise_multiplier, expected_batch_size)
-        Phi = (noise_multiplier * max_grad_norm / expected_batch_size) ** 2
-        phi = beta2 * float(noise_var_avg) + (1 - beta2) * Phi
-    result = _single(
+        phi = noise_var_ema(
+            float(noise_var_avg),
+            beta2=beta2,
+            max_grad_norm=max_grad_norm,
+            noise_multiplier=noise_multiplier,
+            expected_batch_size=expected_batch_size,
+        )
+    result = dp_step(
         hyper,
         params,
         grad_samples,
-        summed_grads,
         {"exp_avg": list(exp_avgs), "exp_avg_sq": list(exp_avg_sqs)},
+        summed_grads=summed_grads,
         step=step,
         key=key,
         max_grad_norm=max_grad_norm,
@@ -835,12 +902,12 @@ def dp_macadam(
         "exp_var": list(exp_vars),
         "scale": list(scales),
     }
-    return _single(
+    return dp_step(
         hyper,
         params,
         grad_samples,
-        summed_grads,
         states,
+        summed_grads=summed_grads,
         step=step,
         key=key,
         max_grad_norm=1.0,
@@ -880,7 +947,7 @@ def accumulate_groups(
             "accumulate: no parameter has a grad_sample (per-sample gradients "
             "were never computed for this micro-batch)"
         )
-    be = backends.resolve(backends.check_name(backend), device)
+    be = backends.resolve(backends.check_name(backend), device, groups[0].hyper.rule)
     result = clip_and_check(
         groups,
         backend=be,
