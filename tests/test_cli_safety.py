@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from dpkern import sampling
-from dpkern.cli import finetune as ft
+from dpkern.cli.finetune import job as ft
 from dpkern.cli.__main__ import main
 
 TINY = [
@@ -61,13 +61,13 @@ def read_json(path):
 def optimizers(monkeypatch):
     """Every optimizer the finetune job builds (to read its in-memory state afterwards)."""
     made = []
-    real = ft._make_optimizer
+    real = ft.make_optimizer
 
     def make(*args, **kwargs):
         made.append(real(*args, **kwargs))
         return made[-1]
 
-    monkeypatch.setattr(ft, "_make_optimizer", make)
+    monkeypatch.setattr(ft, "make_optimizer", make)
     return made
 
 
@@ -158,13 +158,13 @@ def _run_recorded(monkeypatch, out, *argv):
     from safetensors.torch import load_file
 
     initial = []
-    real = ft._make_optimizer
+    real = ft.make_optimizer
 
     def make(plan, params, *args, **kwargs):
         initial.append([p.detach().clone() for p in params])
         return real(plan, params, *args, **kwargs)
 
-    monkeypatch.setattr(ft, "_make_optimizer", make)
+    monkeypatch.setattr(ft, "make_optimizer", make)
     monkeypatch.setattr(sampling, "PoissonBatchSampler", _RecordingSampler)
     _RecordingSampler.batches = []
     assert finetune(*argv, "--out", out) == 0
@@ -403,7 +403,7 @@ def test_sigterm_in_process_checkpoints_and_restores_handlers(
     def ours(signum, frame):  # (without the CLI's handler the test fails, not the runner)
         raise NotHandled(signum)
 
-    real = ft._make_optimizer
+    real = ft.make_optimizer
 
     def make(*args, **kwargs):
         opt = real(*args, **kwargs)
@@ -418,7 +418,7 @@ def test_sigterm_in_process_checkpoints_and_restores_handlers(
         opt.step = step_then_preempt
         return opt
 
-    monkeypatch.setattr(ft, "_make_optimizer", make)
+    monkeypatch.setattr(ft, "make_optimizer", make)
     previous = signal.signal(signal.SIGTERM, ours)
     try:
         out = tmp_path / "run"
@@ -431,7 +431,7 @@ def test_sigterm_in_process_checkpoints_and_restores_handlers(
     assert f"--resume {out}" in err[0]
     m = read_json(out / "metrics.json")
     assert m["step"] == 2 and not m["finished"]
-    monkeypatch.setattr(ft, "_make_optimizer", real)
+    monkeypatch.setattr(ft, "make_optimizer", real)
     assert finetune("--resume", out, "--steps", 4, "--quiet") == 0
     assert read_json(out / "metrics.json")["step"] == 4
 

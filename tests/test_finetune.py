@@ -170,15 +170,15 @@ def test_local_hf_model_dir_loads_via_model(text_file, tmp_path, capsys):
 
 def test_opacus_grad_sample_matches_functorch():
     pytest.importorskip("opacus")
-    from dpkern.cli.finetune import _PerSample
+    from dpkern.cli.finetune.clipping import PerSample
     from dpkern.models import CausalLMLogits
 
     model = models.default_model(8)
     net = CausalLMLogits(model, explicit_positions=True)
     ids = torch.randint(0, 256, (5, 8))
-    loss_f = _PerSample(net, "functorch")(ids)
+    loss_f = PerSample(net, "functorch")(ids)
     ref = {n: p.grad_sample.clone() for n, p in model.named_parameters()}
-    loss_o = _PerSample(net, "opacus")(ids)
+    loss_o = PerSample(net, "opacus")(ids)
     torch.testing.assert_close(loss_o, loss_f, rtol=1e-5, atol=1e-6)
     for n, p in model.named_parameters():  # includes the tied embedding / lm_head
         torch.testing.assert_close(p.grad_sample, ref[n], rtol=1e-4, atol=1e-6, msg=n)

@@ -301,8 +301,7 @@ def test_gpu_check_workload_and_floors():
     shapes = g.gpt2_shapes(**g.GPT2_SMALL)
     assert len(shapes) == 148
     assert sum(torch.Size(s).numel() for s in shapes) == 124_439_808  # GPT-2 small
-    assert g.floor_per_sample(8, 10, 2) == 2 * 8 * 10 * 2 + 6 * 10 * 4
-    assert g.floor_summed(10) == 280
+    assert g.bytes_floor.__module__ == "harness"  # the one home of the floors (bench/harness)
 
 
 def test_gpu_check_smoke(tr, capsys):
@@ -321,15 +320,16 @@ def test_gpu_check_smoke(tr, capsys):
         assert impl in out, out
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA exit")
 def test_gpu_check_without_cuda_exits_cleanly():
+    """No CUDA device visible (forced, so that the test also runs on a GPU machine): the
+    script says so and exits 0."""
     res = subprocess.run(
         ["bash", str(ROOT / "bench" / "gpu_check.sh")],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "PYTHON": sys.executable},
+        env={**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""},
     )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "no CUDA device" in res.stdout

@@ -320,10 +320,11 @@ class GhostClipping:
             sums, _ = self.clipped_sums(losses)
         except (ValueError, FloatingPointError) as exc:
             if self.sharded:  # the other ranks wait in the reduce-scatter's validity check:
-                from ..distributed import _mesh_group, _raise_if_any_failed  # fail them too
+                from ..distributed.fsdp import mesh_group  # fail them too
+                from ..distributed.lockstep import raise_if_any_failed
 
                 params = self.capture.params
-                _raise_if_any_failed(exc, _mesh_group(params), params[0].device, "ghost clipping")
+                raise_if_any_failed(exc, mesh_group(params), params[0].device, "ghost clipping")
             raise
         B, clipped, nonfinite = self._last
         self.optimizer.accumulate_clipped(sums, batch_size=B)

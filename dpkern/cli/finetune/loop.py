@@ -11,47 +11,31 @@ import time
 
 import torch
 
-from .. import models
-from . import finetune as ft
-from .finetune import NOT_PRIVATE
-from .rundir import write_checkpoint
-from .stop import StopSignals
+from ... import models
+from ..stop import StopSignals
+from .checkpoint import write_checkpoint
+from .plan import NOT_PRIVATE, run_record
 
 
 def _fmt_time(seconds: float) -> str:
     return f"{seconds:.1f} s" if seconds < 120 else f"{int(seconds // 60)} min {seconds % 60:.0f} s"
 
 
-def run_training(
-    args,
-    plan,
-    out,
-    model,
-    tokenizer,
-    net,
-    optimizer,
-    accountant,
-    per_sample,
-    train,
-    val,
-    n_bytes,
-    done,
-    steps,
-    micro,
-    delta,
-    numel,
-    device,
-    old_metrics,
-    dist_ctx=None,
-    stop: StopSignals | None = None,
-) -> int:
-    """The training loop. ``dist_ctx``: None, or (rank, world size) inside an initialised
-    process group with ``optimizer`` a DistributedDPOptimizer. ``stop``: SIGINT/SIGTERM
+def run_training(args, job, dist_ctx=None, stop: StopSignals | None = None) -> int:
+    """The training loop over a prepared :class:`~.job.Job`. ``dist_ctx``: None, or
+    (rank, world size) inside an initialised process group with ``job.optimizer`` a
+    DistributedDPOptimizer. ``stop``: SIGINT/SIGTERM
     end the loop at a step boundary (every rank at the same one); the job then
     checkpoints and returns 128 + the signal number."""
+    plan, out, model, tokenizer, net = job.plan, job.out, job.model, job.tokenizer, job.net
+    optimizer, accountant, per_sample = job.optimizer, job.accountant, job.per_sample
+    train, val, n_bytes, done, steps = job.train, job.val, job.n_bytes, job.done, job.steps
+    micro, delta, numel, device = job.micro, job.delta, job.numel, job.device
+    old_metrics = job.old_metrics
+
     from tqdm import tqdm
 
-    from ..sampling import PoissonBatchSampler
+    from ...sampling import PoissonBatchSampler
 
     stop = stop or StopSignals()
     q, sigma = plan.sample_rate, plan.noise_multiplier
@@ -67,7 +51,7 @@ def run_training(
     if dist_ctx is None:
         sampler = PoissonBatchSampler(train.shape[0], q, steps - done, seed=sampler_seed)
     else:
-        from ..distributed import DistributedPoissonSampler
+        from ...distributed import DistributedPoissonSampler
 
         sampler = DistributedPoissonSampler(
             train.shape[0], q, steps - done, rank=rank, num_replicas=world, seed=sampler_seed
@@ -138,7 +122,7 @@ def run_training(
         metrics["segments"] = _past_segments(old_metrics) + [segment]
         model_state = opt_state = None
         if fsdp and writes:  # collectives: every rank gathers, rank 0 writes
-            from ..sharding import is_sharded
+            from ...sharding import is_sharded
 
             model.reshard()
             # one gather per parameter, so tied weights stay one tensor (the same on
@@ -161,9 +145,7 @@ def run_training(
                 "optimizer": {**opt_state, "dp": dp_state},
                 "accountant": accountant.state_dict(),
             }
-            write_checkpoint(
-                out, model, tokenizer, ft._run_record(plan), metrics, trainer, model_state
-            )
+            write_checkpoint(out, model, tokenizer, run_record(plan), metrics, trainer, model_state)
         return metrics
 
     net.train()
@@ -244,7 +226,7 @@ def run_training(
             )
         return stop.exit_code
     if dist_ctx is not None and not fsdp:
-        from .parallel import check_replicas
+        from .launch import check_replicas
 
         check_replicas(model, world, device)
     val_after = models.evaluate(net, val, args.eval_batch_size, device)
@@ -257,7 +239,7 @@ def run_training(
 def _resident_bytes(optimizer) -> dict:
     """Bytes of parameters and optimizer state this rank keeps between steps (its shards
     under --fsdp, everything otherwise)."""
-    from ..sharding import local_shard
+    from ...sharding import local_shard
 
     params = optimizer.trainable_params()
     state = sum(

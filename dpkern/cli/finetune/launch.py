@@ -8,12 +8,47 @@ import argparse
 import os
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
 
-from . import finetune as ft
-from .stop import StopSignals
+from ..stop import StopSignals
+from .checkpoint import UsageError
+from .clipping import Ghost
+from .job import Job, make_optimizer, prepare
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``dpkern finetune``; returns the exit code: 0; 2 for bad input (a one-line
+    error on stderr, nothing written); 130 / 143 when SIGINT / SIGTERM stopped it at a
+    step boundary (checkpointed to --out, one line on stderr)."""
+    try:
+        return _run(args)
+    except UsageError as exc:
+        print(f"dpkern finetune: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
+    job = prepare(args)
+    if getattr(args, "nproc", 1) > 1:
+        del job  # everything is validated: the workers build their own copies
+        return spawn(args)
+    with StopSignals() as stop:  # SIGINT / SIGTERM: stop at a step boundary
+        return train_with_warnings(args, job, stop=stop)
+
+
+def train_with_warnings(args, job: Job, dist_ctx=None, stop: StopSignals | None = None) -> int:
+    def show_warning(message, category, filename, lineno, file=None, line=None):
+        print(f"dpkern finetune: warning: {message}", file=sys.stderr)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show_warning
+        warnings.filterwarnings("ignore", module="opacus")
+        from .loop import run_training
+
+        return run_training(args, job, dist_ctx=dist_ctx, stop=stop or StopSignals())
 
 
 def spawn(args) -> int:
@@ -80,7 +115,7 @@ def _worker_run(rank: int, world: int, tmp: str, args, stop: StopSignals) -> Non
 
     import torch.distributed as dist
 
-    from ..distributed import DistributedDPOptimizer
+    from ...distributed import DistributedDPOptimizer
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     args = argparse.Namespace(**vars(args))
@@ -94,9 +129,9 @@ def _worker_run(rank: int, world: int, tmp: str, args, stop: StopSignals) -> Non
         if not args.fsdp:  # (FSDP: every rank joins the checkpoint's gathers)
             args.save_every = None
     with contextlib.redirect_stderr(io.StringIO()):  # notes were shown before spawning
-        job = ft._prepare(args)
+        job = prepare(args)
     if rank != 0:
-        job["out"] = None
+        job.out = None
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo",
         init_method=f"file://{os.path.join(tmp, 'rendezvous')}",
@@ -105,44 +140,44 @@ def _worker_run(rank: int, world: int, tmp: str, args, stop: StopSignals) -> Non
     )
     try:
         with torch.no_grad():  # one model: rank 0's init (secure mode draws it per rank)
-            for t in job["model"].state_dict().values():
+            for t in job.model.state_dict().values():
                 dist.broadcast(t, src=0)
         if args.fsdp:
             _shard(job, args, world)
         else:
-            job["optimizer"] = DistributedDPOptimizer(job["optimizer"])  # broadcasts the key
-        code = ft._train_with_warnings(args, job, dist_ctx=(rank, world), stop=stop)
+            job.optimizer = DistributedDPOptimizer(job.optimizer)  # broadcasts the key
+        code = train_with_warnings(args, job, dist_ctx=(rank, world), stop=stop)
         Path(tmp, f"rc{rank}").write_text(str(code))
     finally:
         dist.destroy_process_group()
 
 
-def _shard(job: dict, args, world: int) -> None:
+def _shard(job: Job, args, world: int) -> None:
     """--fsdp: shard the (broadcast) model with FSDP2 -- one unit per transformer block,
     then the root -- and rebuild the optimizer over the DTensor shards (a resumed run's
     full optimizer state is cut to this rank's rows) and ghost clipping over it."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from ..distributed import DistributedDPOptimizer
+    from ...distributed import DistributedDPOptimizer
 
-    model, plan = job["model"], job["plan"]
-    full_state = job["optimizer"].state_dict() if job["done"] else None
-    job["per_sample"].gc.detach()
-    mesh = init_device_mesh(job["device"].type, (world,))
+    model, plan = job.model, job.plan
+    full_state = job.optimizer.state_dict() if job.done else None
+    job.per_sample.gc.detach()
+    mesh = init_device_mesh(job.device.type, (world,))
     blocks = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)), [])
     for block in blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = DistributedDPOptimizer(
-        ft._make_optimizer(plan, params, args.backend, plan.noise_multiplier)
+        make_optimizer(plan, params, args.backend, plan.noise_multiplier)
     )
     if full_state is not None:
         optimizer.load_state_dict(full_state)
         optimizer.noise_multiplier = plan.noise_multiplier
-    job["optimizer"] = optimizer
-    job["per_sample"] = ft._Ghost(job["net"], optimizer, placeholder=job["train"][:1])
+    job.optimizer = optimizer
+    job.per_sample = Ghost(job.net, optimizer, placeholder=job.train[:1])
 
 
 def check_replicas(model, world: int, device) -> None:
@@ -152,7 +187,7 @@ def check_replicas(model, world: int, device) -> None:
     Raises DistributedDPError on every rank if the replicas diverged."""
     import torch.distributed as dist
 
-    from ..distributed import DistributedDPError
+    from ...distributed import DistributedDPError
 
     sums = torch.stack([p.detach().double().sum() for p in model.parameters()]).to(device)
     rows = [torch.empty_like(sums) for _ in range(world)]

@@ -1,0 +1,309 @@
+"""The job of ``dpkern finetune``: every check and the objects a run trains with (model,
+data, optimizer, accountant, clipping), built by :func:`prepare` before anything is
+written. Deterministic given the options (the model init in secure mode aside), so that
+data-parallel workers rebuild the same job."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ... import models
+from .checkpoint import UsageError, check_out, load_checkpoint
+from .clipping import FSDP_NEEDS_GHOST, Ghost, PerSample, choose_clipping
+from .options import DEFAULT_MICRO_BATCH, check_numbers, require
+from .plan import (
+    Plan,
+    calibrate_extension,
+    check_batch_fits,
+    plan_from_args,
+    saved_plan,
+    warn_delta,
+)
+
+
+@dataclass
+class Job:
+    """What one run trains with, built by :func:`prepare` (every check passed). ``out``
+    is None on ranks that do not write; ``done``: steps already taken (a resumed run);
+    ``steps``: the total at the end; ``micro``: the micro-batch size; ``delta``: the
+    target delta; ``numel``: trainable parameters; ``old_metrics``: the resumed
+    checkpoint's metrics.json ({} for a new run)."""
+
+    plan: Plan
+    out: Path | None
+    model: torch.nn.Module
+    tokenizer: Any
+    net: torch.nn.Module
+    optimizer: Any
+    accountant: Any
+    per_sample: Any
+    train: torch.Tensor
+    val: torch.Tensor
+    n_bytes: int
+    done: int
+    steps: int
+    micro: int
+    delta: float
+    numel: int
+    device: torch.device
+    old_metrics: dict
+
+
+def load_model(plan: Plan, args):
+    if args.resume:
+        source, option = args.resume, "--resume"
+    elif plan.model is not None:
+        source, option = plan.model, "--model"
+    else:
+        return models.default_model(plan.block_size, seed=plan.seed), None
+    try:
+        model, tokenizer = models.load_model(
+            source, "eager" if args.grad_sample == "functorch" else None
+        )
+    except ValueError as exc:
+        raise UsageError(option, str(exc)) from None
+    ctx = models.context_length(model)
+    if ctx is not None and plan.block_size > ctx:
+        raise UsageError(
+            "--block-size", f"{plan.block_size} exceeds the model's context length {ctx}"
+        )
+    return model, tokenizer
+
+
+def load_blocks(plan: Plan, tokenizer, block_size_given: bool):
+    """(train blocks, validation blocks, bytes of text, tokens of text)."""
+    from ... import data
+
+    try:
+        text = data.read_text(plan.data) if plan.data is not None else data.default_text()
+    except (OSError, ValueError) as exc:
+        msg = (
+            exc.strerror + f": {plan.data}"
+            if isinstance(exc, OSError) and exc.strerror
+            else str(exc)
+        )
+        raise UsageError("--data", msg) from None
+    if tokenizer is None:
+        ids = data.byte_encode(text)
+    else:
+        ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    blocks = data.make_blocks(ids, plan.block_size)
+    try:
+        train, val = data.split_blocks(blocks, plan.val_fraction)
+    except ValueError as exc:
+        if block_size_given and ids.numel() >= 4:  # a smaller block size would do
+            raise UsageError(
+                "--block-size",
+                f"{plan.block_size} is too large for the data: "
+                f"its {ids.numel():,} tokens make {blocks.shape[0]} block(s), at "
+                "least 2 are needed (one to train on, one to validate)",
+            ) from None
+        raise UsageError(
+            "--data", f"{exc} at --block-size {plan.block_size} ({ids.numel()} tokens)"
+        ) from None
+    return train, val, len(text.encode("utf-8")), ids.numel()
+
+
+def make_optimizer(plan: Plan, params, backend: str, sigma: float):
+    from ... import optim
+
+    cls = {
+        "dp-sgd": optim.DPSGD,
+        "dp-adam": optim.DPAdam,
+        "dp-adambc": optim.DPAdamBC,
+        "dp-adamw": optim.DPAdamW,
+        "dp-adamw-bc": optim.DPAdamWBC,
+        "dp-macadam": optim.DPMacAdam,
+    }[plan.optimizer]
+    kw = {
+        "lr": plan.lr,
+        "noise_multiplier": sigma,
+        "expected_batch_size": plan.batch_size,
+        "seed": plan.noise_seed,
+        "backend": backend,
+    }  # None: a secret key (os.urandom)
+    if plan.weight_decay is not None:
+        if plan.optimizer == "dp-macadam":
+            raise UsageError("--weight-decay", "dp-macadam has no weight decay")
+        kw["weight_decay"] = plan.weight_decay
+    if plan.optimizer != "dp-macadam":
+        kw["max_grad_norm"] = plan.max_grad_norm
+    try:
+        return cls(params, **kw)
+    except ValueError as exc:
+        raise UsageError("--optimizer", f"{plan.optimizer}: {exc}") from None
+
+
+def check_nproc(args, device: torch.device) -> None:
+    nproc = getattr(args, "nproc", 1)
+    if getattr(args, "fsdp", False):
+        require(
+            nproc > 1, "--fsdp", "shards over the --nproc processes: pass --nproc N with N >= 2"
+        )
+        try:
+            from torch.distributed.fsdp import fully_shard  # noqa: F401
+        except ImportError:
+            raise UsageError(
+                "--fsdp", f"needs FSDP2 (torch >= 2.6), torch is {torch.__version__}"
+            ) from None
+    if nproc == 1:
+        return
+    import torch.distributed as dist
+
+    require(dist.is_available(), "--nproc", "this torch build has no torch.distributed")
+    if device.type == "cuda":
+        require(
+            device.index is None,
+            "--device",
+            f"{device} names one GPU; with --nproc rank r runs on cuda:r (pass --device cuda)",
+        )
+        require(
+            nproc <= torch.cuda.device_count(),
+            "--nproc",
+            f"{nproc} processes but only {torch.cuda.device_count()} CUDA devices",
+        )
+    else:
+        require(device.type == "cpu", "--nproc", f"supports cpu and cuda, not {device.type}")
+
+
+def prepare(args) -> Job:
+    """Validate everything and build the :class:`Job`.
+
+    Raises UsageError on bad input. Deterministic given args (the model init in secure
+    mode aside), so that data-parallel workers rebuild the same job."""
+    check_numbers(args)
+    saved = trainer_state = old_metrics = None
+    if args.resume:
+        saved, trainer_state, old_metrics = load_checkpoint(Path(args.resume))
+        saved = saved_plan(saved, trainer_state)
+    plan = plan_from_args(args, saved)
+    out = check_out(
+        args.out,
+        overwrite=args.overwrite,
+        resume=args.resume,
+        protected={"--data": plan.data, "--model": plan.model, "--resume": args.resume},
+    )
+    if args.grad_sample == "opacus":
+        try:
+            import opacus  # noqa: F401
+        except ImportError:
+            raise UsageError(
+                "--grad-sample", "opacus is not installed (pip install 'dpkern[opacus]')"
+            ) from None
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError as exc:
+        raise UsageError("--device", str(exc)) from None
+    check_nproc(args, device)
+    from ... import backends
+
+    if args.backend != "auto":
+        try:
+            backends.resolve(args.backend, device)
+        except (RuntimeError, ValueError) as exc:
+            raise UsageError("--backend", str(exc)) from None
+
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        raise UsageError(
+            "--model",
+            "the finetune job needs transformers, which is not "
+            "installed (pip install 'dpkern[llm]')",
+        ) from None
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    logging.getLogger("absl").setLevel(logging.ERROR)  # dp-accounting's RDP series notes
+    model, tokenizer = load_model(plan, args)
+    block_size_given = args.block_size is not None and saved is None
+    train, val, n_bytes, n_tokens = load_blocks(plan, tokenizer, block_size_given)
+    n = train.shape[0]
+    if saved is not None and (n, val.shape[0]) != (saved.get("n_train"), saved.get("n_val")):
+        raise UsageError(
+            "--data",
+            f"gives {n} training blocks, the checkpoint was trained on "
+            f"{saved.get('n_train')}: not the same data",
+        )
+    check_batch_fits(plan, n, n_tokens, block_size_given)
+    q = plan.batch_size / n
+    delta = plan.delta if plan.delta is not None else 1.0 / n**1.1
+    steps = (
+        plan.steps
+        if plan.steps is not None
+        else max(1, math.ceil(plan.epochs * n / plan.batch_size))
+    )
+    done = int(trainer_state["step"]) if trainer_state else 0
+
+    from ...accounting import PrivacyAccountant, get_noise_multiplier
+
+    accountant = PrivacyAccountant(plan.accountant)
+    if trainer_state:
+        accountant.load_state_dict(trainer_state["accountant"])
+    if saved is None:
+        try:
+            sigma = get_noise_multiplier(plan.epsilon, delta, q, steps, plan.accountant)
+        except ValueError as exc:
+            raise UsageError("--epsilon", f"budget too small: {exc}") from None
+    else:
+        require(steps >= done, "--steps", f"{steps} is below the checkpoint's step {done}")
+        require(
+            steps > done,
+            "--steps",
+            f"the checkpoint already finished its {done} steps; pass a larger --steps to continue",
+        )
+        if steps == saved.get("steps") and plan.epsilon == saved.get("epsilon"):
+            sigma = float(saved["noise_multiplier"])  # an interrupted run: same plan
+        else:
+            sigma = calibrate_extension(
+                accountant.history, q, steps - done, plan.epsilon, delta, plan.accountant
+            )
+    plan.steps, plan.epochs = steps, None
+    plan.n_train, plan.n_val, plan.sample_rate, plan.noise_multiplier = n, val.shape[0], q, sigma
+    plan.tokenizer = "bytes" if tokenizer is None else "hf"
+
+    model.to(device)
+    net = models.CausalLMLogits(model, explicit_positions=args.grad_sample == "opacus")
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = make_optimizer(plan, params, args.backend, sigma)
+    if trainer_state:
+        try:
+            optimizer.load_state_dict(trainer_state["optimizer"])
+        except (ValueError, KeyError) as exc:
+            raise UsageError("--resume", f"optimizer state does not fit: {exc}") from None
+        optimizer.noise_multiplier = sigma
+    micro = args.micro_batch_size or DEFAULT_MICRO_BATCH
+    args.clipping = choose_clipping(args, plan, net, params)
+    require(
+        not getattr(args, "fsdp", False) or args.clipping == "ghost", "--fsdp", FSDP_NEEDS_GHOST
+    )
+    per_sample = (
+        Ghost(net, optimizer) if args.clipping == "ghost" else PerSample(net, args.grad_sample)
+    )
+    numel = sum(p.numel() for p in params)
+    warn_delta(plan.delta, n)  # (last: bad input stays a one-line error)
+    return Job(
+        plan=plan,
+        out=out,
+        model=model,
+        tokenizer=tokenizer,
+        net=net,
+        optimizer=optimizer,
+        accountant=accountant,
+        per_sample=per_sample,
+        train=train,
+        val=val,
+        n_bytes=n_bytes,
+        done=done,
+        steps=steps,
+        micro=micro,
+        delta=delta,
+        numel=numel,
+        device=device,
+        old_metrics=old_metrics or {},
+    )

@@ -1,0 +1,284 @@
+"""The options of ``dpkern finetune``: defaults, the argparse groups, and their checks
+(one-line UsageError naming the option; nothing is written before they pass)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from .checkpoint import FILES, UsageError
+
+
+OPTIMIZERS = ("dp-sgd", "dp-adam", "dp-adambc", "dp-adamw", "dp-adamw-bc", "dp-macadam")
+
+
+GRAD_SAMPLE_MODES = ("functorch", "opacus")
+
+
+CLIPPING_MODES = ("ghost", "per-sample")
+
+
+#: Defaults of the run plan (kept in one place; the help text is built from it).
+DEFAULTS = {
+    "block_size": 64,
+    "val_fraction": 0.1,
+    "optimizer": "dp-adamw",
+    "lr": 5e-3,
+    "weight_decay": None,  # None = the optimizer's own default
+    "epsilon": 8.0,
+    "delta": None,  # None = 1 / N**1.1
+    "accountant": "rdp",
+    "max_grad_norm": 1.0,
+    "batch_size": 128,
+    "steps": 150,
+}
+
+
+DEFAULT_MICRO_BATCH = 64
+
+
+#: Options that define the run plan: taken from the checkpoint on --resume.
+PLAN_OPTIONS = (
+    "model",
+    "block_size",
+    "val_fraction",
+    "optimizer",
+    "lr",
+    "weight_decay",
+    "delta",
+    "accountant",
+    "max_grad_norm",
+    "batch_size",
+    "seed",
+    "noise_seed",
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register the options of ``dpkern finetune`` on ``parser``."""
+    d = DEFAULTS
+    g = parser.add_argument_group("model and data")
+    g.add_argument(
+        "--model",
+        metavar="DIR",
+        help="local Hugging Face causal LM directory "
+        "(loaded offline; its tokenizer if present, else byte-level ids). Default: "
+        "a byte-level GPT-2 built in code (2 layers, width 128, 4 heads)",
+    )
+    g.add_argument(
+        "--data",
+        metavar="PATH",
+        help="a UTF-8 .txt file, or .jsonl with a "
+        '"text" field per line. Default: CPython\'s pydoc_data help pages',
+    )
+    g.add_argument(
+        "--block-size",
+        type=int,
+        metavar="T",
+        help=f"tokens per training example (the privacy unit) (default {d['block_size']})",
+    )
+    g.add_argument(
+        "--val-fraction",
+        type=float,
+        metavar="F",
+        help=f"blocks held out for validation (default {d['val_fraction']})",
+    )
+    g = parser.add_argument_group("privacy")
+    g.add_argument(
+        "--epsilon",
+        type=float,
+        help=f"target epsilon at the end of training (default {d['epsilon']:g})",
+    )
+    g.add_argument(
+        "--delta", type=float, help="target delta (default 1/N^1.1, N = number of training blocks)"
+    )
+    g.add_argument(
+        "--accountant",
+        choices=("rdp", "pld"),
+        help=f"privacy accountant of dp-accounting (default {d['accountant']})",
+    )
+    g.add_argument(
+        "--max-grad-norm",
+        type=float,
+        metavar="C",
+        help=f"per-sample clipping bound (default {d['max_grad_norm']:g}; unused by dp-macadam)",
+    )
+    g.add_argument(
+        "--batch-size",
+        type=int,
+        metavar="B",
+        help=f"expected logical batch under Poisson sampling (default {d['batch_size']})",
+    )
+    g.add_argument(
+        "--micro-batch-size",
+        type=int,
+        metavar="M",
+        help="physical batch; a logical batch is accumulated over micro-batches (default 64)",
+    )
+    x = g.add_mutually_exclusive_group()
+    x.add_argument("--steps", type=int, help=f"optimizer steps (default {d['steps']})")
+    x.add_argument(
+        "--epochs",
+        type=float,
+        help="passes over the training blocks (steps = ceil(epochs * N / batch size))",
+    )
+    g = parser.add_argument_group("optimizer")
+    g.add_argument("--optimizer", choices=OPTIMIZERS, help=f"(default {d['optimizer']})")
+    g.add_argument("--lr", type=float, help=f"learning rate (default {d['lr']:g})")
+    g.add_argument(
+        "--weight-decay",
+        type=float,
+        metavar="WD",
+        help="weight decay (default: the optimizer's own, 0.01 for the AdamW family, else 0)",
+    )
+    g.add_argument(
+        "--backend",
+        choices=("auto", "torch", "triton", "cpp"),
+        default="auto",
+        help="dpkern kernel backend (default auto)",
+    )
+    g.add_argument(
+        "--grad-sample",
+        choices=GRAD_SAMPLE_MODES,
+        default="functorch",
+        help="per-sample gradients: dpkern.grad_sample (torch.func) or Opacus' "
+        "GradSampleModule (default functorch)",
+    )
+    g.add_argument(
+        "--clipping",
+        choices=CLIPPING_MODES,
+        help="how per-sample gradients are "
+        "clipped: ghost (dpkern.ghost: norms from activations and output "
+        "gradients, no per-sample gradients in memory) or per-sample "
+        "(materialised, see --grad-sample). Default: ghost when it covers every "
+        "trainable layer, else per-sample; dp-macadam always uses per-sample",
+    )
+    g.add_argument(
+        "--seed",
+        type=int,
+        help="seeds the model init, the Poisson sampling and "
+        "dropout, not the noise (its key stays secret). The accounting assumes "
+        "secret sampling: keep the seed (run_config.json records it) as private "
+        "as the data",
+    )
+    g.add_argument(
+        "--noise-seed",
+        type=int,
+        metavar="INT",
+        help="the optimizer's noise key "
+        "(reproducible noise for research). The run is then NOT private: whoever "
+        "knows the key can remove the noise. Default: a secret key from os.urandom",
+    )
+    g.add_argument("--device", help="torch device (default cuda if available, else cpu)")
+    g.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        metavar="N",
+        help="data-parallel worker "
+        "processes (gloo on CPU, NCCL on CUDA: one GPU each); the global expected "
+        "batch is still --batch-size (default 1: a single process)",
+    )
+    g.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="with --nproc N: shard parameters, "
+        "gradients and optimizer state over the processes (FSDP2, one unit per "
+        "transformer block) instead of replicating them (DDP); ghost clipping only",
+    )
+    g = parser.add_argument_group("output")
+    g.add_argument(
+        "--out",
+        metavar="DIR",
+        help="write the model (save_pretrained), "
+        f"{FILES['run']}, {FILES['metrics']} and {FILES['trainer']} here",
+    )
+    g.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing --out if it "
+        "is a dpkern run directory (never the current directory or a parent of it, "
+        "nor one holding --data or --model); files dpkern did not write are kept",
+    )
+    g.add_argument(
+        "--resume",
+        metavar="DIR",
+        help="continue the run saved in DIR (written back to DIR unless --out is given)",
+    )
+    g.add_argument(
+        "--save-every", type=int, metavar="K", help="also checkpoint to --out every K steps"
+    )
+    g.add_argument(
+        "--eval-batch-size",
+        type=int,
+        default=64,
+        metavar="N",
+        help="blocks per validation forward pass (default 64)",
+    )
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def require(cond: bool, option: str, message: str) -> None:
+    if not cond:
+        raise UsageError(option, message)
+
+
+def check_numbers(args) -> None:
+    def finite(v):
+        return v is None or math.isfinite(v)
+
+    for opt in (
+        "epsilon",
+        "delta",
+        "lr",
+        "weight_decay",
+        "max_grad_norm",
+        "val_fraction",
+        "epochs",
+    ):
+        require(
+            finite(getattr(args, opt)),
+            "--" + opt.replace("_", "-"),
+            f"{getattr(args, opt)} is not a finite number",
+        )
+    require(
+        args.epsilon is None or args.epsilon > 0, "--epsilon", f"must be > 0, got {args.epsilon}"
+    )
+    require(
+        args.delta is None or 0 < args.delta < 1, "--delta", f"must be in (0, 1), got {args.delta}"
+    )
+    require(args.lr is None or args.lr >= 0, "--lr", f"must be >= 0, got {args.lr}")
+    require(
+        args.weight_decay is None or args.weight_decay >= 0,
+        "--weight-decay",
+        f"must be >= 0, got {args.weight_decay}",
+    )
+    require(
+        args.max_grad_norm is None or args.max_grad_norm > 0,
+        "--max-grad-norm",
+        f"must be > 0, got {args.max_grad_norm}",
+    )
+    require(
+        args.val_fraction is None or 0 < args.val_fraction < 1,
+        "--val-fraction",
+        f"must be in (0, 1), got {args.val_fraction}",
+    )
+    for opt, low in (
+        ("batch_size", 1),
+        ("micro_batch_size", 1),
+        ("steps", 1),
+        ("block_size", 2),
+        ("save_every", 1),
+        ("eval_batch_size", 1),
+        ("nproc", 1),
+    ):
+        v = getattr(args, opt)
+        require(v is None or v >= low, "--" + opt.replace("_", "-"), f"must be >= {low}, got {v}")
+    require(args.epochs is None or args.epochs > 0, "--epochs", f"must be > 0, got {args.epochs}")
+    for opt in ("seed", "noise_seed"):
+        v = getattr(args, opt, None)
+        require(
+            v is None or 0 <= v < 2**63,
+            "--" + opt.replace("_", "-"),
+            f"must be in [0, 2**63), got {v}",
+        )

@@ -1,0 +1,183 @@
+"""The run plan of ``dpkern finetune``: everything that defines a run, saved as
+run_config.json, restored on --resume; the noise calibration of a resumed run; the checks
+of the expected batch and of delta against the data."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .checkpoint import UsageError
+from .options import DEFAULTS, PLAN_OPTIONS
+
+
+#: What every output of a run with --noise-seed says in place of an epsilon claim.
+NOT_PRIVATE = "not private: the noise key is known"
+
+
+@dataclass
+class Plan:
+    """Everything that defines a run (saved as run_config.json)."""
+
+    model: str | None
+    data: str | None
+    block_size: int
+    val_fraction: float
+    optimizer: str
+    lr: float
+    weight_decay: float | None
+    epsilon: float
+    delta: float | None
+    accountant: str
+    max_grad_norm: float
+    batch_size: int
+    steps: int | None
+    epochs: float | None
+    seed: int | None
+    noise_seed: int | None = None
+    tokenizer: str = "bytes"
+    n_train: int = 0
+    n_val: int = 0
+    sample_rate: float = 0.0
+    noise_multiplier: float = 0.0
+
+
+def plan_from_args(args, saved: dict | None) -> Plan:
+    values = {}
+    for name in (
+        "model",
+        "data",
+        "block_size",
+        "val_fraction",
+        "optimizer",
+        "lr",
+        "weight_decay",
+        "epsilon",
+        "delta",
+        "accountant",
+        "max_grad_norm",
+        "batch_size",
+        "steps",
+        "epochs",
+        "seed",
+        "noise_seed",
+    ):
+        given = getattr(args, name, None)
+        if saved is not None and name in PLAN_OPTIONS:
+            if given is not None and given != saved.get(name) and name != "model":
+                has = (
+                    "a secret noise key"
+                    if name == "noise_seed" and saved.get(name) is None
+                    else repr(saved.get(name))
+                )
+                raise UsageError(
+                    "--" + name.replace("_", "-"),
+                    f"cannot be changed on --resume (the checkpoint has {has})",
+                )
+            values[name] = saved.get(name)
+        elif given is not None:
+            values[name] = given
+        elif saved is not None and name in ("data", "epsilon", "steps"):
+            values[name] = saved.get(name)
+        else:
+            values[name] = DEFAULTS.get(name)
+    if args.model is not None and saved is not None:
+        raise UsageError("--model", "cannot be given with --resume (the model is the checkpoint's)")
+    if values["epochs"] is not None:
+        values["steps"] = None
+    for name in ("model", "data"):  # absolute, so that --resume works from anywhere
+        if getattr(args, name) is not None:
+            values[name] = str(Path(getattr(args, name)).absolute())
+    if saved is not None:
+        values["tokenizer"] = saved.get("tokenizer", "bytes")
+        if args.epochs is None and args.steps is None:  # continue the saved plan
+            values["steps"], values["epochs"] = saved.get("steps"), None
+    return Plan(**values)
+
+
+def run_record(plan: Plan) -> dict:
+    """run_config.json's plan. With --noise-seed the target epsilon is only what sigma was
+    calibrated to, and the record says the run is not private."""
+    record = dataclasses.asdict(plan)
+    if plan.noise_seed is not None:
+        record["privacy"] = NOT_PRIVATE
+        record["epsilon_for_noise_calibration"] = record.pop("epsilon")
+    return record
+
+
+def saved_plan(saved: dict, trainer_state: dict) -> dict:
+    """The inverse of :func:`run_record` (a resumed run_config.json). A checkpoint of a
+    dpkern before --noise-seed existed used --seed as the noise key (its optimizer state
+    holds it): that key is known, so the run continues as a --noise-seed run."""
+    saved = dict(saved)
+    if "epsilon_for_noise_calibration" in saved:
+        saved["epsilon"] = saved.pop("epsilon_for_noise_calibration")
+    if "noise_seed" not in saved:
+        dp = (trainer_state.get("optimizer") or {}).get("dp") or {}
+        saved["noise_seed"] = dp.get("seed")
+    return saved
+
+
+def calibrate_extension(
+    history, sample_rate: float, steps: int, epsilon: float, delta: float, accountant: str
+) -> float:
+    """The noise multiplier for ``steps`` more steps such that the whole history plus them
+    spends at most ``epsilon`` (geometric bisection on the PrivacyAccountant, to 1e-4)."""
+    from ...accounting import MAX_NOISE_MULTIPLIER, PrivacyAccountant
+
+    def spent(sigma):
+        acc = PrivacyAccountant(accountant)
+        acc.load_state_dict({"accountant": accountant, "history": history})
+        acc.step(sigma, sample_rate, steps)
+        return acc.get_epsilon(delta)
+
+    if spent(MAX_NOISE_MULTIPLIER) > epsilon:
+        raise UsageError(
+            "--epsilon",
+            f"the checkpoint already spent the budget: no noise "
+            f"multiplier <= {MAX_NOISE_MULTIPLIER:g} keeps {steps} more steps "
+            f"within epsilon={epsilon:g}",
+        )
+    lo, hi = 1e-3, MAX_NOISE_MULTIPLIER
+    if spent(lo) <= epsilon:
+        return lo
+    while hi / lo > 1 + 1e-4:
+        mid = math.sqrt(lo * hi)
+        lo, hi = (lo, mid) if spent(mid) <= epsilon else (mid, hi)
+    return hi
+
+
+def check_batch_fits(plan: Plan, n: int, n_tokens: int, block_size_given: bool) -> None:
+    """The expected batch must not exceed the training blocks. Blamed on --block-size when
+    the user chose it and a smaller one would give enough blocks, else on --batch-size."""
+    if plan.batch_size <= n:
+        return
+    blocks_at_2 = n_tokens // 2
+    train_at_2 = blocks_at_2 - min(blocks_at_2 - 1, max(1, round(blocks_at_2 * plan.val_fraction)))
+    if block_size_given and plan.batch_size <= train_at_2:
+        raise UsageError(
+            "--block-size",
+            f"{plan.block_size} is too large for the data: its "
+            f"{n_tokens:,} tokens make {n} training blocks, fewer than the "
+            f"expected batch of {plan.batch_size} (--batch-size)",
+        )
+    raise UsageError(
+        "--batch-size",
+        f"{plan.batch_size} is larger than the data set ({n} "
+        f"training blocks of {plan.block_size} tokens)",
+    )
+
+
+def warn_delta(delta: float | None, n: int) -> None:
+    """--delta should be well below 1/N: a mechanism that publishes one random example in
+    full is (0, 1/N)-DP. A warning, not an error (one line on stderr)."""
+    if delta is not None and delta >= 1.0 / n:
+        print(
+            f"dpkern finetune: warning: --delta {delta:g} is not well below 1/N = "
+            f"{1.0 / n:.3g} (N = {n:,} training blocks): such a delta allows leaking "
+            "whole examples; the default is 1/N^1.1",
+            file=sys.stderr,
+        )
