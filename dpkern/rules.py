@@ -32,6 +32,7 @@ Kernel states (``kernel=True``) are handed to the backends' ``step`` in the orde
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -236,6 +237,12 @@ class RuleSpec:
         from . import optim
 
         return getattr(optim, self.optimizer)
+
+    def optimizer_options(self) -> frozenset[str]:
+        """The argument names of its optimizer class's constructor (``"max_grad_norm"`` is
+        absent for whitening rules, ``"weight_decay"`` for rules without decay)."""
+        params = inspect.signature(self.optimizer_class().__init__).parameters
+        return frozenset(params) - {"self", "params"}
 
 
 _REGISTRY: dict[str, RuleSpec] = {}
