@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import torch
 from torch import Tensor
@@ -44,6 +45,7 @@ from .hyper import (
     check_nonnegative,
     check_positive,
 )
+from .keys import NoiseKey
 
 __all__ = [
     "CLIP_EPS",
@@ -82,7 +84,7 @@ Reduce = Callable[[Tensor], None]  # in-place SUM over the ranks of sharded para
 def gaussian_noise(
     numel: int,
     *,
-    key: int,
+    key: NoiseKey | int,
     step: int,
     offset: int = 0,
     stream: int = 0,
@@ -278,8 +280,8 @@ def _pass1(groups: list[Group], backend, batch_size: int, device, dp_step: int) 
 def clip_and_check(
     groups: list[Group],
     *,
-    backend,
-    device,
+    backend: ModuleType,
+    device: torch.device,
     step: int,
     max_grad_norm: float,
     nonfinite: str,
@@ -323,7 +325,7 @@ def clip_and_check(
 def dp_step_groups(
     groups: list[Group],
     *,
-    key,
+    key: NoiseKey | int,
     step: int,
     max_grad_norm: float,
     noise_multiplier: float,
@@ -378,7 +380,7 @@ def prepare_step(
     backend: str = "auto",
     nonfinite: str = "error",
     reduce: Reduce | None = None,
-):
+) -> tuple[ModuleType, StepResult]:
     """The first half of :func:`dp_step_groups`: validation, pass 1 and the clip factors.
 
     Returns (backend module, StepResult). Modifies nothing; raises ValueError /
@@ -399,10 +401,10 @@ def prepare_step(
 
 def apply_step(
     groups: list[Group],
-    be,
+    be: ModuleType,
     pass1: StepResult,
     *,
-    key,
+    key: NoiseKey | int,
     step: int,
     max_grad_norm: float,
     noise_multiplier: float,
@@ -463,13 +465,15 @@ def noise_var_ema(
     return beta2 * prev + (1 - beta2) * Phi
 
 
-def check_privacy(max_grad_norm, noise_multiplier, expected_batch_size) -> None:
+def check_privacy(
+    max_grad_norm: float, noise_multiplier: float, expected_batch_size: float
+) -> None:
     check_positive("max_grad_norm", max_grad_norm)
     check_nonnegative("noise_multiplier", noise_multiplier)
     check_positive("expected_batch_size", expected_batch_size)
 
 
-def check_nonfinite(nonfinite) -> str:
+def check_nonfinite(nonfinite: str) -> str:
     if nonfinite not in NONFINITE_MODES:
         raise ValueError(f"invalid nonfinite={nonfinite!r}: expected one of {NONFINITE_MODES}")
     return nonfinite
@@ -482,7 +486,7 @@ def dp_step(
     states: Mapping[str, Sequence[Tensor | None]],
     *,
     step: int,
-    key,
+    key: NoiseKey | int,
     max_grad_norm: float,
     noise_multiplier: float,
     expected_batch_size: float,
@@ -504,6 +508,9 @@ def dp_step(
         noise_var_avg: phi_t, the already-updated noise-variance EMA of the rules with
             ``noise_bias_correction`` (:func:`noise_var_ema`); ignored by the others.
         max_grad_norm: ignored by rules with ``whitening`` (their bound is 1).
+    Raises (besides those below): NotImplementedError when ``backend`` names a fused
+    backend without a kernel for the rule (``"auto"`` falls back to the reference).
+    Source: the rule's (``rules.of(hyper).source``); SPEC section ``rules.of(hyper).section``.
     """
     spec = rules.of(hyper)
     check_privacy(max_grad_norm, noise_multiplier, expected_batch_size)
@@ -573,24 +580,24 @@ _COMMON_DOC = """
 
 
 def dp_sgd(
-    params,
-    grad_samples,
-    momentum_buffers,
+    params: Sequence[Tensor],
+    grad_samples: Sequence[Tensor | None] | None,
+    momentum_buffers: Sequence[Tensor | None] | None,
     *,
-    step,
-    key,
-    lr,
-    momentum=0.0,
-    dampening=0.0,
-    weight_decay=0.0,
-    nesterov=False,
-    max_grad_norm,
-    noise_multiplier,
-    expected_batch_size,
-    summed_grads=None,
-    offset=0,
-    nonfinite="error",
-    backend="auto",
+    step: int,
+    key: NoiseKey | int,
+    lr: float,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+    max_grad_norm: float,
+    noise_multiplier: float,
+    expected_batch_size: float,
+    summed_grads: Sequence[Tensor | None] | None = None,
+    offset: int = 0,
+    nonfinite: str = "error",
+    backend: str = "auto",
 ) -> StepResult:
     """DP-SGD (Abadi et al. 2016, Algorithm 1) with torch.optim.SGD's update (SPEC 5.1).
 
@@ -679,24 +686,24 @@ def _adam_family(
 
 
 def dp_adam(
-    params,
-    grad_samples,
-    exp_avgs,
-    exp_avg_sqs,
+    params: Sequence[Tensor],
+    grad_samples: Sequence[Tensor | None] | None,
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
     *,
-    step,
-    key,
-    lr,
-    betas=(0.9, 0.999),
-    eps=1e-8,
-    weight_decay=0.0,
-    max_grad_norm,
-    noise_multiplier,
-    expected_batch_size,
-    summed_grads=None,
-    offset=0,
-    nonfinite="error",
-    backend="auto",
+    step: int,
+    key: NoiseKey | int,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    max_grad_norm: float,
+    noise_multiplier: float,
+    expected_batch_size: float,
+    summed_grads: Sequence[Tensor | None] | None = None,
+    offset: int = 0,
+    nonfinite: str = "error",
+    backend: str = "auto",
 ) -> StepResult:
     """DP-Adam (TensorFlow Privacy / Opacus + torch.optim.Adam, SPEC 5.2), coupled L2."""
     return _adam_family(
@@ -722,24 +729,24 @@ def dp_adam(
 
 
 def dp_adamw(
-    params,
-    grad_samples,
-    exp_avgs,
-    exp_avg_sqs,
+    params: Sequence[Tensor],
+    grad_samples: Sequence[Tensor | None] | None,
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
     *,
-    step,
-    key,
-    lr,
-    betas=(0.9, 0.999),
-    eps=1e-8,
-    weight_decay=1e-2,
-    max_grad_norm,
-    noise_multiplier,
-    expected_batch_size,
-    summed_grads=None,
-    offset=0,
-    nonfinite="error",
-    backend="auto",
+    step: int,
+    key: NoiseKey | int,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    max_grad_norm: float,
+    noise_multiplier: float,
+    expected_batch_size: float,
+    summed_grads: Sequence[Tensor | None] | None = None,
+    offset: int = 0,
+    nonfinite: str = "error",
+    backend: str = "auto",
 ) -> StepResult:
     """DP-AdamW (arXiv 2511.07843, Algorithm 1; SPEC 5.4): decoupled weight decay."""
     return _adam_family(
@@ -765,25 +772,25 @@ def dp_adamw(
 
 
 def dp_adam_bc(
-    params,
-    grad_samples,
-    exp_avgs,
-    exp_avg_sqs,
-    noise_var_avg,
+    params: Sequence[Tensor],
+    grad_samples: Sequence[Tensor | None] | None,
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    noise_var_avg: Tensor,
     *,
-    step,
-    key,
-    lr,
-    betas=(0.9, 0.999),
-    gamma=1e-8,
-    weight_decay=0.0,
-    max_grad_norm,
-    noise_multiplier,
-    expected_batch_size,
-    summed_grads=None,
-    offset=0,
-    nonfinite="error",
-    backend="auto",
+    step: int,
+    key: NoiseKey | int,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    gamma: float = 1e-8,
+    weight_decay: float = 0.0,
+    max_grad_norm: float,
+    noise_multiplier: float,
+    expected_batch_size: float,
+    summed_grads: Sequence[Tensor | None] | None = None,
+    offset: int = 0,
+    nonfinite: str = "error",
+    backend: str = "auto",
 ) -> StepResult:
     """DP-AdamBC (Tang et al., arXiv 2312.14334; SPEC 5.3).
 
@@ -813,25 +820,25 @@ def dp_adam_bc(
 
 
 def dp_adamw_bc(
-    params,
-    grad_samples,
-    exp_avgs,
-    exp_avg_sqs,
-    noise_var_avg,
+    params: Sequence[Tensor],
+    grad_samples: Sequence[Tensor | None] | None,
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    noise_var_avg: Tensor,
     *,
-    step,
-    key,
-    lr,
-    betas=(0.9, 0.999),
-    gamma=1e-8,
-    weight_decay=1e-2,
-    max_grad_norm,
-    noise_multiplier,
-    expected_batch_size,
-    summed_grads=None,
-    offset=0,
-    nonfinite="error",
-    backend="auto",
+    step: int,
+    key: NoiseKey | int,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    gamma: float = 1e-8,
+    weight_decay: float = 1e-2,
+    max_grad_norm: float,
+    noise_multiplier: float,
+    expected_batch_size: float,
+    summed_grads: Sequence[Tensor | None] | None = None,
+    offset: int = 0,
+    nonfinite: str = "error",
+    backend: str = "auto",
 ) -> StepResult:
     """DP-AdamW-BC (arXiv 2511.07843, Algorithm 2; SPEC 5.5). ``noise_var_avg`` as in
     :func:`dp_adam_bc`."""
@@ -859,27 +866,27 @@ def dp_adamw_bc(
 
 
 def dp_macadam(
-    params,
-    grad_samples,
-    exp_avgs,
-    exp_avg_sqs,
-    exp_vars,
-    scales,
+    params: Sequence[Tensor],
+    grad_samples: Sequence[Tensor | None] | None,
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    exp_vars: Sequence[Tensor],
+    scales: Sequence[Tensor],
     *,
-    step,
-    key,
-    lr,
-    betas=(0.9, 0.999),
-    gamma=1e-8,
-    h1=1e-9,
-    h2=1e-6,
-    variance_estimate="unbiased",
-    noise_multiplier,
-    expected_batch_size,
-    summed_grads=None,
-    offset=0,
-    nonfinite="error",
-    backend="auto",
+    step: int,
+    key: NoiseKey | int,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    gamma: float = 1e-8,
+    h1: float = 1e-9,
+    h2: float = 1e-6,
+    variance_estimate: str = "unbiased",
+    noise_multiplier: float,
+    expected_batch_size: float,
+    summed_grads: Sequence[Tensor | None] | None = None,
+    offset: int = 0,
+    nonfinite: str = "error",
+    backend: str = "auto",
 ) -> StepResult:
     """DP-MacAdam (arXiv 2606.05435, Algorithm 1; AdaClip arXiv 1908.07643; SPEC 7).
 
@@ -919,7 +926,7 @@ def dp_macadam(
     )
 
 
-for _f in (dp_sgd, dp_adam, dp_adamw, dp_adam_bc, dp_adamw_bc, dp_macadam):
+for _f in (dp_step, dp_sgd, dp_adam, dp_adamw, dp_adam_bc, dp_adamw_bc, dp_macadam):
     _f.__doc__ += _COMMON_DOC
 del _f
 
