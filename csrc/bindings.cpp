@@ -196,6 +196,19 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("rule_codes", []() { return name_table(dpk::RULE_NAMES); },
         "{rule name (dpkern.rules): code} of the update rules this extension implements");
+  m.def("rule_states", []() {
+    py::dict out;
+    for (const auto& r : dpk::RULE_STATES) {
+      const char* rule = nullptr;
+      for (const auto& e : dpk::RULE_NAMES)
+        if (e.code == r.rule) rule = e.name;
+      py::list names;
+      for (const char* n : r.names)
+        if (n != nullptr) names.append(n);
+      out[rule] = names;
+    }
+    return out;
+  }, "{rule name: its kernel states in the order of the state pointers}");
   m.def("max_states", []() { return dpk::MAX_STATES; }, "kernel states a rule may have");
 
   m.def("set_num_threads", &dpk::set_num_threads,

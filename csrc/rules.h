@@ -3,10 +3,12 @@
 // the dispatch update() that step.cpp's block kernel calls once the clipped sum S and the
 // noise z of a block are ready.
 //
-// Rules are known to Python by name only: RULE_NAMES is exported as _C.rule_codes() and
+// Everything is known to Python by name: RULE_NAMES is exported as _C.rule_codes() and
 // dpkern/backends/cpp.py looks each code up by the registry's name (a rule missing here is
-// refused by the backend, never run as another). Hyper-parameters arrive as a dict keyed
-// by the dataclass field names (DPK_HYPER_FIELDS; bindings.cpp refuses any other key).
+// refused by the backend, never run as another); RULE_STATES (_C.rule_states()) gives each
+// rule's states in the order of Param::state, and Python puts each buffer in its slot by
+// name. Hyper-parameters arrive as a dict keyed by the dataclass field names
+// (DPK_HYPER_FIELDS; bindings.cpp refuses any other key).
 // Arithmetic follows reference.py operation by operation, in float32, with each Python
 // scalar rounded to float32 where the reference multiplies a tensor by it.
 #pragma once
@@ -29,6 +31,22 @@ struct Named {
 inline constexpr Named RULE_NAMES[] = {{"sgd", SGD},       {"adam", ADAM},         {"adam_bc", ADAM_BC},
                                 {"adamw", ADAMW},   {"adamw_bc", ADAMW_BC}, {"macadam", MACADAM}};
 inline constexpr Named VARIANCE_NAMES[] = {{"unbiased", UNBIASED}, {"paper", PAPER}, {"code", CODE}};
+
+// The slots of Param::state the update functions use, by state name, and each rule's
+// states in slot order (the names are the registry's, checked at import by cpp.py).
+enum Slot : int { MOMENTUM_BUFFER = 0, EXP_AVG = 0, EXP_AVG_SQ = 1, EXP_VAR = 2, SCALE = 3 };
+struct RuleStates {
+  int rule;
+  const char* names[MAX_STATES];
+};
+inline constexpr RuleStates RULE_STATES[] = {
+    {SGD, {"momentum_buffer"}},
+    {ADAM, {"exp_avg", "exp_avg_sq"}},
+    {ADAM_BC, {"exp_avg", "exp_avg_sq"}},
+    {ADAMW, {"exp_avg", "exp_avg_sq"}},
+    {ADAMW_BC, {"exp_avg", "exp_avg_sq"}},
+    {MACADAM, {"exp_avg", "exp_avg_sq", "exp_var", "scale"}},
+};
 
 // The float and bool fields of the dpkern.hyper dataclasses (name, default), read from the
 // Python dict by name. A new rule's hyper-parameters are added here.
@@ -99,7 +117,7 @@ inline Consts make_consts(const Hyper& h, const DP& dp) {
 // The update rules on one block: update_<name><PT>(c, S, z, param, begin, len, sqrt_sum),
 // PT the parameter's storage dtype. S = clipped sum (+ summed), z = noise; the privatised
 // gradient is g_hat = (S + noise_std z) / B_e (SPEC section 4). State s of the rule is
-// prm.state[s] (RuleSpec.kernel_states order); sqrt_sum takes a block's partial sum of a
+// prm.state[SLOT] (RULE_STATES); sqrt_sum takes a block's partial sum of a
 // global reduction (DP-MacAdam) and is left alone by the other rules.
 
 // DP-SGD (SPEC 5.1): torch.optim.SGD on g_hat.
@@ -107,7 +125,7 @@ template <int PT>
 DPK_INLINE void update_sgd(const Consts c, const float* __restrict S, float* __restrict z,
                            const Param& prm, int64_t begin, int64_t len, double&) {
   auto* __restrict p = static_cast<typename Storage<PT>::type*>(prm.data) + begin;
-  float* __restrict buf = c.has_momentum ? prm.state[0] + begin : nullptr;
+  float* __restrict buf = c.has_momentum ? prm.state[MOMENTUM_BUFFER] + begin : nullptr;
   for (int64_t j = 0; j < len; ++j) {
     float g = (S[j] + c.noise_std * z[j]) / c.batch;
     const float pj = load<PT>(p, j);
@@ -127,8 +145,8 @@ template <int PT, bool DECOUPLED, bool BC>
 DPK_INLINE void adam_family(const Consts c, const float* __restrict S, float* __restrict z,
                             const Param& prm, int64_t begin, int64_t len) {
   auto* __restrict p = static_cast<typename Storage<PT>::type*>(prm.data) + begin;
-  float* __restrict m = prm.state[0] + begin;
-  float* __restrict v = prm.state[1] + begin;
+  float* __restrict m = prm.state[EXP_AVG] + begin;
+  float* __restrict v = prm.state[EXP_AVG_SQ] + begin;
   for (int64_t j = 0; j < len; ++j) {
     float g = (S[j] + c.noise_std * z[j]) / c.batch;
     float pj = load<PT>(p, j);
@@ -194,10 +212,10 @@ template <int PT>
 DPK_INLINE void update_macadam(const Consts c, const float* __restrict S, float* __restrict z,
                                const Param& prm, int64_t begin, int64_t len, double& sqrt_sum) {
   auto* __restrict p = static_cast<typename Storage<PT>::type*>(prm.data) + begin;
-  float* __restrict m = prm.state[0] + begin;
-  float* __restrict v = prm.state[1] + begin;
-  float* __restrict var = prm.state[2] + begin;
-  const float* __restrict b = prm.state[3] + begin;
+  float* __restrict m = prm.state[EXP_AVG] + begin;
+  float* __restrict v = prm.state[EXP_AVG_SQ] + begin;
+  float* __restrict var = prm.state[EXP_VAR] + begin;
+  const float* __restrict b = prm.state[SCALE] + begin;
   // m_hat_prev = m / (1 - beta1^(t-1)), or 0 at t = 1: divide always, select on a float
   // (a select on a bool, or a division under a condition, keeps GCC from vectorising).
   const float bc1_prev = c.has_m_hat_prev ? c.bias_correction1_prev : 1.0f;

@@ -63,7 +63,7 @@ DPK_INLINE void contribution(const Consts& c, const Param& p, int64_t begin, int
   const Flat& gs = p.grad_sample;
   if (whitens(c.rule)) {
     DPK_DISPATCH_DTYPE(gs.dtype, whitened_clipped_sum, c, gs.data, p.numel, begin, len, clip,
-                       batch, p.state[0] + begin, p.state[3] + begin, acc)
+                       batch, p.state[EXP_AVG] + begin, p.state[SCALE] + begin, acc)
   } else if (gs.data != nullptr) {
     DPK_DISPATCH_DTYPE(gs.dtype, clipped_sum, gs.data, p.numel, begin, len, clip, batch, acc)
   }

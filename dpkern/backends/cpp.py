@@ -52,18 +52,28 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.flo
 _increment_version = getattr(torch.autograd.graph, "increment_version", None)
 
 
-def _rule_codes() -> dict[str, int]:
-    """{rule name: code} of the rules the extension implements, checked against the
-    registry: every name registered, codes distinct."""
+def _rule_tables() -> tuple[dict[str, int], dict[str, tuple[str, ...]]]:
+    """{rule name: code} of the rules the extension implements and {rule name: its kernel
+    states in the order of the extension's state pointers}, checked against the registry:
+    every name registered, codes distinct, the same state names (whitening rules: with
+    exp_avg and scale in the slots the whitened sum reads)."""
     codes = dict(_C.rule_codes())
+    order = {name: tuple(states) for name, states in _C.rule_states().items()}
+    if set(order) != set(codes) or len(set(codes.values())) != len(codes):
+        raise ImportError(f"dpkern._C: inconsistent rule tables {codes} / {order}")
     for name in codes:
-        rules.get(name)  # ValueError: the extension knows a rule the registry does not
-    if len(set(codes.values())) != len(codes):
-        raise ImportError(f"dpkern._C: duplicate update rule codes {codes}")
-    return codes
+        spec = rules.get(name)  # ValueError: the extension knows a rule the registry does not
+        if sorted(order[name]) != sorted(spec.kernel_state_names):
+            raise ImportError(
+                f"dpkern._C: rule {name!r} has states {order[name]}, the registry "
+                f"{spec.kernel_state_names}"
+            )
+        if spec.whitening and order[name][:1] + order[name][3:4] != ("exp_avg", "scale"):
+            raise ImportError(f"dpkern._C: whitening rule {name!r}: exp_avg / scale slots")
+    return codes, order
 
 
-_RULE_CODES = _rule_codes()
+_RULE_CODES, _STATE_ORDER = _rule_tables()
 _MAX_STATES = _C.max_states()
 
 
@@ -182,15 +192,15 @@ def _dp_tuple(dp: DPStep) -> tuple:
 
 
 def _states(hyper: Hyper, states: dict, params) -> list[list[Tensor | None]]:
-    """Checked kernel states of each parameter, in ``RuleSpec.kernel_states`` order (fp32,
-    contiguous, each shaped as its StateSpec says; None where the hyper-parameters do not
-    need it)."""
+    """Checked kernel states of each parameter, in the extension's slot order, by name
+    (fp32, contiguous, each shaped as its StateSpec says; None where the hyper-parameters
+    do not need it)."""
     spec = rules.of(hyper)
     if len(spec.kernel_states) > _MAX_STATES:
         raise NotImplementedError(f"dpkern._C holds at most {_MAX_STATES} states per rule")
     out = [[] for _ in params]
-    for st in spec.kernel_states:
-        name = st.name
+    for name in _STATE_ORDER[hyper.rule]:
+        st = spec.state(name)
         if not st.is_needed(hyper):
             for row in out:
                 row.append(None)
@@ -360,27 +370,24 @@ def accumulate(
     clip = _clip(clip_factors, batch)
     gss, _ = _grad_samples(grad_samples, [b.shape for b in bufs], batch)
     rows = [[] for _ in bufs]
-    _hyper_dict(hyper)  # NotImplementedError before any check for a rule without a kernel
+    hyper_dict = _hyper_dict(hyper)  # NotImplementedError for a rule without a kernel
     if rules.of(hyper).whitening:  # reads exp_avg and scale (whitening), writes no state
-        for name in ("exp_avg", "scale"):
+        read = ("exp_avg", "scale")
+        for name in read:
             if name not in states or len(states[name]) != len(bufs):
                 raise ValueError(f"states[{name!r}]: expected one tensor per buffer ({len(bufs)})")
         rows = [
             [
-                _input(m, f"states['exp_avg'][{k}]", b.shape, _F32),
-                None,
-                None,
-                _input(s, f"states['scale'][{k}]", b.shape, _F32),
+                _input(states[n][k], f"states[{n!r}][{k}]", b.shape, _F32) if n in read else None
+                for n in _STATE_ORDER[hyper.rule]
             ]
-            for k, (m, s, b) in enumerate(
-                zip(states["exp_avg"], states["scale"], bufs, strict=True)
-            )
+            for k, b in enumerate(bufs)
         ]
     params = [
         _param_tuple(b, b.numel(), 0, gs, None, row)
         for b, gs, row in zip(bufs, gss, rows, strict=True)
     ]
-    _C.accumulate(_hyper_dict(hyper), _dp_tuple(dp), params, _ptr(clip), batch)
+    _C.accumulate(hyper_dict, _dp_tuple(dp), params, _ptr(clip), batch)
     _bump(bufs)
 
 

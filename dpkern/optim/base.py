@@ -193,8 +193,6 @@ class DPOptimizer(torch.optim.Optimizer):
             raise ValueError("adopt_key: this optimizer is in reproducible mode (seed=)")
         self._key = key if isinstance(key, NoiseKey) else NoiseKey(key)
 
-    _adopt_key = adopt_key  # the name callers used before the public hook
-
     def __getstate__(self):
         # Pickling would carry the key: refused in secure mode (use state_dict()).
         if self.secure:
@@ -246,8 +244,6 @@ class DPOptimizer(torch.optim.Optimizer):
             group = self.param_groups[group]
         check_group_options(type(self).__name__, group, self.defaults)
         return self._hyper(group)
-
-    _group_hyper = group_hyper
 
     # -- collecting the step's tensors ------------------------------------------------
     def _rule(self) -> str:
@@ -301,7 +297,7 @@ class DPOptimizer(torch.optim.Optimizer):
         new_states, new_buffers = {}, {}
         groups, owners, offset = [], [], 0
         for gi, group in enumerate(self.param_groups):
-            hyper = self._group_hyper(group)
+            hyper = self.group_hyper(group)
             unused = self._unused_states(hyper)
             buckets: dict[tuple, dict] = {}
             for pi, p in enumerate(group["params"]):
@@ -448,8 +444,6 @@ class DPOptimizer(torch.optim.Optimizer):
         groups = self._groups()[0]  # (no accumulation buffers: accumulate() makes them)
         F.check_params(groups)
         self._reduce()
-
-    _check_inputs = check_inputs
 
     def _unused_states(self, hyper: Hyper) -> set[str]:
         """State names the update does not use with these hyper-parameters (never
@@ -761,7 +755,7 @@ class DPOptimizer(torch.optim.Optimizer):
                     "loaded state dict contains a parameter group that doesn't "
                     "match the size of optimizer's group"
                 )
-            self._group_hyper({**group, **{k: v for k, v in saved.items() if k != "params"}})
+            self.group_hyper({**group, **{k: v for k, v in saved.items() if k != "params"}})
             id_to_param.update(zip(saved["params"], group["params"], strict=True))
         step = dp.get("step", 0)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:

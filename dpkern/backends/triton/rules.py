@@ -4,14 +4,17 @@ ones (``csrc/rules.h``), each next to its host side (the scalars and flags it is
 and launched with), and the dispatch :func:`update` that the fused kernel of ``step.py``
 calls after its shared prologue (clipped sum, noise, g_hat).
 
-An update function gets the table row of its tensor (states are columns ``COL_S0 + i``, in
-``RuleSpec.kernel_states`` order), the block's offsets and mask, the fp32 parameter block
-``p``, the privatised gradient ``g``, the first state's block ``m_prev`` (loaded by the
-prologue when ``load_first``), then its own scalars and flags; it stores its states and
-returns the updated ``p``. Formulas follow ``reference.py`` operation by operation.
+An update function gets the table row of its tensor (its states are columns
+``COL_S0 + slot``, the slots named below), the block's offsets and mask, the fp32
+parameter block ``p``, the privatised gradient ``g``, the first state's block ``m_prev``
+(loaded by the prologue when ``load_first``), then its own scalars and flags; it stores its
+states and returns the updated ``p``. Formulas follow ``reference.py`` operation by
+operation.
 
-Rule codes are compile-time constants of this module, found by rule name (:data:`RULES`);
-a registered rule without an entry here is refused by the backend (``supports``).
+Everything is found by name: :data:`RULES` maps a rule's name to its host side and
+:data:`STATES` to its state names in slot order (the host puts each buffer in its slot by
+name; the names are checked against the registry at import). A registered rule without an
+entry here is refused by the backend (``supports``).
 """
 
 from __future__ import annotations
@@ -32,7 +35,24 @@ ADAMW = tl.constexpr(3)
 ADAMW_BC = tl.constexpr(4)
 MACADAM = tl.constexpr(5)
 # DP-MacAdam's variance term u (constexpr), by name.
-VARIANCE_CODES = {"unbiased": 0, "paper": 1, "code": 2}
+UNBIASED, PAPER, CODE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+VARIANCE_CODES = {"unbiased": UNBIASED.value, "paper": PAPER.value, "code": CODE.value}
+
+#: rule name -> its kernel states in slot order (table column COL_S0 + slot).
+STATES = {
+    "sgd": ("momentum_buffer",),
+    "adam": ("exp_avg", "exp_avg_sq"),
+    "adam_bc": ("exp_avg", "exp_avg_sq"),
+    "adamw": ("exp_avg", "exp_avg_sq"),
+    "adamw_bc": ("exp_avg", "exp_avg_sq"),
+    "macadam": ("exp_avg", "exp_avg_sq", "exp_var", "scale"),
+}
+# The slots the update functions use, by state name.
+MOMENTUM_BUFFER = tl.constexpr(STATES["sgd"].index("momentum_buffer"))
+EXP_AVG = tl.constexpr(STATES["adam"].index("exp_avg"))  # the first state (m_prev)
+EXP_AVG_SQ = tl.constexpr(STATES["adam"].index("exp_avg_sq"))
+EXP_VAR = tl.constexpr(STATES["macadam"].index("exp_var"))
+SCALE = tl.constexpr(STATES["macadam"].index("scale"))
 N_SCALARS = 12  # float scalars s0 .. s11 of the kernel, meaning set by each rule
 N_FLAGS = 4  # constexpr ints F0 .. F3, meaning set by each rule
 
@@ -76,7 +96,8 @@ def update_sgd(
             buf = g
         else:
             buf = m_prev * momentum + one_m_damp * g
-        tl.store(C.typed_ptr(row, C.COL_S0, tl.float32, ALIGNED) + offs, buf, mask=inb)
+        buf_ptr = C.typed_ptr(row, C.COL_S0 + MOMENTUM_BUFFER, tl.float32, ALIGNED)
+        tl.store(buf_ptr + offs, buf, mask=inb)
         if NESTEROV:
             g = g + momentum * buf
         else:
@@ -97,11 +118,11 @@ def _host_sgd(h, dp) -> KernelArgs:
 @triton.jit
 def _adam_moments(row, offs, inb, g, m_prev, beta1, beta2, one_m_b1, one_m_b2, bc1, bc2, ALIGNED):
     """m, v EMAs (stored) and (m_hat, v_hat); m_prev is exp_avg's block."""
-    v_ptr = C.typed_ptr(row, C.COL_S0 + 1, tl.float32, ALIGNED)
+    v_ptr = C.typed_ptr(row, C.COL_S0 + EXP_AVG_SQ, tl.float32, ALIGNED)
     v = tl.load(v_ptr + offs, mask=inb, other=0.0)
     m = m_prev * beta1 + one_m_b1 * g
     v = v * beta2 + one_m_b2 * g * g
-    tl.store(C.typed_ptr(row, C.COL_S0, tl.float32, ALIGNED) + offs, m, mask=inb)
+    tl.store(C.typed_ptr(row, C.COL_S0 + EXP_AVG, tl.float32, ALIGNED) + offs, m, mask=inb)
     tl.store(v_ptr + offs, v, mask=inb)
     return m / bc1, v / bc2
 
@@ -288,10 +309,10 @@ def update_macadam(
         row, offs, inb, g, m_prev, beta1, beta2, one_m_b1, one_m_b2, bc1, bc2, ALIGNED
     )
     p = p - lr * m_hat / (tl.math.sqrt_rn(v_hat) + gamma)
-    S_ptr = C.typed_ptr(row, C.COL_S0 + 2, tl.float32, ALIGNED)  # exp_var
-    if VARIANCE == 0:
+    S_ptr = C.typed_ptr(row, C.COL_S0 + EXP_VAR, tl.float32, ALIGNED)
+    if VARIANCE == UNBIASED:
         u = (g - m_hat_prev) * (g - m_hat)
-    elif VARIANCE == 1:
+    elif VARIANCE == PAPER:
         u = (g - m_hat) * (g - m_hat)
     else:
         u = (g - m_hat_prev) * (g - m_hat_prev)
@@ -434,11 +455,19 @@ def kernel_args(hyper, dp) -> KernelArgs:
 
 
 def _check_registry() -> None:
-    """Every rule here is registered, with at most MAX_STATES kernel states."""
-    for name in RULES:
+    """Every rule here is registered, with the registry's kernel states (by name, in slots
+    that fit the table); the first state of a whitening rule is its exp_avg (m_prev)."""
+    if set(STATES) != set(RULES):
+        raise RuntimeError("dpkern triton/rules.py: RULES and STATES name different rules")
+    for name, states in STATES.items():
         spec = rules.get(name)  # ValueError for a name the registry does not know
-        if len(spec.kernel_states) > C.MAX_STATES:
-            raise RuntimeError(f"rule {name!r}: more kernel states than the table holds")
+        if sorted(states) != sorted(spec.kernel_state_names) or len(states) > C.MAX_STATES:
+            raise RuntimeError(
+                f"dpkern triton/rules.py: rule {name!r} has states {states}, the registry "
+                f"{spec.kernel_state_names}"
+            )
+        if spec.whitening and (states[0] != "exp_avg" or "scale" not in states):
+            raise RuntimeError(f"dpkern triton/rules.py: whitening rule {name!r}: states")
 
 
 _check_registry()

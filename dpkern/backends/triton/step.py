@@ -200,8 +200,8 @@ def _scale_kernel(
     row, blk = C.chunk_row(table, chunks, tl.program_id(0))
     offs = blk * BLOCK + tl.arange(0, BLOCK)
     inb = offs < C.row_numel(row, ALIGNED)
-    S_ptr = C.typed_ptr(row, C.COL_S0 + 2, tl.float32, ALIGNED)
-    b_ptr = C.typed_ptr(row, C.COL_S0 + 3, tl.float32, ALIGNED)
+    S_ptr = C.typed_ptr(row, C.COL_S0 + R.EXP_VAR, tl.float32, ALIGNED)
+    b_ptr = C.typed_ptr(row, C.COL_S0 + R.SCALE, tl.float32, ALIGNED)
     s_hat = R.macadam_variance(
         tl.load(S_ptr + offs, mask=inb, other=1.0),
         tl.load(b_ptr + offs, mask=inb, other=1.0),
@@ -226,7 +226,7 @@ def _launch(
     C.check_device(dev)
     cfg = C.config()
     spec = registry.of(hyper)
-    names = spec.kernel_state_names
+    names = R.STATES[hyper.rule]  # the kernel's slot order, by name
     whiten = spec.whitening
     has_gs = clip_factors is not None
     inplace = C.InPlace()
@@ -341,10 +341,11 @@ def macadam_update_scale(hyper, dp, exp_vars, scales, sqrt_sum: float) -> None:
     C.check_device(dev)
     cfg = C.config()
     inplace = C.InPlace()
-    entries = [
-        C.Entry(k, b.numel(), 0, (None, None, None, None, None, C.readonly(S), inplace(b)))
-        for k, (S, b) in enumerate(zip(exp_vars, scales, strict=True))
-    ]
+    entries = []
+    for k, (S, b) in enumerate(zip(exp_vars, scales, strict=True)):
+        bufs = [None] * (3 + C.MAX_STATES)  # (param, grad_sample, summed, *states)
+        bufs[3 + R.EXP_VAR.value], bufs[3 + R.SCALE.value] = C.readonly(S), inplace(b)
+        entries.append(C.Entry(k, b.numel(), 0, tuple(bufs)))
     kappa, noise_var = R.macadam_scalars(hyper, dp)
     for ln in C.plan(entries, typed=(), chunk=cfg.step_block, device=dev):
         _scale_kernel[(ln.n_chunks,)](
