@@ -111,8 +111,10 @@ def params_of(model) -> dict[str, torch.Tensor]:
 
 
 def key_bytes(key: int) -> list[bytes]:
-    """Every encoding of a 64-bit key a file could plausibly hold."""
+    """Every encoding of a 64-bit key a file could plausibly hold (pickle writes ints in
+    their shortest little-endian form)."""
     return [
+        key.to_bytes(max(1, (key.bit_length() + 7) // 8), "little"),
         key.to_bytes(8, "little"),
         key.to_bytes(8, "big"),
         str(key).encode(),
@@ -230,8 +232,17 @@ def test_trainer_end_to_end_epsilon_within_target_and_nothing_leaked(tmp_path):
     sizes, counting = _realised_sizes(collate)
     tr = DPTrainer(
         model=model,
-        args=targs(tmp_path, max_steps=4, logging_steps=2, save_steps=4, save_strategy="steps"),
+        args=targs(
+            tmp_path,
+            max_steps=4,
+            logging_steps=2,
+            save_steps=4,
+            save_strategy="steps",
+            eval_strategy="steps",
+            eval_steps=4,
+        ),
         train_dataset=make_data(64),
+        eval_dataset=make_data(8, seed=9),
         data_collator=counting,
         privacy=PrivacyArguments(target_epsilon=target, target_delta=1e-3, loss_normalizer=12),
     )
@@ -242,6 +253,8 @@ def test_trainer_end_to_end_epsilon_within_target_and_nothing_leaked(tmp_path):
     assert 0 < eps[0] < eps[1] <= target + 1e-6 and eps[1] > 0.9 * target
     assert out.metrics["epsilon"] == eps[1] and tr.state.log_history[-1]["total_flos"] == 0
     assert tr.accountant.steps == 4 and tr.accountant.history[0][1] == 8 / 64
+    assert tr.optimizer.optimizer.dp_step == 4  # one release per 2 accumulated micro-batches
+    assert any("eval_loss" in e for e in tr.state.log_history)  # evaluation is not recorded
     for entry in tr.state.log_history:
         assert "grad_norm" not in entry and "num_input_tokens_seen" not in entry
     assert len(sizes) >= 8  # 4 steps x 2 micro-batches (Accelerate reads one ahead)
@@ -272,7 +285,7 @@ def test_logs_are_the_same_whatever_the_poisson_draws(tmp_path):
         sizes, counting = _realised_sizes(collate)
         tr = DPTrainer(
             model=hf_tiny.build("llama").model,
-            args=targs(tmp_path / str(run), max_steps=2, logging_steps=1),
+            args=targs(tmp_path / str(run), max_steps=2, logging_steps=2),
             train_dataset=make_data(64),
             data_collator=counting,
             privacy=privacy(),
@@ -291,30 +304,30 @@ def test_logs_are_the_same_whatever_the_poisson_draws(tmp_path):
 
 def test_resume_through_checkpoints_equals_the_uninterrupted_run(tmp_path):
     """With a noise seed (a reproducible run that says it is not private), resuming from
-    checkpoint-3 gives the same parameters, optimizer step and ledger as the 6-step run;
+    checkpoint-2 gives the same parameters, optimizer step and ledger as the 4-step run;
     a checkpoint without the ledger, and a private resume of it, are refused."""
     priv = privacy(noise_seed=1234)
-    data = make_data(40)  # B_e = 8: 5 steps per epoch, so the run crosses an epoch
-    kw = dict(max_steps=6, save_steps=3, save_strategy="steps", logging_steps=3)
+    data = make_data(24)  # B_e = 8: 3 steps per epoch, so the run crosses an epoch
+    kw = dict(max_steps=4, save_steps=2, save_strategy="steps")
     with pytest.warns(UserWarning, match=NOT_PRIVATE):
         full = trainer(hf_tiny.build("llama").model, tmp_path / "full", data, priv, **kw)
     full.train()
-    logs = [e for e in full.state.log_history if "loss" in e]
-    assert "epsilon" not in logs[0] and logs[0]["epsilon_if_noise_key_were_secret"] > 0
-    rec = json.loads((tmp_path / "full" / "checkpoint-3" / PRIVACY_FILE).read_text())
+    final = full.state.log_history[-1]
+    assert "epsilon" not in final and final["epsilon_if_noise_key_were_secret"] > 0
+    rec = json.loads((tmp_path / "full" / "checkpoint-2" / PRIVACY_FILE).read_text())
     assert rec["private"] is False and rec["privacy"] == NOT_PRIVATE and "epsilon" not in rec
 
     with pytest.warns(UserWarning, match=NOT_PRIVATE):
         again = trainer(hf_tiny.build("llama").model, tmp_path / "resumed", data, priv, **kw)
-    again.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-3"))
+    again.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
     assert again.noise_multiplier == full.noise_multiplier
     for (n, p), q in zip(full.model.named_parameters(), again.model.parameters()):
         assert torch.equal(p, q), n
-    assert again.optimizer.optimizer.dp_step == 6
-    assert again.accountant.history == full.accountant.history == [[1.0, 0.2, 6]]
+    assert again.optimizer.optimizer.dp_step == 4
+    assert again.accountant.history == full.accountant.history == [[1.0, 8 / 24, 4]]
 
     broken = tmp_path / "broken"
-    os.rename(tmp_path / "full" / "checkpoint-3", broken)
+    os.rename(tmp_path / "full" / "checkpoint-2", broken)
     (broken / PRIVACY_FILE).rename(tmp_path / "ledger.json")
     with pytest.warns(UserWarning, match=NOT_PRIVATE):
         t = trainer(hf_tiny.build("llama").model, tmp_path / "x", data, priv, **kw)
@@ -393,12 +406,16 @@ def test_peft_lora_trains_only_lora_and_generates(tmp_path):
     assert gen.shape == (1, 5)
 
 
-def test_bf16_model_trains_through_the_same_path(tmp_path):
-    """A bfloat16 model: float32 losses and ghost norms, the first-step check at bf16
-    tolerance, float32 optimizer states, every parameter moves."""
-    model = hf_tiny.build("llama").model.to(torch.bfloat16)
+@pytest.mark.parametrize("mode", ["bf16 weights", "bf16 autocast"])
+def test_bf16_trains_through_the_same_path(tmp_path, mode):
+    """bfloat16 weights, or fp32 weights under Accelerate's bf16 autocast (bf16=True):
+    float32 losses, the first-step check at bf16 tolerance, float32 optimizer states, every
+    parameter moves."""
+    model = hf_tiny.build("llama").model
+    if mode == "bf16 weights":
+        model = model.to(torch.bfloat16)
     before = params_of(model)
-    tr = trainer(model, tmp_path, max_steps=2)
+    tr = trainer(model, tmp_path, max_steps=1, bf16=mode == "bf16 autocast")
     out = tr.train()
     assert math.isfinite(out.training_loss)
     assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters())
@@ -442,6 +459,21 @@ def test_an_empty_poisson_batch_still_adds_noise_and_steps(tmp_path):
     assert float(loss) == 0.0
     tr.optimizer.step()
     assert all(not torch.equal(p, before[n]) for n, p in tr.model.named_parameters())
+
+
+def test_left_padding_and_a_misplaced_step_are_refused(tmp_path):
+    """Left padding would make a sample's positions depend on its batch's longest sample;
+    an optimizer step after the wrong number of micro-batches would break the accounting
+    of one Poisson batch per step."""
+    tr = trainer(hf_tiny.build("llama").model, tmp_path)
+    tr.create_optimizer()
+    batch = collate(make_data(3))
+    flipped = {k: v.flip(1) for k, v in batch.items()}  # the padding now comes first
+    with pytest.raises(ValueError, match="not right-padded"):
+        tr.training_step(tr.model, flipped)
+    tr._micro = 1  # one of the two micro-batches of a logical batch
+    with pytest.raises(RuntimeError, match="after 1 micro-batches, expected"):
+        tr._before_release()
 
 
 # -- the silent-non-training trap ----------------------------------------------------------
@@ -505,6 +537,7 @@ def test_guard_for_plain_loops():
         ({"auto_find_batch_size": True}, "auto_find_batch_size"),
         ({"train_sampling_strategy": "group_by_length"}, "Poisson"),
         ({"gradient_checkpointing": True}, "checkpointing"),
+        ({"neftune_noise_alpha": 5.0}, "couples the samples"),
     ],
 )
 def test_refused_training_arguments(tmp_path, kw, match):

@@ -44,15 +44,19 @@ logging, evaluation, checkpoints, callbacks, Accelerate):
   run draws a fresh key), the scheduler and the ledger, and keeps sigma when the plan is
   unchanged (else recalibrates it so that the whole run still meets the target). A
   checkpoint without the ledger (not a DPTrainer's, or ``save_only_model``) is refused.
+- **Padding.** Batches must be right-padded (or carry ``position_ids``): with left
+  padding a sample's positions would depend on the longest sample of its batch. A
+  left-padded batch is a ValueError.
 - **What is not logged.** ``grad_norm`` (the norm of ``.grad``, which DP training never
   fills), ``total_flos`` is 0 (it would count the sampled tokens), and nothing counts
   the realised batch; the logged loss is the un-noised training loss
   (sum of per-sample losses / B_e), for the operator only.
-- **Refused** (ValueError at construction): more than one process or GPU (DDP,
+- **Refused** (ValueError at construction; the data at ``train()``): more than one
+  process or GPU (DDP,
   DataParallel: not tested here; use :mod:`dpkern.distributed` in your own loop or
   ``dpkern finetune --nproc``), DeepSpeed, FSDP, model parallelism, fp16 (its loss
   scaler works on ``.grad``; bf16 works), ``torch_compile``, activation checkpointing,
-  label smoothing, ``include_num_input_tokens_seen``, ``auto_find_batch_size``,
+  label smoothing, NEFTune, ``include_num_input_tokens_seen``, ``auto_find_batch_size``,
   non-random sampling strategies, an iterable dataset, ``optimizers=`` /
   ``optimizer_cls_and_kwargs=`` (the optimizer is built here, with the calibrated
   sigma), ``compute_loss_func`` (pass ``per_sample_loss_func``), hyper-parameter search.
@@ -438,6 +442,11 @@ def _check_training_args(args) -> None:
         "include_num_input_tokens_seen would log an exact data-dependent count",
     )
     _refuse(
+        getattr(args, "neftune_noise_alpha", None) is None,
+        "neftune_noise_alpha scales each sample's embedding noise by the batch's padded "
+        "length, which couples the samples",
+    )
+    _refuse(
         not args.auto_find_batch_size,
         "auto_find_batch_size=True would change the expected batch (and sigma) mid-run",
     )
@@ -786,6 +795,9 @@ class DPTrainer(Trainer):
         opt = _inner(self.optimizer)
         check_trainable_params(self.model, opt)
         self._gc = GhostClipping(self.model, opt, verify=self.privacy.verify).attach()
+        if str(getattr(self.accelerator, "mixed_precision", "no")) != "no":
+            # Accelerate's autocast wraps the forward only: the check would not see it
+            self._gc.verify_rtol = 1e-2
         if self.privacy.check_first_step:
             self._update_check = UpdateCheck(self.model, opt)
 
@@ -803,6 +815,16 @@ class DPTrainer(Trainer):
             raise ValueError("DPTrainer: packed batches (shift_labels) are not supported yet")
         labels = inputs.pop("labels", None)
         mask = inputs.get("attention_mask")
+        if mask is not None and "position_ids" not in inputs and mask.dim() == 2:
+            m = mask != 0
+            if bool((m[:, 1:] & ~m[:, :-1]).any()):
+                raise ValueError(
+                    "DPTrainer: a batch is not right-padded (its attention_mask has 0s before "
+                    "1s): with left padding a sample's positions depend on the longest sample "
+                    "of its batch, which couples the samples (removing one would change the "
+                    "others' gradients). Pad on the right (tokenizer.padding_side = 'right'), "
+                    "or have the collator pass position_ids"
+                )
         if labels is None:
             ids = inputs.get("input_ids")
             if ids is None:
@@ -996,7 +1018,11 @@ class DPTrainer(Trainer):
         or ``epsilon_if_noise_key_were_secret``), without ``grad_norm``."""
         for key in _DROPPED_LOGS:
             logs.pop(key, None)
-        if ("loss" in logs or "train_loss" in logs) and self._plan is not None and self.optimizer:
+        if (
+            ("loss" in logs or "train_loss" in logs)
+            and self._plan is not None
+            and self.optimizer is not None
+        ):
             spent = self.privacy_spent()
             key = "epsilon" if self.privacy.private else "epsilon_if_noise_key_were_secret"
             logs[key] = spent[key]
