@@ -493,6 +493,32 @@ def test_trainer_refuses_a_model_moved_after_the_optimizer_was_built(tmp_path):
         tr.train()
 
 
+class _UndoTheStep(TrainerCallback):
+    """Puts one parameter back after the step (as if the optimizer updated another tensor)."""
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
+        self.w = model.lm_head.weight
+        self.old = self.w.detach().clone()
+
+    def on_optimizer_step(self, args, state, control, **kw):
+        with torch.no_grad():
+            self.w.copy_(self.old)
+
+
+def test_trainer_stops_when_a_parameter_did_not_move_in_the_first_step(tmp_path):
+    tr = DPTrainer(
+        model=hf_tiny.build("llama").model,
+        args=targs(tmp_path, max_steps=2),
+        train_dataset=make_data(48),
+        data_collator=collate,
+        callbacks=[_UndoTheStep()],
+        privacy=privacy(),
+    )
+    with pytest.raises(RuntimeError, match=r"did not change in the first step .*lm_head.weight"):
+        tr.train()
+    assert tr.accountant.steps == 1  # the release happened and is accounted
+
+
 def test_guard_for_plain_loops():
     model = hf_tiny.build("llama").model
     opt = dpkern.DPSGD(
