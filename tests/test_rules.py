@@ -122,6 +122,10 @@ def test_cli_choices_come_from_the_registry():
         spec = rules.by_cli_name(cli)
         assert cls is spec.optimizer_class() and grid == spec.lr_grid
     assert compare.DECOUPLED == ("dp-adamw", "dp-adamw-bc")
+    pytest.importorskip("transformers")
+    from dpkern.integrations import transformers as hf
+
+    assert tuple(hf.OPTIMIZERS) == tuple(s.cli_name for s in rules.RULES.values() if s.ghost)
 
 
 def test_hyper_tables_moved_with_a_warning():

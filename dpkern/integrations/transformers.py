@@ -82,7 +82,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
-from .. import optim
+from .. import optim, rules
 from ..accounting import MAX_NOISE_MULTIPLIER, PrivacyAccountant, get_noise_multiplier
 from ..ghost import GhostClipping
 from ..models import per_sample_causal_lm_loss
@@ -105,14 +105,9 @@ NOT_PRIVATE = "not private: the noise key is known"
 #: The privacy record written into every checkpoint directory.
 PRIVACY_FILE = "dpkern_privacy.json"
 
-#: ``PrivacyArguments.optimizer`` names (as ``dpkern finetune --optimizer``).
-OPTIMIZERS = {
-    "dp-sgd": optim.DPSGD,
-    "dp-adam": optim.DPAdam,
-    "dp-adambc": optim.DPAdamBC,
-    "dp-adamw": optim.DPAdamW,
-    "dp-adamw-bc": optim.DPAdamWBC,
-}
+#: ``PrivacyArguments.optimizer`` names (as ``dpkern finetune --optimizer``): the rules of
+#: the registry that ghost clipping can serve.
+OPTIMIZERS = {s.cli_name: getattr(optim, s.optimizer) for s in rules.RULES.values() if s.ghost}
 _VERIFY = ("first", "always", "off")
 _ACCOUNTANTS = ("rdp", "pld")
 #: Log keys never passed on: ``grad_norm`` is the norm of ``.grad`` (not the released
@@ -211,10 +206,10 @@ class PrivacyArguments:
             raise ValueError(
                 f"invalid accountant={self.accountant!r}: expected one of {_ACCOUNTANTS}"
             )
-        if self.optimizer == "dp-macadam":
+        if self.optimizer in {s.cli_name for s in rules.RULES.values() if not s.ghost}:
             raise ValueError(
-                "optimizer='dp-macadam' clips whitened per-sample gradients, which ghost "
-                "clipping cannot give; DPTrainer supports " + ", ".join(OPTIMIZERS)
+                f"optimizer={self.optimizer!r} clips whitened per-sample gradients, which "
+                "ghost clipping cannot give; DPTrainer supports " + ", ".join(OPTIMIZERS)
             )
         if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
             raise ValueError(
@@ -775,9 +770,10 @@ class DPTrainer(Trainer):
             raise ValueError("DPTrainer: the model has no trainable parameter")
         name = p.optimizer or _optimizer_name(args)
         kw = {"lr": args.learning_rate}
-        if name != "dp-sgd":
+        options = rules.by_cli_name(name).optimizer_options()
+        if "betas" in options:
             kw["betas"] = (args.adam_beta1, args.adam_beta2)
-        if name in ("dp-adam", "dp-adamw"):
+        if "eps" in options:
             kw["eps"] = args.adam_epsilon
         self.optimizer = OPTIMIZERS[name](
             groups,
