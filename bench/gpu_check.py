@@ -25,11 +25,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import statistics
 import sys
-import time
 
 import torch
+
+try:  # python bench/gpu_check.py (bench/ on sys.path), or bench.gpu_check
+    from harness import bytes_floor, copy_bandwidth, median_seconds
+except ImportError:
+    from .harness import bytes_floor, copy_bandwidth, median_seconds
 
 GPT2_SMALL = dict(vocab=50257, ctx=1024, d=768, layers=12)
 
@@ -53,53 +56,6 @@ def gpt2_shapes(vocab: int, ctx: int, d: int, layers: int) -> list[tuple[int, ..
             (d,),
         ]  # ln_2, mlp
     return shapes + [(d,), (d,)]  # ln_f
-
-
-def floor_per_sample(B: int, d: int, gs_bytes: int) -> int:
-    return 2 * B * d * gs_bytes + 6 * d * 4
-
-
-def floor_summed(d: int) -> int:
-    return 28 * d
-
-
-class Timer:
-    """Median wall time of ``fn`` (CUDA events on a GPU, perf_counter elsewhere)."""
-
-    def __init__(self, device: torch.device, reps: int, warmup: int):
-        self.device, self.reps, self.warmup = device, reps, warmup
-
-    def sync(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-
-    def __call__(self, fn, reps: int | None = None) -> float:
-        reps = reps or self.reps
-        for _ in range(self.warmup):
-            fn()
-        self.sync()
-        times = []
-        for _ in range(reps):
-            if self.device.type == "cuda":
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-
-def copy_bandwidth(device, timer: Timer, nbytes: int) -> float:
-    """Device copy bandwidth in GB/s (bytes read + written), as the attainable ceiling."""
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
-    dst = torch.empty_like(src)
-    t = timer(lambda: dst.copy_(src))
-    return 2 * src.numel() * 4 / t / 1e9
 
 
 class Model:
@@ -132,7 +88,10 @@ def run(args) -> int:
         )
         return 0
     tr = resolve("triton", device)
-    timer = Timer(device, args.reps, args.warmup)
+
+    def timer(fn, reps=None):
+        return median_seconds(fn, device, reps or args.reps, warmup=args.warmup)
+
     shapes = gpt2_shapes(**(dict(vocab=97, ctx=16, d=32, layers=2) if args.smoke else GPT2_SMALL))
     model = Model(shapes, device)
     d = model.d
@@ -146,7 +105,7 @@ def run(args) -> int:
         t_step[0] += 1
         return DPStep(key=1234, step=t_step[0], noise_std=noise_std, expected_batch_size=Be)
 
-    bw = copy_bandwidth(device, timer, args.copy_mib << 20)
+    bw = copy_bandwidth(device, nbytes=args.copy_mib << 20, repeats=args.reps)["bytes_per_s"] / 1e9
     rows = []
 
     def report(path, B, impl, seconds, floor, base=None):
@@ -190,7 +149,7 @@ def run(args) -> int:
 
     for B in args.batches:
         gs = [torch.randn((B, *p.shape), device=device, dtype=gs_dtype) for p in model.params]
-        floor = floor_per_sample(B, d, gs_bytes)
+        floor = bytes_floor("per_sample", d, B, grad_bytes=gs_bytes)
         base = report("per-sample", B, "opacus-style", timer(lambda: opacus_per_sample(gs)), floor)
         report(
             "per-sample", B, "fused", timer(lambda: fused_per_sample(gs, sigma * C)), floor, base
@@ -225,7 +184,7 @@ def run(args) -> int:
             p.grad = g.div_(Be)
         adamw.step()
 
-    floor = floor_summed(d)
+    floor = bytes_floor("summed", d, 0)
     base = report("summed", "-", "torch.normal+AdamW(fused)", timer(torch_summed), floor)
     report("summed", "-", "fused", timer(lambda: fused_summed(sigma * C)), floor, base)
     report("summed", "-", "fused sigma=0", timer(lambda: fused_summed(0.0)), floor, base)

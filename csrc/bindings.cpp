@@ -25,32 +25,52 @@ T* ptr(uintptr_t p) {
   return reinterpret_cast<T*>(p);
 }
 
-template <class T>
-T get(const py::dict& d, const char* name, T fallback) {
-  return d.contains(name) ? d[name].cast<T>() : fallback;
+template <size_t N>
+py::dict name_table(const dpk::Named (&table)[N]) {
+  py::dict out;
+  for (const auto& e : table) out[e.name] = e.code;
+  return out;
 }
 
+template <size_t N>
+bool has_code(const dpk::Named (&table)[N], int code) {
+  for (const auto& e : table)
+    if (e.code == code) return true;
+  return false;
+}
+
+template <size_t N>
+int code_of(const dpk::Named (&table)[N], const std::string& name, const char* what) {
+  for (const auto& e : table)
+    if (name == e.name) return e.code;
+  throw py::value_error(std::string("dpkern._C: unknown ") + what + " '" + name + "'");
+}
+
+// The dict of dpkern/backends/cpp.py: "rule" (a code of RULE_NAMES, found by name there),
+// the hyper-parameter dataclass's fields by name, "variance_estimate" by name. A rule
+// code or a key this extension does not know is refused, never run as something else.
 Hyper to_hyper(const py::dict& d) {
   Hyper h;
   h.rule = d["rule"].cast<int>();
-  switch (h.rule) {  // every rule by name; anything else is refused, never run as another
-    case dpk::SGD: case dpk::ADAM: case dpk::ADAM_BC: case dpk::ADAMW: case dpk::ADAMW_BC:
-    case dpk::MACADAM: break;
-    default: throw py::value_error("dpkern._C: unknown update rule code " +
-                                   std::to_string(h.rule));
+  if (!has_code(dpk::RULE_NAMES, h.rule))
+    throw py::value_error("dpkern._C: unknown update rule code " + std::to_string(h.rule));
+  for (const auto& item : d) {
+    const std::string key = item.first.cast<std::string>();
+    if (key == "rule") continue;
+    if (key == "variance_estimate") {
+      h.variance = code_of(dpk::VARIANCE_NAMES, item.second.cast<std::string>(),
+                           "variance_estimate");
+      continue;
+    }
+#define DPK_READ_FIELD(name, init)                                 \
+    if (key == #name) {                                            \
+      h.name = item.second.cast<decltype(h.name)>();               \
+      continue;                                                    \
+    }
+    DPK_HYPER_FIELDS(DPK_READ_FIELD)
+#undef DPK_READ_FIELD
+    throw py::value_error("dpkern._C: unknown hyper-parameter '" + key + "'");
   }
-  h.variance = get<int>(d, "variance", h.variance);
-  h.lr = d["lr"].cast<double>();
-  h.momentum = get<double>(d, "momentum", h.momentum);
-  h.dampening = get<double>(d, "dampening", h.dampening);
-  h.weight_decay = get<double>(d, "weight_decay", h.weight_decay);
-  h.nesterov = get<bool>(d, "nesterov", h.nesterov);
-  h.beta1 = get<double>(d, "beta1", h.beta1);
-  h.beta2 = get<double>(d, "beta2", h.beta2);
-  h.eps = get<double>(d, "eps", h.eps);
-  h.gamma = get<double>(d, "gamma", h.gamma);
-  h.h1 = get<double>(d, "h1", h.h1);
-  h.h2 = get<double>(d, "h2", h.h2);
   return h;
 }
 
@@ -73,13 +93,17 @@ std::vector<Flat> to_flats(const std::vector<FlatTuple>& ts) {
   return out;
 }
 
-// (data, dtype, numel, offset, grad_sample, grad_sample dtype, summed, [states])
+// (data, dtype, numel, offset, grad_sample, grad_sample dtype, summed, [states], inner,
+// matrix)
 using ParamTuple = std::tuple<uintptr_t, int, int64_t, uint64_t, uintptr_t, int, uintptr_t,
-                              std::vector<uintptr_t>>;
+                              std::vector<uintptr_t>, int64_t, int64_t>;
 
 std::vector<Param> to_params(const std::vector<ParamTuple>& ts) {
   std::vector<Param> out;
-  for (const auto& [data, dtype, numel, offset, gs, gs_dtype, summed, states] : ts) {
+  for (const auto& [data, dtype, numel, offset, gs, gs_dtype, summed, states, inner, matrix] :
+       ts) {
+    if (states.size() > size_t(dpk::MAX_STATES))
+      throw py::value_error("dpkern._C: more states than MAX_STATES");
     Param p;
     p.data = ptr<void>(data);
     p.dtype = dtype;
@@ -87,7 +111,9 @@ std::vector<Param> to_params(const std::vector<ParamTuple>& ts) {
     p.offset = offset;
     p.grad_sample = {ptr<const void>(gs), gs_dtype, numel};
     p.summed = ptr<const float>(summed);
-    for (size_t s = 0; s < states.size() && s < 4; ++s) p.state[s] = ptr<float>(states[s]);
+    for (size_t s = 0; s < states.size(); ++s) p.state[s] = ptr<float>(states[s]);
+    p.inner = inner;
+    p.matrix = matrix;
     out.push_back(p);
   }
   return out;
@@ -167,6 +193,23 @@ PYBIND11_MODULE(_C, m) {
     py::gil_scoped_release nogil;
     dpk::macadam_update_scale(h, to_dp(dp), s, b, numels, sqrt_sum);
   });
+
+  m.def("rule_codes", []() { return name_table(dpk::RULE_NAMES); },
+        "{rule name (dpkern.rules): code} of the update rules this extension implements");
+  m.def("rule_states", []() {
+    py::dict out;
+    for (const auto& r : dpk::RULE_STATES) {
+      const char* rule = nullptr;
+      for (const auto& e : dpk::RULE_NAMES)
+        if (e.code == r.rule) rule = e.name;
+      py::list names;
+      for (const char* n : r.names)
+        if (n != nullptr) names.append(n);
+      out[rule] = names;
+    }
+    return out;
+  }, "{rule name: its kernel states in the order of the state pointers}");
+  m.def("max_states", []() { return dpk::MAX_STATES; }, "kernel states a rule may have");
 
   m.def("set_num_threads", &dpk::set_num_threads,
         "threads of every parallel region (<= 0: OpenMP's default)");

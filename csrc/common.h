@@ -126,6 +126,53 @@ DPK_INLINE void store(typename Storage<DT>::type* p, int64_t i, float v) {
 int num_threads();
 void set_num_threads(int n);
 
+// dpkern.hyper.DPStep.
+struct DP {
+  uint64_t key = 0, step = 1;  // step: the rule's t (bias corrections, first-step cases)
+  uint64_t noise_step = 1;     // the noise stream's counter (the optimizer's global step)
+  uint32_t stream = 0;
+  double noise_std = 0, expected_batch_size = 1, noise_var_avg = 0;
+};
+
+// A flat tensor: data (nullptr = None), dtype code, number of elements (per row for a
+// per-sample gradient, whose rows are [B, numel]).
+struct Flat {
+  const void* data = nullptr;
+  int dtype = F32;
+  int64_t numel = 0;
+};
+
+// Kernel states a rule may have (dpkern.rules.RuleSpec.kernel_states), exported as
+// _C.max_states().
+constexpr int MAX_STATES = 6;
+
+// One parameter of a step / accumulate call.
+struct Param {
+  void* data = nullptr;           // the parameter (step) or the fp32 buffer (accumulate)
+  int dtype = F32;
+  int64_t numel = 0;
+  uint64_t offset = 0;            // global index of element 0 in the noise stream
+  Flat grad_sample;               // [B, numel], or data == nullptr (unused this step)
+  const float* summed = nullptr;  // fp32 sum of earlier micro-batches, or nullptr
+  // The rule's kernel states in RuleSpec.kernel_states order, of any shape: flat element j
+  // of the parameter has index j of a "param" state, j / inner of a "row" state and
+  // (j / matrix) * inner + j % inner of a "col" state (dpkern.rules.factor_sizes).
+  float* state[MAX_STATES] = {};
+  int64_t inner = 1, matrix = 0;
+};
+
+// Sum of x[0..n) in double, in a fixed order (8 interleaved partial sums).
+DPK_INLINE double ordered_sum(const float* __restrict x, int64_t n) {
+  double part[8] = {};
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    for (int l = 0; l < 8; ++l) part[l] += double(x[j + l]);
+  for (; j < n; ++j) part[0] += double(x[j]);
+  double total = 0.0;
+  for (int l = 0; l < 8; ++l) total += part[l];
+  return total;
+}
+
 // One work item of the block grid: elements [begin, begin + len) of tensor `tensor`.
 struct Block {
   int32_t tensor;

@@ -6,18 +6,16 @@ gradients (:mod:`dpkern.grad_sample`) and Poisson sampling (:mod:`dpkern.samplin
 The contract they implement is SPEC.md (the noise stream, the math of each optimizer).
 """
 
-from . import accounting, functional, ghost, grad_sample, sampling
-from .optim import DPAdam, DPAdamBC, DPAdamW, DPAdamWBC, DPMacAdam, DPOptimizer, DPSGD
+from . import accounting, functional, ghost, grad_sample, rules, sampling
+from .optim import DPOptimizer
+from .optim import optimizers as _optimizers
+from .optim.optimizers import *  # noqa: F403  (one class per update rule of dpkern.rules)
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one source of the version: pyproject.toml reads it from here
 __all__ = [
-    "DPSGD",
-    "DPAdam",
-    "DPAdamBC",
-    "DPAdamW",
-    "DPAdamWBC",
-    "DPMacAdam",
+    *_optimizers.__all__,
     "DPOptimizer",
+    "rules",
     "functional",
     "accounting",
     "ghost",

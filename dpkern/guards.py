@@ -17,13 +17,17 @@ from contextlib import contextmanager
 
 import torch
 
+from . import rules
+
 #: Privacy arguments: one value per optimizer (the accountant is told one sigma per step).
 PRIVACY_OPTIONS = frozenset(
     {"max_grad_norm", "noise_multiplier", "expected_batch_size", "seed", "backend", "nonfinite"}
 )
-#: dpkern hyper-parameters that only some classes have.
+#: dpkern hyper-parameters that only some classes have: every field of the registry's
+#: dataclasses (betas for beta1 / beta2), and two constructor options.
 DPKERN_OPTIONS = frozenset(
-    {"gamma", "h1", "h2", "variance_estimate", "b_init", "noise_bias_correction"}
+    {"betas", "b_init", "noise_bias_correction"}
+    | {f for spec in rules.RULES.values() for f in spec.hyper_fields if f not in ("beta1", "beta2")}
 )
 
 
@@ -77,8 +81,9 @@ DPOPTIMIZER_IS_A_BASE = (
     "dpkern.DPOptimizer is the base class of dpkern's optimizers, not a wrapper like "
     "opacus.optimizers.DPOptimizer(optimizer, ...): construct the DP optimizer over the "
     "parameters directly, e.g. dpkern.DPAdamW(model.parameters(), lr=1e-3, "
-    "max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=256) (also DPSGD, DPAdam, "
-    "DPAdamBC, DPAdamWBC, DPMacAdam)"
+    "max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=256) (also "
+    + ", ".join(s.optimizer for s in rules.RULES.values() if s.optimizer != "DPAdamW")
+    + ")"
 )
 
 NO_FRESH_GRAD_SAMPLE = (

@@ -1,5 +1,7 @@
 """Hyper-parameters: one small frozen dataclass per update rule, validated on construction.
 
+Each dataclass's ``rule`` names its entry in the rule registry (:mod:`dpkern.rules`).
+
 These travel unchanged from the front-ends (``dpkern.optim``, ``dpkern.functional``) to
 every backend, so a backend never re-validates and never sees a long argument list.
 Every invalid value is a ``ValueError`` naming the parameter and its value (SPEC section 9).
@@ -13,7 +15,6 @@ from typing import ClassVar, Union
 
 from .keys import NoiseKey, as_key
 
-RULES = ("sgd", "adam", "adam_bc", "adamw", "adamw_bc", "macadam")
 VARIANCE_ESTIMATES = ("unbiased", "paper", "code")
 
 
@@ -161,10 +162,23 @@ class MacAdamHyper(_AdamBase):
 
 Hyper = Union[SGDHyper, AdamHyper, AdamBCHyper, AdamWHyper, AdamWBCHyper, MacAdamHyper]
 
-HYPER_CLASSES = {
-    cls.rule: cls
-    for cls in (SGDHyper, AdamHyper, AdamBCHyper, AdamWHyper, AdamWBCHyper, MacAdamHyper)
-}
+
+def __getattr__(name):
+    """``RULES`` and ``HYPER_CLASSES`` moved to the rule registry (:mod:`dpkern.rules`)."""
+    if name in ("RULES", "HYPER_CLASSES"):
+        import warnings
+
+        from . import rules
+
+        warnings.warn(
+            f"dpkern.hyper.{name} is deprecated: use dpkern.rules.RULES",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        if name == "RULES":
+            return tuple(rules.RULES)
+        return {n: spec.hyper_class for n, spec in rules.RULES.items()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)

@@ -153,6 +153,78 @@ def token_loss(logits, ids):
     return ce.view(ids.shape[0], -1).mean(1)
 
 
+def per_sample_causal_lm_loss(
+    logits,
+    labels,
+    *,
+    normalizer: float = 1.0,
+    attention_mask=None,
+    ignore_index: int = -100,
+):
+    """Per-sample next-token cross-entropy of a causal LM, one loss per sample that
+    depends on that sample alone: the DP-SGD per-sample loss (never averaged over the batch).
+
+    ``loss[i] = sum over valid t >= 1 of CE(logits[i, t - 1], labels[i, t]) / normalizer``,
+    a target position t being valid when ``labels[i, t] != ignore_index`` and, when
+    ``attention_mask`` is given, ``attention_mask[i, t] != 0``. Labels are unshifted (the
+    Hugging Face convention: the position-t logits predict token t + 1; the shift is done
+    here).
+
+    The divisor is a constant: a public number that depends on no sample, e.g. 1 (the
+    sum, the default) or the block size the data is tokenised to (a mean-token scale).
+    Dividing by the realised number of valid tokens of the batch (what
+    ``model(labels=...).loss`` and the Trainer's ``num_items_in_batch`` do) would make
+    each sample's loss, and so its gradient and its clip factor, depend on the other
+    samples' lengths.
+
+    Args:
+        logits: float ``[B, T, V]`` (any float dtype; the cross-entropy is computed in
+            float32).
+        labels: integer ``[B, T]`` target token ids, ``ignore_index`` where no loss is
+            taken (padding, prompt tokens).
+        normalizer: the constant divisor (a finite float > 0, dimensionless).
+        attention_mask: optional ``[B, T]`` (0 = padding): masked targets take no loss.
+        ignore_index: the label id of positions without a loss (default -100, as
+            ``torch.nn.CrossEntropyLoss`` and Hugging Face).
+    Returns:
+        float32 ``[B]`` (0 for a sample without a valid target; ``[0]`` when B = 0).
+    Raises:
+        ValueError: mismatched shapes, or ``normalizer`` not a finite number > 0."""
+    import math
+
+    import torch.nn.functional as F
+
+    if (
+        isinstance(normalizer, bool)
+        or not isinstance(normalizer, (int, float))
+        or not math.isfinite(normalizer)
+        or normalizer <= 0
+    ):
+        raise ValueError(f"invalid normalizer={normalizer!r}: expected a finite number > 0")
+    if logits.dim() != 3 or labels.shape != logits.shape[:2]:
+        raise ValueError(
+            f"expected logits [B, T, V] and labels [B, T], got {tuple(logits.shape)} "
+            f"and {tuple(labels.shape)}"
+        )
+    if attention_mask is not None and attention_mask.shape != labels.shape:
+        raise ValueError(
+            f"attention_mask has shape {tuple(attention_mask.shape)}, labels {tuple(labels.shape)}"
+        )
+    B, T = labels.shape
+    if T < 2:
+        return logits.new_zeros(B, dtype=torch.float32) + 0.0 * logits.float().sum()
+    target = labels[:, 1:]
+    if attention_mask is not None:
+        target = target.masked_fill(attention_mask[:, 1:] == 0, ignore_index)
+    ce = F.cross_entropy(
+        logits[:, :-1].float().transpose(1, 2),
+        target.long(),
+        ignore_index=ignore_index,
+        reduction="none",
+    )  # [B, T - 1], 0 at ignored targets
+    return ce.sum(1) / float(normalizer)
+
+
 def sample_loss(logits, ids):
     """Sum of the per-sample mean next-token losses (the loss torch.func differentiates per sample)."""
     return token_loss(logits, ids).sum()

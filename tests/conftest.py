@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dpkern import rules
 from dpkern.backends import is_available, triton_interpret
 
 VECTORS = Path(__file__).resolve().parent.parent.parent / "shared" / "vectors" / "noise_v1.json"
@@ -86,13 +87,33 @@ def fused_backend(request):
     return name
 
 
+def state_in_domain(state: rules.StateSpec, x: torch.Tensor) -> torch.Tensor:
+    """A random normal tensor ``x`` moved into the state's domain (second moments >= 0,
+    scales > 0)."""
+    if state.domain == "nonnegative":
+        return x.square() * 0.5
+    if state.domain == "positive":
+        return x.abs() + 0.5
+    return x
+
+
+def random_states(rule: str, shapes, rnd) -> dict[str, list[torch.Tensor]]:
+    """Random kernel states of ``rule`` (the registry's) for parameters of ``shapes``:
+    {name: [tensor per shape]}, drawn with ``rnd(*shape)`` in (state, parameter) order,
+    each shaped as its StateSpec says and in its domain."""
+    return {
+        st.name: [state_in_domain(st, rnd(*st.shape_for(s))) for s in shapes]
+        for st in rules.get(rule).kernel_states
+    }
+
+
 def run_step(module, hyper, case):
     """Run one backend step (and MacAdam's scale update) on a deep copy of ``case`` =
     (params, grad_samples, clip_factors, summed, states, offsets, dp); return
     (params, states, the step's return value)."""
     params, grad_samples, clip, summed, states, offsets, dp = copy.deepcopy(case)
     out = module.step(hyper, dp, params, grad_samples, clip, summed, states, offsets)
-    if hyper.rule == "macadam":
+    if rules.of(hyper).whitening:
         module.macadam_update_scale(hyper, dp, states["exp_var"], states["scale"], out)
     return params, states, out
 

@@ -12,6 +12,7 @@ import zlib
 import pytest
 import torch
 
+from dpkern import rules
 from dpkern.backends import reference as ref
 from dpkern.backends import resolve
 from dpkern.hyper import (
@@ -24,7 +25,7 @@ from dpkern.hyper import (
     SGDHyper,
 )
 
-from conftest import backend_device, case_seed, load_vectors, run_step
+from conftest import backend_device, case_seed, load_vectors, random_states, run_step
 
 SHAPES = [(), (1,), (7,), (3, 5), (33, 17), (1031,), (4, 16)]  # (4, 16): aligned vector path
 # Well-conditioned hyper-parameters: with gamma or h1 near 1e-6 the clamps in
@@ -41,6 +42,8 @@ HYPERS = {
     "macadam_paper": MacAdamHyper(lr=1e-2, h1=1e-2, h2=10.0, variance_estimate="paper"),
     "macadam_code": MacAdamHyper(lr=1e-2, h1=1e-2, h2=10.0, variance_estimate="code"),
 }
+for _name, _spec in rules.RULES.items():  # every registered rule is a parity case
+    HYPERS.setdefault(_name, _spec.hyper_class(lr=1e-2))
 KEY = 0xDEADBEEF12345678
 
 
@@ -76,17 +79,10 @@ def make_case(rule, B, dtype, device, seed, *, t=3, with_summed=True, gs_dtype=N
             if gs is not None and gs.numel():
                 gs[1].view(-1)[0] = float("nan")
     summed = [(rnd(*s).to(device) if with_summed and k % 2 else None) for k, s in enumerate(SHAPES)]
-    states = {}
-    for name in ref.STATE_NAMES[rule]:
-        vals = []
-        for s in SHAPES:
-            x = rnd(*s)
-            if name in ("exp_avg_sq", "exp_var"):
-                x = x.square() * 0.5
-            if name == "scale":
-                x = x.abs() + 0.5
-            vals.append(x.to(device))
-        states[name] = vals
+    states = {
+        name: [x.to(device) for x in vals]
+        for name, vals in random_states(rule, SHAPES, rnd).items()
+    }
     offsets = []
     off = 2**32 - 40  # crosses 2**32 inside the parameter list
     for s in SHAPES:

@@ -25,7 +25,7 @@ from dpkern.hyper import (
     SGDHyper,
 )
 
-from conftest import load_vectors, run_step  # noqa: E402
+from conftest import load_vectors, random_states, run_step  # noqa: E402
 
 KEY = 0x0123456789ABCDEF
 HYPERS = {
@@ -58,14 +58,7 @@ def make_case(rule, shapes, B, *, dtype=torch.float32, t=3, seed=0, first_offset
     grad_samples = [None if k % 5 == 3 else rnd(B, *s).to(dtype) for k, s in enumerate(shapes)]
     clip = torch.rand(B, generator=g) + 0.1
     summed = [rnd(*s) if k % 2 else None for k, s in enumerate(shapes)]
-    states = {}
-    for name in ref.STATE_NAMES[rule]:
-        vals = [rnd(*s) for s in shapes]
-        if name in ("exp_avg_sq", "exp_var"):
-            vals = [v.square() * 0.5 for v in vals]
-        if name == "scale":
-            vals = [v.abs() + 0.5 for v in vals]
-        states[name] = vals
+    states = random_states(rule, shapes, rnd)
     offsets, off = [], first_offset
     for p in params:
         offsets.append(off)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import dpkern
+from dpkern import rules
 
 from conftest import backend_device, case_seed
 
@@ -23,6 +24,8 @@ CLASSES = {
     "adamw_bc": (dpkern.DPAdamWBC, dict(weight_decay=0.1, gamma=1e-2)),
     "macadam": (dpkern.DPMacAdam, dict(h1=1e-2, h2=10.0)),
 }
+for _name, _spec in rules.RULES.items():  # every registered rule's class is a case
+    CLASSES.setdefault(_name, (_spec.optimizer_class(), {}))
 SHAPES = [(9, 7), (7,), (1,), (), (130,), (3, 4, 5)]
 
 
@@ -35,7 +38,7 @@ def _setup(name, backend, dtype, device):
     kw = dict(
         lr=0.05, noise_multiplier=0.6, expected_batch_size=5.0, seed=2024, backend=backend, **extra
     )
-    if name != "macadam":
+    if not cls.rule.whitening:  # whitening rules have no max_grad_norm
         kw["max_grad_norm"] = 2.0
     return params, cls(groups, **kw)
 

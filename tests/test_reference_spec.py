@@ -21,18 +21,12 @@ import os
 import pytest
 import torch
 
+from dpkern import rules
 from dpkern.optim import DPAdam, DPAdamBC, DPAdamW, DPAdamWBC, DPMacAdam, DPSGD
 
 from spec_model import SpecOptimizer, kappa
 
-CLASSES = {
-    "sgd": DPSGD,
-    "adam": DPAdam,
-    "adam_bc": DPAdamBC,
-    "adamw": DPAdamW,
-    "adamw_bc": DPAdamWBC,
-    "macadam": DPMacAdam,
-}
+CLASSES = {name: spec.optimizer_class() for name, spec in rules.RULES.items()}
 
 # name -> (rule, hyper-parameters shared by all groups, class kwargs)
 CONFIGS = {

@@ -1,8 +1,11 @@
 """Backend selection (SPEC section 6).
 
 A backend is a module exposing the functions of :mod:`dpkern.backends.reference` under
-the same names and signatures: ``gaussian_noise``, ``per_sample_norms``,
-``whitened_norms``, ``accumulate``, ``step``, ``macadam_update_scale``.
+the same names and signatures: ``philox_words``, ``gaussian_noise``, ``normal_from_words``,
+``per_sample_norms``, ``whitened_norms``, ``accumulate``, ``step``,
+``macadam_update_scale``, and ``supports(rule)``: whether it implements an update rule of
+:mod:`dpkern.rules` (the reference implements every one; a fused backend may lack a new
+rule's kernel, and then ``"auto"`` runs that rule on the reference with a warning).
 
 - ``"torch"``  -- :mod:`dpkern.backends.reference`, any device, the spec in code;
 - ``"triton"`` -- :mod:`dpkern.backends.triton`, CUDA tensors (CPU tensors only under
@@ -23,6 +26,7 @@ import torch
 
 BACKENDS = ("auto", "torch", "triton", "cpp")
 _warned_fallback = False
+_warned_rules: set = set()
 
 
 def check_name(backend) -> str:
@@ -52,11 +56,33 @@ def is_available(name: str) -> bool:
     return _load(name)[0] is not None
 
 
-def resolve(backend: str, device: torch.device) -> ModuleType:
-    """The backend module to run ``backend`` on tensors of ``device``.
+def resolve(backend: str, device: torch.device, rule: str | None = None) -> ModuleType:
+    """The backend module to run ``backend`` on tensors of ``device`` (and, if given, the
+    update rule ``rule``, a name of :data:`dpkern.rules.RULES`).
 
     Raises ``ValueError`` for an unknown name, and ``RuntimeError`` when an explicitly
-    requested backend is unavailable or cannot run on ``device``."""
+    requested backend is unavailable or cannot run on ``device`` (``NotImplementedError``,
+    a ``RuntimeError``, when it has no kernel for ``rule``)."""
+    module = _resolve(backend, device)
+    if rule is None or module.supports(rule):
+        return module
+    if backend != "auto":
+        raise NotImplementedError(
+            f"backend={backend!r} has no kernel for the update rule {rule!r}; use "
+            "backend='torch' (the reference) or 'auto'"
+        )
+    if (module.__name__, rule) not in _warned_rules:
+        _warned_rules.add((module.__name__, rule))
+        warnings.warn(
+            f"dpkern: backend='auto' runs the update rule {rule!r} on the PyTorch reference "
+            f"(slow): {module.__name__} has no kernel for it",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return _load("torch")[0]
+
+
+def _resolve(backend: str, device: torch.device) -> ModuleType:
     global _warned_fallback
     check_name(backend)
     device = torch.device(device)
@@ -77,7 +103,7 @@ def resolve(backend: str, device: torch.device) -> ModuleType:
                 f"dpkern: backend='auto' falls back to the PyTorch reference "
                 f"(slow) on {device.type}: {why}",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
         return _load("torch")[0]
     module, why = _load(backend)

@@ -1,8 +1,10 @@
 """The C++ CPU backend: :mod:`dpkern.backends.reference`'s functions, run by ``dpkern._C``.
 
 Same names and signatures as the reference (``philox_words``, ``gaussian_noise``,
-``per_sample_norms``, ``whitened_norms``, ``accumulate``, ``step``,
-``macadam_update_scale``); same results within the tolerances of SPEC section 6.
+``normal_from_words``, ``per_sample_norms``, ``whitened_norms``, ``accumulate``, ``step``,
+``macadam_update_scale``, ``supports``); same results within the tolerances of SPEC
+section 6. The update rules are ``update_<name>`` in csrc/rules.h; their codes come from
+the extension's own table (``_C.rule_codes()``), looked up by the registry's name.
 
 The extension sees raw data pointers, so this module checks every buffer before calling in:
 CPU, dense, the right dtype and size, and contiguous. Anything wrong is a ``ValueError``
@@ -21,30 +23,63 @@ OpenMP threads the kernels use (the noise and every result are the same for any 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
 from .. import _C  # ImportError when the extension was not built
-from ..hyper import RULES, VARIANCE_ESTIMATES, DPStep, Hyper
+from .. import rules
+from ..hyper import DPStep, Hyper
 from ..keys import reveal
-from .reference import STATE_NAMES
 
 __all__ = [
     "philox_words",
     "gaussian_noise",
+    "normal_from_words",
     "per_sample_norms",
     "whitened_norms",
     "accumulate",
     "step",
     "macadam_update_scale",
+    "supports",
     "set_num_threads",
     "get_num_threads",
-    "STATE_NAMES",
 ]
 
 # Storage dtypes the kernels read and write (csrc/common.h, enum DType).
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 _increment_version = getattr(torch.autograd.graph, "increment_version", None)
+
+
+def _rule_tables() -> tuple[dict[str, int], dict[str, tuple[str, ...]]]:
+    """{rule name: code} of the rules the extension implements and {rule name: its kernel
+    states in the order of the extension's state pointers}, checked against the registry:
+    every name registered, codes distinct, the same state names (whitening rules: with
+    exp_avg and scale in the slots the whitened sum reads)."""
+    codes = dict(_C.rule_codes())
+    order = {name: tuple(states) for name, states in _C.rule_states().items()}
+    if set(order) != set(codes) or len(set(codes.values())) != len(codes):
+        raise ImportError(f"dpkern._C: inconsistent rule tables {codes} / {order}")
+    for name in codes:
+        spec = rules.get(name)  # ValueError: the extension knows a rule the registry does not
+        if sorted(order[name]) != sorted(spec.kernel_state_names):
+            raise ImportError(
+                f"dpkern._C: rule {name!r} has states {order[name]}, the registry "
+                f"{spec.kernel_state_names}"
+            )
+        if spec.whitening and order[name][:1] + order[name][3:4] != ("exp_avg", "scale"):
+            raise ImportError(f"dpkern._C: whitening rule {name!r}: exp_avg / scale slots")
+    return codes, order
+
+
+_RULE_CODES, _STATE_ORDER = _rule_tables()
+_MAX_STATES = _C.max_states()
+
+
+def supports(rule: str) -> bool:
+    """Whether the extension implements the update rule ``rule`` (``dpkern.rules``)."""
+    return rule in _RULE_CODES
 
 
 def set_num_threads(n: int) -> None:
@@ -113,7 +148,7 @@ def _clip(clip_factors, batch_size: int) -> Tensor:
 def _grad_samples(grad_samples, shapes, batch_size: int | None, what="grad_samples"):
     """Checked per-sample gradients ([B, *shape], contiguous) and their common B."""
     out = []
-    for k, (gs, shape) in enumerate(zip(grad_samples, shapes)):
+    for k, (gs, shape) in enumerate(zip(grad_samples, shapes, strict=True)):
         if gs is None:
             out.append(None)
             continue
@@ -127,25 +162,20 @@ def _grad_samples(grad_samples, shapes, batch_size: int | None, what="grad_sampl
 
 
 def _hyper_dict(hyper: Hyper) -> dict:
-    d = {"rule": RULES.index(hyper.rule)}
-    for name in (
-        "lr",
-        "momentum",
-        "dampening",
-        "weight_decay",
-        "beta1",
-        "beta2",
-        "eps",
-        "gamma",
-        "h1",
-        "h2",
-    ):
-        if hasattr(hyper, name):
-            d[name] = float(getattr(hyper, name))
-    if hasattr(hyper, "nesterov"):
-        d["nesterov"] = bool(hyper.nesterov)
-    if hasattr(hyper, "variance_estimate"):
-        d["variance"] = VARIANCE_ESTIMATES.index(hyper.variance_estimate)
+    """The rule's code (by name) and every field of its dataclass by name: floats, bools,
+    strings (the extension maps those by name too and refuses keys it does not know).
+
+    Raises NotImplementedError for a rule the extension does not implement."""
+    code = _RULE_CODES.get(hyper.rule)
+    if code is None:
+        raise NotImplementedError(
+            f"dpkern backend='cpp' has no kernel for the update rule {hyper.rule!r} "
+            "(use backend='torch' or 'auto')"
+        )
+    d = {"rule": code}
+    for f in dataclasses.fields(hyper):
+        value = getattr(hyper, f.name)
+        d[f.name] = value if isinstance(value, (bool, str)) else float(value)
     return d
 
 
@@ -162,19 +192,23 @@ def _dp_tuple(dp: DPStep) -> tuple:
 
 
 def _states(hyper: Hyper, states: dict, params) -> list[list[Tensor | None]]:
-    """Checked states of each parameter, in STATE_NAMES order (fp32, contiguous)."""
-    names = STATE_NAMES[hyper.rule]
-    unused = {"momentum_buffer"} if hyper.rule == "sgd" and hyper.momentum == 0 else set()
+    """Checked kernel states of each parameter, in the extension's slot order, by name
+    (fp32, contiguous, each shaped as its StateSpec says; None where the hyper-parameters
+    do not need it)."""
+    spec = rules.of(hyper)
+    if len(spec.kernel_states) > _MAX_STATES:
+        raise NotImplementedError(f"dpkern._C holds at most {_MAX_STATES} states per rule")
     out = [[] for _ in params]
-    for name in names:
-        if name in unused:
+    for name in _STATE_ORDER[hyper.rule]:
+        st = spec.state(name)
+        if not st.is_needed(hyper):
             for row in out:
                 row.append(None)
             continue
         if name not in states or len(states[name]) != len(params):
             raise ValueError(f"states[{name!r}]: expected one tensor per parameter ({len(params)})")
-        for k, (s, p) in enumerate(zip(states[name], params)):
-            out[k].append(_output(s, f"states[{name!r}][{k}]", p.shape, _F32))
+        for k, (s, p) in enumerate(zip(states[name], params, strict=True)):
+            out[k].append(_output(s, f"states[{name!r}][{k}]", st.shape_for(p.shape), _F32))
     return out
 
 
@@ -272,11 +306,14 @@ def whitened_norms(
     if not (len(grad_samples) == len(exp_avgs) == len(scales)):
         raise ValueError("grad_samples, exp_avgs and scales must have the same length")
     ms = [_input(m, f"exp_avgs[{k}]", None, _F32) for k, m in enumerate(exp_avgs)]
-    bs = [_input(b, f"scales[{k}]", m.shape, _F32) for k, (b, m) in enumerate(zip(scales, ms))]
+    bs = [
+        _input(b, f"scales[{k}]", m.shape, _F32)
+        for k, (b, m) in enumerate(zip(scales, ms, strict=True))
+    ]
     gss, _ = _grad_samples(grad_samples, [m.shape for m in ms], batch_size)
     out = torch.empty(batch_size, dtype=torch.float32)
     _C.whitened_norms(
-        [_flat(gs, m.numel()) for gs, m in zip(gss, ms)],
+        [_flat(gs, m.numel()) for gs, m in zip(gss, ms, strict=True)],
         [_ptr(m) for m in ms],
         [_ptr(b) for b in bs],
         float(bias_correction1),
@@ -299,6 +336,7 @@ def _param_tuple(data, numel, offset, gs, summed, states) -> tuple:
         _DTYPE_CODES[gs.dtype] if gs is not None else 0,
         _ptr(summed),
         [_ptr(s) for s in states],
+        *rules.factor_sizes(data.shape),
     )
 
 
@@ -332,21 +370,24 @@ def accumulate(
     clip = _clip(clip_factors, batch)
     gss, _ = _grad_samples(grad_samples, [b.shape for b in bufs], batch)
     rows = [[] for _ in bufs]
-    if hyper.rule == "macadam":  # reads exp_avg and scale (whitening), writes no state
-        for name in ("exp_avg", "scale"):
+    hyper_dict = _hyper_dict(hyper)  # NotImplementedError for a rule without a kernel
+    if rules.of(hyper).whitening:  # reads exp_avg and scale (whitening), writes no state
+        read = ("exp_avg", "scale")
+        for name in read:
             if name not in states or len(states[name]) != len(bufs):
                 raise ValueError(f"states[{name!r}]: expected one tensor per buffer ({len(bufs)})")
         rows = [
             [
-                _input(m, f"states['exp_avg'][{k}]", b.shape, _F32),
-                None,
-                None,
-                _input(s, f"states['scale'][{k}]", b.shape, _F32),
+                _input(states[n][k], f"states[{n!r}][{k}]", b.shape, _F32) if n in read else None
+                for n in _STATE_ORDER[hyper.rule]
             ]
-            for k, (m, s, b) in enumerate(zip(states["exp_avg"], states["scale"], bufs))
+            for k, b in enumerate(bufs)
         ]
-    params = [_param_tuple(b, b.numel(), 0, gs, None, row) for b, gs, row in zip(bufs, gss, rows)]
-    _C.accumulate(_hyper_dict(hyper), _dp_tuple(dp), params, _ptr(clip), batch)
+    params = [
+        _param_tuple(b, b.numel(), 0, gs, None, row)
+        for b, gs, row in zip(bufs, gss, rows, strict=True)
+    ]
+    _C.accumulate(hyper_dict, _dp_tuple(dp), params, _ptr(clip), batch)
     _bump(bufs)
 
 
@@ -363,6 +404,7 @@ def step(
     """One DP step of one parameter group, in place on ``params`` and ``states``.
 
     Returns the group's partial sum of sqrt(S_hat_j) for DP-MacAdam (0.0 otherwise)."""
+    hyper_dict = _hyper_dict(hyper)  # NotImplementedError for a rule without a kernel
     n = len(params)
     if not (len(grad_samples) == len(summed) == len(offsets) == n):
         raise ValueError(
@@ -375,11 +417,11 @@ def step(
     gss, _ = _grad_samples(grad_samples, [p.shape for p in ps], batch)
     sums = [
         None if s is None else _input(s, f"summed[{k}]", p.shape, _F32)
-        for k, (s, p) in enumerate(zip(summed, ps))
+        for k, (s, p) in enumerate(zip(summed, ps, strict=True))
     ]
     st = _states(hyper, states, ps)
     end = 0
-    for k, (off, p) in enumerate(zip(offsets, ps)):
+    for k, (off, p) in enumerate(zip(offsets, ps, strict=True)):
         if isinstance(off, bool) or not isinstance(off, int) or off < 0:
             raise ValueError(f"offsets[{k}]: expected an int >= 0, got {off!r}")
         end = max(end, off + p.numel())
@@ -388,9 +430,9 @@ def step(
     _check_distinct(ps, st)
     tuples = [
         _param_tuple(p, p.numel(), off, gs, s, row)
-        for p, off, gs, s, row in zip(ps, offsets, gss, sums, st)
+        for p, off, gs, s, row in zip(ps, offsets, gss, sums, st, strict=True)
     ]
-    out = _C.step(_hyper_dict(hyper), _dp_tuple(dp), tuples, _ptr(clip), batch)
+    out = _C.step(hyper_dict, _dp_tuple(dp), tuples, _ptr(clip), batch)
     _bump(ps)
     _bump(s for row in st for s in row)
     return out
@@ -399,7 +441,7 @@ def step(
 def _check_distinct(params, states) -> None:
     """Written buffers must not share memory (an aliased state would be updated twice)."""
     seen = {}
-    for k, (p, row) in enumerate(zip(params, states)):
+    for k, (p, row) in enumerate(zip(params, states, strict=True)):
         for what, t in [(f"params[{k}]", p)] + [
             (f"state {j} of params[{k}]", s) for j, s in enumerate(row)
         ]:
@@ -418,7 +460,10 @@ def macadam_update_scale(
     if len(exp_vars) != len(scales):
         raise ValueError("exp_vars and scales must have the same length")
     ss = [_input(s, f"exp_vars[{k}]", None, _F32) for k, s in enumerate(exp_vars)]
-    bs = [_output(b, f"scales[{k}]", s.shape, _F32) for k, (b, s) in enumerate(zip(scales, ss))]
+    bs = [
+        _output(b, f"scales[{k}]", s.shape, _F32)
+        for k, (b, s) in enumerate(zip(scales, ss, strict=True))
+    ]
     if dp.step < 2:
         return
     _C.macadam_update_scale(

@@ -3,12 +3,14 @@
 Every other backend (``dpkern.backends.triton``, ``dpkern.backends.cpp``) implements the
 same functions under the same names and is tested against this module:
 
-- :func:`philox_words`, :func:`gaussian_noise` -- the noise
+- :func:`philox_words`, :func:`gaussian_noise`, :func:`normal_from_words` -- the noise
   stream v1 (SPEC section 3);
 - :func:`per_sample_norms`, :func:`whitened_norms` -- pass 1 (SPEC sections 2 and 7);
 - :func:`accumulate` -- fold one micro-batch's clipped sum into fp32 buffers (SPEC section 2);
-- :func:`step` -- pass 2: clip + sum + noise + moment update + parameter update, for the
-  six update rules (SPEC sections 4, 5 and 7);
+- :func:`step` -- pass 2: clip + sum + noise + moment update + parameter update (SPEC
+  sections 4, 5 and 7), through one ``update_<name>`` function per rule of the registry
+  (:mod:`dpkern.rules`), named like the Triton (``triton/rules.py``) and C++
+  (``csrc/rules.h``) ones;
 - :func:`macadam_update_scale` -- DP-MacAdam's global scale update (SPEC section 7), run
   after :func:`step` once the global sum it returned is known.
 
@@ -23,9 +25,10 @@ Conventions shared by all backends
   accumulated from earlier micro-batches of the same logical batch.
 - ``offsets[k]`` is the global flat index of the first element of ``params[k]`` in the
   noise stream (SPEC section 3); a Python int, may exceed 2**32.
-- States are fp32 tensors shaped like the parameter, named as in torch.optim
-  (:data:`STATE_NAMES`). Parameters may be fp32, bf16 or fp16: the update is computed in
-  fp32 and rounded once on store.
+- ``states`` maps each kernel state of the rule (``RuleSpec.kernel_states``, torch.optim's
+  names) to one fp32 tensor per parameter, shaped as its ``StateSpec`` says (``None``
+  where the hyper-parameters do not need it). Parameters may be fp32, bf16 or fp16: the
+  update is computed in fp32 and rounded once on store.
 - Backends hold no policy: inputs were validated by the caller (``dpkern.optim`` /
   ``dpkern.functional``); nothing here raises on user input.
 """
@@ -37,19 +40,9 @@ import math
 import torch
 from torch import Tensor
 
+from .. import rules
 from ..hyper import DPStep, Hyper
 from ..keys import reveal
-
-# Names of the per-parameter optimizer states of each update rule (torch.optim's names
-# where a torch.optim twin exists). The order is the order backends receive them in.
-STATE_NAMES: dict[str, tuple[str, ...]] = {
-    "sgd": ("momentum_buffer",),
-    "adam": ("exp_avg", "exp_avg_sq"),
-    "adam_bc": ("exp_avg", "exp_avg_sq"),
-    "adamw": ("exp_avg", "exp_avg_sq"),
-    "adamw_bc": ("exp_avg", "exp_avg_sq"),
-    "macadam": ("exp_avg", "exp_avg_sq", "exp_var", "scale"),
-}
 
 # --------------------------------------------------------------------------------------
 # Noise stream v1 (SPEC section 3)
@@ -100,10 +93,9 @@ def noise_counter(index: Tensor, step: int, stream: int) -> tuple[Tensor, Tensor
     return c0, c1, c2, c3
 
 
-def normal_from_words(r0: Tensor, r1: Tensor, r2: Tensor, r3: Tensor, lane: Tensor) -> Tensor:
-    """The word -> standard normal transform of SPEC section 3 (float32, exact sum order).
-
-    ``r*`` are int64 tensors in [0, 2**32); ``lane`` is 0 (cos) or 1 (sin) per element."""
+def _radius_angle(r0: Tensor, r1: Tensor, r2: Tensor, r3: Tensor) -> tuple[Tensor, Tensor]:
+    """(R, theta) of SPEC section 3 from the words (int64 tensors in [0, 2**32)), float32
+    with the exact sum order."""
     f32 = torch.float32
 
     def uniform(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
@@ -119,7 +111,16 @@ def normal_from_words(r0: Tensor, r1: Tensor, r2: Tensor, r3: Tensor, lane: Tens
     L = torch.where(r0 < 2**31, -torch.log(U), L_log1p)
     R = torch.sqrt(2.0 * L)
     theta = TWO_PI_F32 * (r2.to(f32) * 2.0**-32)
-    return torch.where(lane == 0, R * torch.cos(theta), R * torch.sin(theta))
+    return R, theta
+
+
+def normal_from_words(words: Tensor) -> Tensor:
+    """The word -> standard normal transform of SPEC section 3 alone: int64 ``[n, 4]``
+    Philox words (r0, r1, r2, r3) in [0, 2**32) -> float32 ``[n, 2]``, the z of lane 0
+    (R cos theta) and lane 1 (R sin theta). Same signature in every backend; tests pin
+    the transform's extremes (``transform_cases``) with it."""
+    R, theta = _radius_angle(*words.to(torch.int64).unbind(1))
+    return torch.stack([R * torch.cos(theta), R * torch.sin(theta)], dim=1)
 
 
 def philox_words(index: Tensor, *, key: int, step: int, stream: int = 0) -> Tensor:
@@ -133,8 +134,8 @@ def gaussian_noise(
 ) -> Tensor:
     """z for global elements ``offset ... offset + numel - 1``: float32 ``[numel]``."""
     index = torch.arange(offset, offset + numel, dtype=torch.int64, device=device)
-    r0, r1, r2, r3 = philox4x32_10(*noise_counter(index, step, stream), key)
-    return normal_from_words(r0, r1, r2, r3, index & 1)
+    R, theta = _radius_angle(*philox4x32_10(*noise_counter(index, step, stream), key))
+    return torch.where((index & 1) == 0, R * torch.cos(theta), R * torch.sin(theta))
 
 
 # --------------------------------------------------------------------------------------
@@ -172,7 +173,7 @@ def whitened_norms(
     ``bias_correction1`` is 1 - beta1**(t-1) (0 at t = 1, where m_hat_0 = 0). A parameter
     without a grad_sample has g_i = 0, so w_i = -m_hat / b for every row."""
     sq = torch.zeros(batch_size, dtype=torch.float32, device=device)
-    for gs, m, b in zip(grad_samples, exp_avgs, scales):
+    for gs, m, b in zip(grad_samples, exp_avgs, scales, strict=True):
         if gs is None:
             gs = torch.zeros((batch_size, *m.shape), dtype=torch.float32, device=device)
         sq += _rows(_whiten(gs, m, b, bias_correction1)).square().sum(dim=1)
@@ -190,7 +191,7 @@ def _clipped_sum(x: Tensor, clip_factors: Tensor) -> Tensor:
 def _contribution(k: int, grad_samples, clip_factors, hyper: Hyper, states, bias_correction1):
     """The clipped per-sample sum of parameter k in the space where noise is added."""
     gs = grad_samples[k]
-    if hyper.rule == "macadam":
+    if rules.of(hyper).whitening:
         m, b = states["exp_avg"][k], states["scale"][k]
         if gs is None:
             gs = torch.zeros((clip_factors.shape[0], *m.shape), device=m.device)
@@ -211,7 +212,7 @@ def accumulate(
     """buffers[k] += sum_i c_i x_i (x = per-sample gradient, or whitened for MacAdam).
 
     ``dp.step`` is the step that the logical batch will end with."""
-    bc1 = 1.0 - hyper.beta1 ** (dp.step - 1) if hyper.rule == "macadam" else 1.0
+    bc1 = 1.0 - hyper.beta1 ** (dp.step - 1) if rules.of(hyper).whitening else 1.0
     for k, buf in enumerate(buffers):
         c = _contribution(k, grad_samples, clip_factors, hyper, states, bc1)
         if c is not None:
@@ -219,7 +220,7 @@ def accumulate(
 
 
 # --------------------------------------------------------------------------------------
-# Pass 2: privatised gradient and the six update rules (SPEC sections 4, 5, 7)
+# Pass 2: privatised gradient and the update rules (SPEC sections 4, 5, 7)
 # --------------------------------------------------------------------------------------
 def step(
     hyper: Hyper,
@@ -228,19 +229,21 @@ def step(
     grad_samples: list[Tensor | None],
     clip_factors: Tensor | None,
     summed: list[Tensor | None],
-    states: dict[str, list[Tensor]],
+    states: dict[str, list[Tensor | None]],
     offsets: list[int],
 ) -> float:
     """One DP step of one parameter group, in place on ``params`` and ``states``.
 
     g_hat_p = (S_p + noise_std * z_p) / B_e, S_p = summed_p + sum_i c_i grad_sample_p[i]
-    (SPEC section 4), then the update rule ``hyper.rule``. ``clip_factors`` may be None
-    when every ``grad_samples`` entry is None (summed-gradient entry point).
+    (SPEC section 4), then ``update_<hyper.rule>``. ``clip_factors`` may be None when
+    every ``grad_samples`` entry is None (summed-gradient entry point).
 
     Returns the group's partial sum of sqrt(S_hat_j) for DP-MacAdam (SPEC section 7;
     0.0 at t = 1 and for the other rules)."""
+    update = _update_of(hyper.rule)
+    names = rules.of(hyper).kernel_state_names
     t = dp.step
-    bc1_prev = 1.0 - hyper.beta1 ** (t - 1) if hyper.rule == "macadam" else 1.0
+    bc1_prev = 1.0 - hyper.beta1 ** (t - 1) if rules.of(hyper).whitening else 1.0
     sqrt_sum = 0.0
     for k, p in enumerate(params):
         S = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
@@ -259,14 +262,20 @@ def step(
             device=p.device,
         ).reshape(p.shape)
         g_hat = (S + dp.noise_std * z) / dp.expected_batch_size
-        state = {name: states[name][k] for name in STATE_NAMES[hyper.rule]}
+        state = {name: states[name][k] for name in names}
         p32 = p.detach().float()
-        sqrt_sum += _UPDATE_RULES[hyper.rule](hyper, dp, p32, g_hat, state)
+        sqrt_sum += update(hyper, dp, p32, g_hat, state)
         p.detach().copy_(p32)  # one rounding to the parameter dtype
     return sqrt_sum
 
 
-def _sgd(h: Hyper, dp: DPStep, p: Tensor, g: Tensor, state) -> float:
+# --------------------------------------------------------------------------------------
+# The update rules: update_<name>(hyper, dp, p, g_hat, state) -> float, one per rule of
+# dpkern.rules. p is the fp32 parameter (updated in place), g_hat the privatised gradient,
+# state the rule's kernel states for this parameter (updated in place). The return value
+# is a partial sum of a global reduction (DP-MacAdam), 0.0 for the other rules.
+# --------------------------------------------------------------------------------------
+def update_sgd(h: Hyper, dp: DPStep, p: Tensor, g: Tensor, state) -> float:
     """torch.optim.SGD on g_hat (SPEC 5.1)."""
     if h.weight_decay != 0:
         g = g + h.weight_decay * p
@@ -294,36 +303,53 @@ def _bc_denominator(h: Hyper, dp: DPStep, v_hat: Tensor) -> Tensor:
     return torch.sqrt(torch.clamp(v_hat - phi_hat, min=h.gamma))
 
 
-def _adam(h: Hyper, dp: DPStep, p: Tensor, g: Tensor, state) -> float:
-    """DP-Adam (SPEC 5.2), DP-AdamBC (5.3), DP-AdamW (5.4), DP-AdamW-BC (5.5)."""
-    decoupled = h.rule in ("adamw", "adamw_bc")
-    if decoupled:
-        p.mul_(1 - h.lr * h.weight_decay)
-    elif h.weight_decay != 0:
-        g = g + h.weight_decay * p
+def _coupled_decay(h: Hyper, p: Tensor, g: Tensor) -> Tensor:
+    """g + wd p (coupled L2, torch.optim.Adam's weight_decay)."""
+    return g + h.weight_decay * p if h.weight_decay != 0 else g
+
+
+def update_adam(h: Hyper, dp: DPStep, p: Tensor, g: Tensor, state) -> float:
+    """DP-Adam (SPEC 5.2): coupled L2, p <- p - lr m_hat / (sqrt(v_hat) + eps)."""
+    g = _coupled_decay(h, p, g)
     m_hat, v_hat = _adam_moments(h, dp.step, g, state["exp_avg"], state["exp_avg_sq"])
-    if h.rule in ("adam_bc", "adamw_bc"):
-        denom = _bc_denominator(h, dp, v_hat)
-    else:
-        denom = v_hat.sqrt() + h.eps
-    p.sub_(h.lr * m_hat / denom)
+    p.sub_(h.lr * m_hat / (v_hat.sqrt() + h.eps))
     return 0.0
 
 
-def macadam_kappa(beta1: float, t: int) -> float:
-    """kappa_t = 2 (beta1 - beta1^t) / (1 + beta1) (SPEC section 7)."""
-    return 2 * (beta1 - beta1**t) / (1 + beta1)
+def update_adam_bc(h: Hyper, dp: DPStep, p: Tensor, g: Tensor, state) -> float:
+    """DP-AdamBC (SPEC 5.3): coupled L2, p <- p - lr m_hat / sqrt(max(v_hat - phi_hat, gamma))."""
+    g = _coupled_decay(h, p, g)
+    m_hat, v_hat = _adam_moments(h, dp.step, g, state["exp_avg"], state["exp_avg_sq"])
+    p.sub_(h.lr * m_hat / _bc_denominator(h, dp, v_hat))
+    return 0.0
+
+
+def update_adamw(h: Hyper, dp: DPStep, p: Tensor, g: Tensor, state) -> float:
+    """DP-AdamW (SPEC 5.4): p <- p (1 - lr wd) first, then DP-Adam's step without decay."""
+    p.mul_(1 - h.lr * h.weight_decay)
+    m_hat, v_hat = _adam_moments(h, dp.step, g, state["exp_avg"], state["exp_avg_sq"])
+    p.sub_(h.lr * m_hat / (v_hat.sqrt() + h.eps))
+    return 0.0
+
+
+def update_adamw_bc(h: Hyper, dp: DPStep, p: Tensor, g: Tensor, state) -> float:
+    """DP-AdamW-BC (SPEC 5.5): DP-AdamW with DP-AdamBC's denominator."""
+    p.mul_(1 - h.lr * h.weight_decay)
+    m_hat, v_hat = _adam_moments(h, dp.step, g, state["exp_avg"], state["exp_avg_sq"])
+    p.sub_(h.lr * m_hat / _bc_denominator(h, dp, v_hat))
+    return 0.0
 
 
 def macadam_variance(h: Hyper, dp: DPStep, exp_var: Tensor, scale: Tensor) -> Tensor:
     """S_hat = clamp(S / kappa_t - b^2 sigma^2 / B_e^2, h1, h2), t >= 2 (SPEC section 7)."""
-    kappa = macadam_kappa(h.beta1, dp.step)
+    kappa = rules.macadam_kappa(h.beta1, dp.step)
     noise_var = scale.square() * (dp.noise_std / dp.expected_batch_size) ** 2
     return torch.clamp(exp_var / kappa - noise_var, min=h.h1, max=h.h2)
 
 
-def _macadam(h: Hyper, dp: DPStep, p: Tensor, w_tilde: Tensor, state) -> float:
-    """DP-MacAdam (SPEC section 7): w_tilde is the noisy whitened mean."""
+def update_macadam(h: Hyper, dp: DPStep, p: Tensor, w_tilde: Tensor, state) -> float:
+    """DP-MacAdam (SPEC section 7): w_tilde is the noisy whitened mean. Returns the
+    parameter's sum of sqrt(S_hat_j) (t >= 2), for :func:`macadam_update_scale`."""
     t = dp.step
     m, v, S, b = state["exp_avg"], state["exp_avg_sq"], state["exp_var"], state["scale"]
     m_hat_prev = m / (1 - h.beta1 ** (t - 1)) if t > 1 else torch.zeros_like(m)
@@ -350,16 +376,38 @@ def macadam_update_scale(
     ``sqrt_sum`` is the global sum returned by :func:`step` over all groups."""
     if dp.step < 2:
         return
-    for S, b in zip(exp_vars, scales):
+    for S, b in zip(exp_vars, scales, strict=True):
         S_hat = macadam_variance(hyper, dp, S, b)
         b.copy_(S_hat.sqrt().sqrt() * math.sqrt(sqrt_sum))
 
 
-_UPDATE_RULES = {
-    "sgd": _sgd,
-    "adam": _adam,
-    "adam_bc": _adam,
-    "adamw": _adam,
-    "adamw_bc": _adam,
-    "macadam": _macadam,
-}
+def _updates() -> dict:
+    """name -> update_<name> for every registered rule (the reference implements all)."""
+    out = {}
+    for name in rules.RULES:
+        fn = globals().get(f"update_{name}")
+        if fn is None:
+            raise RuntimeError(
+                f"dpkern.rules registers {name!r} but dpkern.backends.reference has no "
+                f"update_{name}: every rule needs its reference function"
+            )
+        out[name] = fn
+    return out
+
+
+#: The dispatch: rule name -> its update function (built from the registry).
+UPDATES = _updates()
+
+
+def _update_of(rule: str):
+    try:
+        return UPDATES[rule]
+    except KeyError:
+        raise NotImplementedError(
+            f"dpkern backend='torch' has no update function for rule {rule!r}"
+        ) from None
+
+
+def supports(rule: str) -> bool:
+    """Whether this backend implements the update rule ``rule`` (all registered rules)."""
+    return rule in UPDATES

@@ -27,9 +27,10 @@ is its seed (finetune's --noise-seed semantics, so that the optimizers at one se
 same noise draws): the runs are not private (the noise key is known), and the epsilons
 are those the runs would spend with a secret key. The output says so.
 
-Optimizer names are finetune's: dp-sgd, dp-adam, dp-adambc, dp-adamw, dp-adamw-bc,
-dp-macadam. The command echoed at the top of table.md is the one that ran (rerunning it
-runs the same grid).
+Optimizer names are finetune's, the command-line names of the rule registry
+(:mod:`dpkern.rules`): dp-sgd, dp-adam, dp-adambc, dp-adamw, dp-adamw-bc, dp-macadam; each
+rule's learning-rate grid is its ``RuleSpec.lr_grid``. The command echoed at the top of
+table.md is the one that ran (rerunning it runs the same grid).
 
 Example:  dpkern compare --task digits --epsilons 1 3 7 --seeds 3 --optimizers all
 """
@@ -54,23 +55,22 @@ import torch
 import torch.nn.functional as TF
 from torch import Tensor, nn
 
-from .. import optim
+from .. import rules
 from ..accounting import ACCOUNTANTS, PrivacyAccountant, get_noise_multiplier
 from ..backends import BACKENDS
 from ..grad_sample import compute_grad_sample
 from ..sampling import PoissonBatchSampler
 
-# name (finetune's) -> (class, learning-rate grid; the third value is --quick's). The
-# grids bracket the best values of a 5-point sweep at epsilon 1 and 7 on digits (seed 0).
+# name (finetune's) -> (class, learning-rate grid; the third value is --quick's), from the
+# registry: the grids (RuleSpec.lr_grid) bracket the best values of a 5-point sweep at
+# epsilon 1 and 7 on digits (seed 0).
 OPTIMIZERS: dict[str, tuple[type, tuple[float, ...]]] = {
-    "dp-sgd": (optim.DPSGD, (0.125, 0.25, 0.5, 1.0)),
-    "dp-adam": (optim.DPAdam, (1e-3, 3e-3, 1e-2, 3e-2)),
-    "dp-adambc": (optim.DPAdamBC, (1e-5, 3e-5, 1e-4, 3e-4)),
-    "dp-adamw": (optim.DPAdamW, (1e-3, 3e-3, 1e-2, 3e-2)),
-    "dp-adamw-bc": (optim.DPAdamWBC, (1e-5, 3e-5, 1e-4, 3e-4)),
-    "dp-macadam": (optim.DPMacAdam, (3e-4, 1e-3, 3e-3, 1e-2)),
+    spec.cli_name: (spec.optimizer_class(), spec.lr_grid)
+    for spec in rules.RULES.values()
+    if spec.lr_grid
 }
-DECOUPLED = ("dp-adamw", "dp-adamw-bc")  # --weight-decay applies to these only
+# --weight-decay applies to the rules with decoupled decay only
+DECOUPLED = tuple(s.cli_name for s in rules.RULES.values() if s.decoupled_decay)
 QUICK_OPTIMIZERS = ("dp-sgd", "dp-adamw")
 #: Said in every output: each run's noise key is its seed.
 NOISE_NOTE = (
@@ -265,6 +265,7 @@ def make_optimizer(name: str, params, cfg: RunConfig, expected_batch_size: float
     optimizers at the same seed see the same noise draws). DP-MacAdam has no clipping
     bound to set (it adapts it)."""
     cls, _ = OPTIMIZERS[name]
+    options = rules.by_cli_name(name).optimizer_options()
     kw = dict(
         lr=cfg.lr,
         noise_multiplier=cfg.noise_multiplier,
@@ -272,7 +273,7 @@ def make_optimizer(name: str, params, cfg: RunConfig, expected_batch_size: float
         seed=cfg.seed,
         backend=cfg.backend,
     )
-    if name != "dp-macadam":
+    if "max_grad_norm" in options:  # not for whitening rules (DP-MacAdam)
         kw["max_grad_norm"] = cfg.max_grad_norm
     if name in DECOUPLED:
         kw["weight_decay"] = cfg.weight_decay
@@ -581,14 +582,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-grad-norm",
         type=_positive_float,
         default=1.0,
-        help="clipping bound C (not used by DP-MacAdam; default: 1)",
+        help="clipping bound C (not used by "
+        + ", ".join(s.title for s in rules.RULES.values() if s.whitening)
+        + "; default: 1)",
     )
     parser.add_argument(
         "--weight-decay",
         type=float,
         default=1e-2,
-        help="decoupled weight decay of DP-AdamW and DP-AdamW-BC "
-        "(default: 0.01, torch.optim.AdamW's)",
+        help="decoupled weight decay of "
+        + ", ".join(s.title for s in rules.RULES.values() if s.decoupled_decay)
+        + " (default: 0.01, torch.optim.AdamW's)",
     )
     parser.add_argument("--accountant", choices=ACCOUNTANTS, default="rdp")
     parser.add_argument("--backend", choices=BACKENDS, default="auto")

@@ -46,7 +46,7 @@ def _describe(optimizer: DPOptimizer) -> dict:
         "max_grad_norm": optimizer.max_grad_norm,
         "noise_multiplier": optimizer.noise_multiplier,
         "expected_batch_size": optimizer.expected_batch_size,
-        "hyper": [repr(optimizer._hyper(g)) for g in optimizer.param_groups],
+        "hyper": [repr(optimizer.group_hyper(g)) for g in optimizer.param_groups],
     }
 
 
@@ -151,7 +151,7 @@ def sync_key(optimizer: DPOptimizer, group=None) -> None:
     table = _gather_checks(optimizer, group)
     _raise_on_mismatch(optimizer, table, group, (_SECURE, _CONFIG, _STEP))
     if optimizer.secure:
-        optimizer._adopt_key(broadcast_key(None, group, _device(optimizer)))
+        optimizer.adopt_key(broadcast_key(None, group, _device(optimizer)))
     verify_lockstep(optimizer, group)
 
 

@@ -142,7 +142,7 @@ class DistributedDPOptimizer:
         if self.sharded:
             error = None
             try:
-                self.optimizer._check_inputs()
+                self.optimizer.check_inputs()
             except ValueError as exc:
                 error = exc
             self._agree(
@@ -166,10 +166,15 @@ class DistributedDPOptimizer:
         _raise_on_mismatch(self.optimizer, table, self.group, columns)
 
     def accumulate_clipped(
-        self, clipped_sums: Sequence[Tensor | None], batch_size: int = 0
+        self,
+        clipped_sums: Sequence[Tensor | None],
+        batch_size: int = 0,
+        *,
+        clipped_samples: int = 0,
+        nonfinite_samples: int = 0,
     ) -> None:
         """Add this rank's clipped sums (ghost clipping: pass the wrapper to
-        :class:`dpkern.ghost.GhostClipping`); see the inner optimizer.
+        :class:`dpkern.ghost.GhostClipping`) and its sample counts; see the inner optimizer.
 
         DDP: local, summed over ranks at ``step()``. FSDP2: plain full-shape sums are
         reduce-scattered right away (:func:`reduce_scatter_clipped_sums`, a collective:
@@ -180,7 +185,12 @@ class DistributedDPOptimizer:
             clipped_sums = reduce_scatter_clipped_sums(
                 self.optimizer.trainable_params(), clipped_sums, self.bucket_numel
             )
-        self.optimizer.accumulate_clipped(clipped_sums, batch_size)
+        self.optimizer.accumulate_clipped(
+            clipped_sums,
+            batch_size,
+            clipped_samples=clipped_samples,
+            nonfinite_samples=nonfinite_samples,
+        )
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -195,7 +205,7 @@ class DistributedDPOptimizer:
         per_sample = self._has_grad_sample()
         if per_sample:
             try:  # sharded: local validation only, the clipping all-reduces norms below
-                (self.optimizer._check_inputs if self.sharded else self.optimizer.accumulate)()
+                (self.optimizer.check_inputs if self.sharded else self.optimizer.accumulate)()
             except (ValueError, FloatingPointError) as exc:
                 error = exc
         try:

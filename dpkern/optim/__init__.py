@@ -2,21 +2,12 @@
 
 - :mod:`dpkern.optim.base`: :class:`DPOptimizer`, what every DP optimizer shares (the
   noise key, validation, step counting, checkpoints, the safety nets);
-- :mod:`dpkern.optim.optimizers`: one class per update rule (DPSGD, DPAdam, DPAdamBC,
-  DPAdamW, DPAdamWBC, DPMacAdam).
+- :mod:`dpkern.optim.optimizers`: one class per update rule of :mod:`dpkern.rules`
+  (DPSGD, DPAdam, DPAdamBC, DPAdamW, DPAdamWBC, DPMacAdam), all exported here.
 """
 
+from . import optimizers as _optimizers
 from .base import DPOptimizer, key_fingerprint, secure_key
-from .optimizers import DPSGD, DPAdam, DPAdamBC, DPAdamW, DPAdamWBC, DPMacAdam
+from .optimizers import *  # noqa: F403  (the classes listed in optimizers.__all__)
 
-__all__ = [
-    "DPOptimizer",
-    "DPSGD",
-    "DPAdam",
-    "DPAdamBC",
-    "DPAdamW",
-    "DPAdamWBC",
-    "DPMacAdam",
-    "key_fingerprint",
-    "secure_key",
-]
+__all__ = ["DPOptimizer", *_optimizers.__all__, "key_fingerprint", "secure_key"]

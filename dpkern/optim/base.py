@@ -1,6 +1,7 @@
 """DPOptimizer: state, the noise key, validation and step counting for every DP optimizer.
 
-The classes (:mod:`dpkern.optim.optimizers`) add one update rule each; the math lives in
+The classes (:mod:`dpkern.optim.optimizers`) add one update rule each (``rule``, its spec
+in :mod:`dpkern.rules`, which says which states to allocate and how); the math lives in
 :mod:`dpkern.functional` and the backends. What this layer guarantees (README, "what
 dpkern refuses, and why"):
 
@@ -24,12 +25,14 @@ from collections import defaultdict
 from copy import deepcopy
 from typing import Any
 
+import dataclasses
+from typing import ClassVar
+
 import torch
 from torch import Tensor
 
 from .. import backends
 from .. import functional as F
-from ..backends.reference import STATE_NAMES
 from ..guards import (
     ALREADY_RELEASED,
     DPOPTIMIZER_IS_A_BASE,
@@ -38,9 +41,10 @@ from ..guards import (
     check_group_options,
     deferred_signals,
 )
-from ..hyper import Hyper, check_nonnegative, check_positive
+from ..hyper import Hyper, check_betas, check_nonnegative, check_positive
 from ..interop import refuse_opacus_wrapper
 from ..keys import NoiseKey, key_fingerprint, secure_key
+from ..rules import PARAM, RuleSpec
 from ..sharding import common_mesh, is_sharded, local_shard
 
 __all__ = ["DPOptimizer", "key_fingerprint", "secure_key"]
@@ -81,11 +85,23 @@ def _step_of(state: dict) -> int:
 class DPOptimizer(torch.optim.Optimizer):
     """Base class of dpkern's optimizers (not a wrapper: see :class:`dpkern.DPAdamW`).
 
-    Subclasses set ``hyper_class`` and implement ``_hyper(group)`` (group dict -> frozen
-    hyper-parameter dataclass). Constructing this class itself, or passing an optimizer
-    in place of parameters (Opacus' wrapper style), raises TypeError."""
+    A subclass sets ``rule`` to its :class:`dpkern.rules.RuleSpec` (``hyper_class`` follows
+    from it) and defines its constructor's signature; the states, the hyper-parameters of
+    each param group (torch.optim's ``betas`` pair included) and the rule's properties come
+    from the spec. Constructing this class itself, or passing an optimizer in place of
+    parameters (Opacus' wrapper style), raises TypeError.
 
-    hyper_class: type = None
+    Public hooks for the layers above (data parallelism, ghost clipping):
+    :meth:`group_hyper`, :meth:`check_inputs`, :meth:`adopt_key`,
+    :meth:`accumulate_clipped` (with its sample counts) and :meth:`trainable_params`."""
+
+    rule: ClassVar[RuleSpec] = None
+    hyper_class: ClassVar[type] = None
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("rule") is not None:
+            cls.hyper_class = cls.rule.hyper_class
 
     def __new__(cls, *args, **kwargs):
         if cls is DPOptimizer:
@@ -167,11 +183,14 @@ class DPOptimizer(torch.optim.Optimizer):
         itself)."""
         return key_fingerprint(self._key)
 
-    def _adopt_key(self, key) -> None:
-        """Take a secure key drawn elsewhere (rank 0 of a data-parallel group). Secure mode
-        only: a seeded optimizer's key is its seed."""
+    def adopt_key(self, key) -> None:
+        """Take a secure noise key drawn elsewhere, e.g. rank 0's in a data-parallel group
+        (:func:`dpkern.distributed.sync_key`), so that every rank draws the same noise.
+
+        Args: key: a :class:`dpkern.keys.NoiseKey` (or a 64-bit int, wrapped in one).
+        Raises: ValueError in reproducible mode (``seed=``: the key is the seed)."""
         if not self.secure:
-            raise ValueError("_adopt_key: this optimizer is in reproducible mode (seed=)")
+            raise ValueError("adopt_key: this optimizer is in reproducible mode (seed=)")
         self._key = key if isinstance(key, NoiseKey) else NoiseKey(key)
 
     def __getstate__(self):
@@ -207,21 +226,41 @@ class DPOptimizer(torch.optim.Optimizer):
             raise
 
     def _hyper(self, group: dict) -> Hyper:
-        raise NotImplementedError
+        """The rule's hyper-parameter dataclass from a group dict: each of its fields from
+        the group's entry of that name (the dataclass default where the group has none),
+        ``beta1, beta2`` from torch.optim's ``betas`` pair."""
+        fields = [f.name for f in dataclasses.fields(self.hyper_class)]
+        kw = {name: group[name] for name in fields if name in group}
+        if "beta1" in fields and "betas" in group:
+            kw["beta1"], kw["beta2"] = check_betas(group["betas"])
+        return self.hyper_class(**kw)
 
-    def _group_hyper(self, group: dict) -> Hyper:
+    def group_hyper(self, group: dict | int) -> Hyper:
+        """The validated hyper-parameters (a frozen :mod:`dpkern.hyper` dataclass) of a
+        param group, given as a dict or an index into ``param_groups``.
+
+        Raises: ValueError for an invalid value or an option the class does not implement."""
+        if isinstance(group, int):
+            group = self.param_groups[group]
         check_group_options(type(self).__name__, group, self.defaults)
         return self._hyper(group)
 
     # -- collecting the step's tensors ------------------------------------------------
     def _rule(self) -> str:
-        return self.hyper_class.rule
+        return self.rule.name
 
     def _fresh_state(self, p: Tensor, n_total: int) -> dict[str, Tensor]:
-        st = {
-            name: torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-            for name in STATE_NAMES[self._rule()]
-        }
+        """Zero float32 states of the rule for parameter (or local shard) ``p``, shaped as
+        their StateSpecs say, and ``step``."""
+        st = {}
+        for spec in self.rule.states:
+            if spec.shape == PARAM:
+                st[spec.name] = torch.zeros_like(
+                    p, dtype=torch.float32, memory_format=torch.contiguous_format
+                )
+            else:
+                shape = spec.shape_for(p.shape)
+                st[spec.name] = torch.zeros(shape, dtype=torch.float32, device=p.device)
         st["step"] = torch.tensor(0.0, dtype=torch.float32)  # torch.optim's convention
         return st
 
@@ -258,7 +297,7 @@ class DPOptimizer(torch.optim.Optimizer):
         new_states, new_buffers = {}, {}
         groups, owners, offset = [], [], 0
         for gi, group in enumerate(self.param_groups):
-            hyper = self._group_hyper(group)
+            hyper = self.group_hyper(group)
             unused = self._unused_states(hyper)
             buckets: dict[tuple, dict] = {}
             for pi, p in enumerate(group["params"]):
@@ -268,6 +307,11 @@ class DPOptimizer(torch.optim.Optimizer):
                 local, start = local_shard(p, name)
                 if local.shape != p.shape:
                     name = f"{name[:-1]}, local shard {tuple(local.shape)})"
+                    if not self.rule.fsdp:
+                        raise ValueError(
+                            f"{name}: {self.rule.title} keeps states that are not shaped "
+                            "like the parameter; they cannot be sharded coordinate-wise"
+                        )
                 gs = self._grad_sample(p, name)
                 if gs is None and any_gs and p.grad is not None:
                     raise ValueError(
@@ -283,12 +327,12 @@ class DPOptimizer(torch.optim.Optimizer):
                         if k not in unused
                     }
                     state = new
-                elif any(k not in state and k not in unused for k in STATE_NAMES[self._rule()]):
+                elif any(k not in state and k not in unused for k in self.rule.state_names):
                     # a state needed from now on (e.g. momentum switched on): zeros
                     fresh = self._fresh_state(local, n_total)
                     new = {
                         k: fresh[k]
-                        for k in STATE_NAMES[self._rule()]
+                        for k in self.rule.state_names
                         if k not in state and k not in unused
                     }
                     state = {**state, **new}
@@ -305,7 +349,7 @@ class DPOptimizer(torch.optim.Optimizer):
                         "offsets": [],
                         "names": [],
                         "owners": [],
-                        "states": {s: [] for s in STATE_NAMES[self._rule()]},
+                        "states": {s: [] for s in self.rule.kernel_state_names},
                     }
                 for sname in b["states"]:
                     b["states"][sname].append(state.get(sname))  # None: unused by the rule
@@ -390,10 +434,12 @@ class DPOptimizer(torch.optim.Optimizer):
             return None
         return lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
 
-    def _check_inputs(self) -> None:
-        """Validate this micro-batch's grad_sample and the parameters as ``accumulate()``
-        would, without computing or modifying anything (no collective: sharded callers
-        run it on every rank before the norms' all-reduce). Raises ValueError."""
+    def check_inputs(self) -> None:
+        """Validate this micro-batch's ``grad_sample`` tensors and the parameters as
+        :meth:`accumulate` would, without computing or modifying anything (no collective:
+        sharded callers run it on every rank before the norms' all-reduce).
+
+        Raises: ValueError (the message names the parameter), StepInterrupted."""
         self._check_can_release()
         groups = self._groups()[0]  # (no accumulation buffers: accumulate() makes them)
         F.check_params(groups)
@@ -401,22 +447,48 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def _unused_states(self, hyper: Hyper) -> set[str]:
         """State names the update does not use with these hyper-parameters (never
-        allocated, passed to the backends as None)."""
-        return set()
+        allocated, passed to the backends as None): ``StateSpec.needed``."""
+        return set(self.rule.state_names) - set(self.rule.needed_states(hyper))
 
     def _param_noise_var(self, state: dict) -> float:
-        """The parameter's phi_{t-1} (BC rules; 0.0 for the others)."""
-        return 0.0
+        """The parameter's phi_{t-1} (noise-bias-corrected rules; 0.0 for the others)."""
+        phi = state.get("noise_var_avg")
+        return 0.0 if phi is None else float(phi)
 
     def _noise_var_avg(self, hyper: Hyper, prev: float) -> float:
-        return 0.0
+        """phi_t from the parameter's phi_{t-1} (SPEC 5.3), for the rules that keep it."""
+        if not self.rule.noise_bias_correction:
+            return 0.0
+        return F.noise_var_ema(
+            prev,
+            beta2=hyper.beta2,
+            max_grad_norm=self.max_grad_norm,
+            noise_multiplier=self.noise_multiplier,
+            expected_batch_size=self.expected_batch_size,
+        )
+
+    def _check_state_shape(self, name: str, value: Tensor, shape) -> None:
+        """A loaded state's shape: as its StateSpec says for the parameter (shard); other
+        entries (``step``) shaped like the parameter or 0-dim. Raises ValueError."""
+        if name in self.rule.state_names:
+            want = self.rule.state(name).shape_for(shape)
+            if tuple(value.shape) != want:
+                raise ValueError(
+                    f"state {name!r} has shape {tuple(value.shape)}, expected {want} for "
+                    f"the parameter (shard) of shape {tuple(shape)}"
+                )
+        elif value.shape != shape and value.dim() != 0:
+            raise ValueError(
+                f"state {name!r} has shape {tuple(value.shape)}, "
+                f"parameter (shard) has {tuple(shape)}"
+            )
 
     def _commit(self, groups, owners, new_states) -> None:
         """After a successful step: install new states and advance each parameter's own
         step (and phi for the BC rules)."""
         for p, st in new_states.items():
             self.state[p].update(st)
-        for grp, params in zip(groups, owners):
+        for grp, params in zip(groups, owners, strict=True):
             for p in params:
                 self.state[p]["step"] = torch.tensor(float(grp.step), dtype=torch.float32)
                 if "noise_var_avg" in self.state[p]:
@@ -476,7 +548,14 @@ class DPOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     @torch._disable_dynamo
-    def accumulate_clipped(self, clipped_sums, batch_size: int = 0) -> None:
+    def accumulate_clipped(
+        self,
+        clipped_sums,
+        batch_size: int = 0,
+        *,
+        clipped_samples: int = 0,
+        nonfinite_samples: int = 0,
+    ) -> None:
         """Add clipped sums computed elsewhere (ghost clipping, book-keeping) to the
         logical batch; the next ``step()`` adds noise once and updates.
 
@@ -486,7 +565,9 @@ class DPOptimizer(torch.optim.Optimizer):
                 gradient clipped to norm <= max_grad_norm over all parameters (for
                 DP-MacAdam: the sum of clipped whitened rows). FSDP2: the DTensor
                 ``p.grad`` FSDP reduce-scattered (its local shard is used).
-            batch_size: samples in this micro-batch (for ``stats`` only).
+            batch_size: samples in this micro-batch; clipped_samples: how many of them
+                were clipped (c_i < 1); nonfinite_samples: how many were dropped as
+                non-finite. For ``stats`` only (exact counts, kept in memory only).
         Raises: ValueError (wrong count, shape, device, non-finite values); nothing is
         modified when it raises."""
         self._check_can_release()
@@ -497,7 +578,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 f"accumulate_clipped: {len(clipped_sums)} sums for "
                 f"{len(params)} trainable parameters"
             )
-        for k, (s, p) in enumerate(zip(clipped_sums, params)):
+        for k, (s, p) in enumerate(zip(clipped_sums, params, strict=True)):
             if s is None:
                 continue
             if (
@@ -516,10 +597,12 @@ class DPOptimizer(torch.optim.Optimizer):
             clipped_sums[k] = s = local_shard(s, f"clipped_sums[{k}]")[0]
             if not torch.isfinite(s).all():
                 raise ValueError(f"clipped_sums[{k}]: non-finite values")
-        for s, buf in zip(clipped_sums, self.clipped_sum_buffers()):
+        for s, buf in zip(clipped_sums, self.clipped_sum_buffers(), strict=True):
             if s is not None:
                 buf += s.float()
         self.stats["samples"] += int(batch_size)
+        self.stats["clipped_samples"] += int(clipped_samples)
+        self.stats["nonfinite_samples"] += int(nonfinite_samples)
 
     @torch.no_grad()
     @torch._disable_dynamo
@@ -666,14 +749,14 @@ class DPOptimizer(torch.optim.Optimizer):
         if len(saved_groups) != len(self.param_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")
         id_to_param = {}
-        for saved, group in zip(saved_groups, self.param_groups):
+        for saved, group in zip(saved_groups, self.param_groups, strict=True):
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError(
                     "loaded state dict contains a parameter group that doesn't "
                     "match the size of optimizer's group"
                 )
-            self._group_hyper({**group, **{k: v for k, v in saved.items() if k != "params"}})
-            id_to_param.update(zip(saved["params"], group["params"]))
+            self.group_hyper({**group, **{k: v for k, v in saved.items() if k != "params"}})
+            id_to_param.update(zip(saved["params"], group["params"], strict=True))
         step = dp.get("step", 0)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"invalid dp step {step!r} in state dict")
@@ -687,11 +770,7 @@ class DPOptimizer(torch.optim.Optimizer):
             new_state[p] = {}
             for name, value in st.items():
                 if isinstance(value, Tensor):
-                    if value.shape != shape and value.dim() != 0:
-                        raise ValueError(
-                            f"state {name!r} has shape {tuple(value.shape)}, "
-                            f"parameter (shard) has {tuple(shape)}"
-                        )
+                    self._check_state_shape(name, value, shape)
                     device = "cpu" if name == "step" else p.device
                     value = value.to(device=device, dtype=torch.float32).clone()
                 new_state[p][name] = value
@@ -703,7 +782,7 @@ class DPOptimizer(torch.optim.Optimizer):
                     f"{pid!r} exceeds the dp step {step}"
                 )
         # validated: now change things
-        for saved, group in zip(saved_groups, self.param_groups):
+        for saved, group in zip(saved_groups, self.param_groups, strict=True):
             saved["params"] = group["params"]
             if "param_names" in group and "param_names" not in saved:
                 saved["param_names"] = group["param_names"]

@@ -2,8 +2,10 @@
 
 Each is a ``torch.optim.Optimizer`` constructed like its torch.optim twin plus keyword-only
 privacy arguments; ``step()`` consumes Opacus' ``p.grad_sample`` (shape ``[B, *p.shape]``)
-and runs one fused DP step (SPEC sections 1-7) through :mod:`dpkern.functional`. The classes
-hold state and policy (:class:`dpkern.optim.base.DPOptimizer`); they hold no math.
+and runs one fused DP step (SPEC sections 1-7) through :mod:`dpkern.functional`. A class is
+its constructor's signature, its docstring and its ``rule`` (the spec in
+:mod:`dpkern.rules`); state and policy live in :class:`dpkern.optim.base.DPOptimizer`, the
+math in the functional layer and the backends.
 
 Gradient accumulation: call ``accumulate()`` after each micro-batch's backward (it folds
 the clipped per-sample gradients into an fp32 buffer and consumes ``grad_sample``), then
@@ -15,18 +17,8 @@ SPEC: ``python -m dpkern.spec`` prints the contract (docs/SPEC.md in the source 
 
 from __future__ import annotations
 
-import torch
-
-from ..hyper import (
-    AdamBCHyper,
-    AdamHyper,
-    AdamWBCHyper,
-    AdamWHyper,
-    MacAdamHyper,
-    SGDHyper,
-    check_betas,
-    check_positive,
-)
+from .. import rules
+from ..hyper import check_positive
 from .base import DPOptimizer
 
 __all__ = ["DPSGD", "DPAdam", "DPAdamBC", "DPAdamW", "DPAdamWBC", "DPMacAdam"]
@@ -92,7 +84,7 @@ class DPSGD(DPOptimizer):
     """
     )
 
-    hyper_class = SGDHyper
+    rule = rules.get("sgd")
 
     def __init__(
         self,
@@ -128,18 +120,6 @@ class DPSGD(DPOptimizer):
             nonfinite=nonfinite,
         )
 
-    def _hyper(self, group):
-        return SGDHyper(
-            lr=group["lr"],
-            momentum=group["momentum"],
-            dampening=group["dampening"],
-            weight_decay=group["weight_decay"],
-            nesterov=group["nesterov"],
-        )
-
-    def _unused_states(self, hyper):
-        return {"momentum_buffer"} if hyper.momentum == 0 else set()
-
     def _rule_step(self, hyper, state, new):
         # SGD's t only says "first momentum step" (buf = g): true for a buffer created now,
         # as torch.optim.SGD starts a missing buffer with the gradient itself
@@ -147,8 +127,6 @@ class DPSGD(DPOptimizer):
 
 
 class _AdamFamily(DPOptimizer):
-    _defaults: dict = {}
-
     def __init__(
         self,
         params,
@@ -174,11 +152,6 @@ class _AdamFamily(DPOptimizer):
             backend=backend,
             nonfinite=nonfinite,
         )
-
-    def _hyper(self, group):
-        beta1, beta2 = check_betas(group["betas"])
-        extra = {k: group[k] for k in self._defaults}
-        return self.hyper_class(lr=group["lr"], beta1=beta1, beta2=beta2, **extra)
 
 
 _ADAM_MATH = r"""
@@ -221,8 +194,7 @@ class DPAdam(_AdamFamily):
     Privacy and Opacus; SPEC 5.2.
     """
     )
-    hyper_class = AdamHyper
-    _defaults = {"eps": 1e-8, "weight_decay": 0.0}
+    rule = rules.get("adam")
 
     def __init__(
         self,
@@ -274,8 +246,7 @@ class DPAdamW(_AdamFamily):
     Source: arXiv 2511.07843, Algorithm 1 (DP-AdamW); Loshchilov & Hutter 2019; SPEC 5.4.
     """
     )
-    hyper_class = AdamWHyper
-    _defaults = {"eps": 1e-8, "weight_decay": 1e-2}
+    rule = rules.get("adamw")
 
     def __init__(
         self,
@@ -307,25 +278,6 @@ class DPAdamW(_AdamFamily):
         )
 
 
-class _BCMixin:
-    """phi = beta2 phi + (1 - beta2) Phi_t, one per parameter (SPEC 5.3), advanced at each
-    of the parameter's own steps and kept in its state as ``noise_var_avg`` (a 0-dim
-    float32 tensor, like torch's ``step``)."""
-
-    def _fresh_state(self, p, n_total):
-        st = super()._fresh_state(p, n_total)
-        st["noise_var_avg"] = torch.zeros((), dtype=torch.float32, device=p.device)
-        return st
-
-    def _param_noise_var(self, state) -> float:
-        phi = state.get("noise_var_avg")
-        return 0.0 if phi is None else float(phi)
-
-    def _noise_var_avg(self, hyper, prev: float) -> float:
-        Phi = (self.noise_multiplier * self.max_grad_norm / self.expected_batch_size) ** 2
-        return hyper.beta2 * prev + (1 - hyper.beta2) * Phi
-
-
 _BC_MATH = r"""
     and the denominator :math:`\sqrt{\max(\hat v - \hat\varphi, \gamma_0)}` where
     :math:`\varphi \leftarrow \beta_2 \varphi + (1-\beta_2)\Phi_t`,
@@ -334,7 +286,7 @@ _BC_MATH = r"""
 """
 
 
-class DPAdamBC(_BCMixin, _AdamFamily):
+class DPAdamBC(_AdamFamily):
     __doc__ = (
         r"""DP-AdamBC: DP-Adam with the noise variance removed from the second moment.
     """
@@ -355,8 +307,7 @@ class DPAdamBC(_BCMixin, _AdamFamily):
     Correction)", AAAI 2024, arXiv 2312.14334, Algorithm 1; SPEC 5.3.
     """
     )
-    hyper_class = AdamBCHyper
-    _defaults = {"gamma": 1e-8, "weight_decay": 0.0}
+    rule = rules.get("adam_bc")
 
     def __init__(
         self,
@@ -388,7 +339,7 @@ class DPAdamBC(_BCMixin, _AdamFamily):
         )
 
 
-class DPAdamWBC(_BCMixin, _AdamFamily):
+class DPAdamWBC(_AdamFamily):
     __doc__ = (
         r"""DP-AdamW-BC: DP-AdamW with DP-AdamBC's denominator.
     First the decoupled decay :math:`\theta \leftarrow \theta (1 - \gamma\lambda)`, then
@@ -408,8 +359,7 @@ class DPAdamWBC(_BCMixin, _AdamFamily):
     Source: arXiv 2511.07843, Algorithm 2 (DP-AdamW-BC); SPEC 5.5.
     """
     )
-    hyper_class = AdamWBCHyper
-    _defaults = {"gamma": 1e-8, "weight_decay": 1e-2}
+    rule = rules.get("adamw_bc")
 
     def __init__(
         self,
@@ -482,8 +432,7 @@ class DPMacAdam(_AdamFamily):
     arXiv 1908.07643; SPEC 7.
     """
     )
-    hyper_class = MacAdamHyper
-    _defaults = {"gamma": 1e-8, "h1": 1e-9, "h2": 1e-6, "variance_estimate": "unbiased"}
+    rule = rules.get("macadam")
 
     def __init__(
         self,

@@ -2,29 +2,31 @@
 CPU tensors under ``TRITON_INTERPRET=1`` (set before this package is imported).
 
 Same functions and signatures as :mod:`dpkern.backends.reference`:
-``philox_words``, ``gaussian_noise`` (noise.py), ``per_sample_norms``, ``whitened_norms``
-(norms.py, pass 1), ``accumulate``, ``step``, ``macadam_update_scale`` (step.py, pass 2).
+``philox_words``, ``gaussian_noise``, ``normal_from_words`` (noise.py), ``per_sample_norms``,
+``whitened_norms`` (norms.py, pass 1), ``accumulate``, ``step``, ``macadam_update_scale``
+(step.py, pass 2: a shared prologue, then one ``update_<name>`` per rule in rules.py),
+``supports`` (whether a rule of :mod:`dpkern.rules` has a kernel here).
 Importing it raises ImportError when triton is not installed (the registry relies on it).
 Block sizes: :func:`configure` / :data:`_common.CONFIG` (results do not depend on them).
 """
 
 import triton  # noqa: F401  (ImportError here marks the backend unavailable)
 
-from ..reference import STATE_NAMES
 from ._common import INTERPRETED, Config, config, configure
-from .noise import gaussian_noise, philox_words
+from .noise import gaussian_noise, normal_from_words, philox_words
 from .norms import per_sample_norms, whitened_norms
-from .step import accumulate, macadam_update_scale, step
+from .step import accumulate, macadam_update_scale, step, supports
 
 __all__ = [
     "philox_words",
     "gaussian_noise",
+    "normal_from_words",
     "per_sample_norms",
     "whitened_norms",
     "accumulate",
     "step",
     "macadam_update_scale",
-    "STATE_NAMES",
+    "supports",
     "Config",
     "config",
     "configure",

@@ -189,10 +189,15 @@ def readonly(t: torch.Tensor | None) -> torch.Tensor | None:
 # --------------------------------------------------------------------------------------
 # Multi-tensor tables
 # --------------------------------------------------------------------------------------
-# Columns of a table row (int64); kernels index rows with these constants. COL_S0 .. +3
-# are the optimizer states in reference.STATE_NAMES order.
+# Columns of a table row (int64); kernels index rows with these constants. COL_S0 ..
+# COL_S0 + MAX_STATES - 1 are the rule's kernel states in RuleSpec.kernel_states order
+# (any shape: "row" / "col" states are addressed with COL_INNER and COL_MATRIX, the
+# parameter's trailing dimension and trailing matrix size, dpkern.rules.factor_sizes).
+MAX_STATES = 6
 COL_NUMEL, COL_NOFF, COL_PHASE, COL_P, COL_G, COL_SUM, COL_S0 = (tl.constexpr(i) for i in range(7))
-NCOL = tl.constexpr(10)
+COL_INNER = tl.constexpr(COL_S0.value + MAX_STATES)
+COL_MATRIX = tl.constexpr(COL_INNER.value + 1)
+NCOL = tl.constexpr(COL_MATRIX.value + 1)
 ALIGN_BYTES = 16
 
 TL_DTYPES = {
@@ -218,6 +223,7 @@ class Entry:
     numel: int
     noise_offset: int
     bufs: tuple  # tensors or None, in table column order from COL_P
+    factors: tuple = (1, 0)  # (inner, matrix) of the parameter (COL_INNER, COL_MATRIX)
 
 
 @dataclasses.dataclass
@@ -316,7 +322,7 @@ def plan(entries: list[Entry], typed: tuple[int, ...], chunk: int, device) -> li
             for e in part:
                 row = [e.numel, e.noise_offset, e.noise_offset & 1]
                 row += [b.data_ptr() if b is not None else 0 for b in e.bufs]
-                row += [0] * (NCOL.value - len(row))
+                row += [0] * (COL_INNER.value - len(row)) + list(e.factors)
                 rows.append(row)
             table = _device_table(rows, device)
             chunks = _chunk_table(

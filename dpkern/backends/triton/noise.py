@@ -204,8 +204,8 @@ def gaussian_noise(
 
 
 def normal_from_words(words: torch.Tensor) -> torch.Tensor:
-    """The transform alone: int64 ``[n, 4]`` words -> float32 ``[n, 2]`` (lane 0, lane 1).
-    Not part of the backend interface; tests pin the transform's extremes with it."""
+    """The word -> standard normal transform alone: int64 ``[n, 4]`` Philox words ->
+    float32 ``[n, 2]``, the z of lane 0 and lane 1 (``reference.normal_from_words``)."""
     dev = C.check_device(words.device)
     words = C.readonly(words.to(torch.int64))
     n = words.shape[0]

@@ -116,11 +116,12 @@ FSDP_NEEDS_GHOST = (
 def choose_clipping(args, plan: Plan, net, params) -> str:
     """--clipping: ghost by default where dpkern.ghost covers every trainable layer;
     dp-macadam (whitened clipping) and --grad-sample opacus need per-sample gradients."""
+    from ... import rules
     from ...ghost import supports
 
+    ghost_ok = rules.by_cli_name(plan.optimizer).ghost  # False: dp-macadam
     require(
-        not getattr(args, "fsdp", False)
-        or (plan.optimizer != "dp-macadam" and args.clipping != "per-sample"),
+        not getattr(args, "fsdp", False) or (ghost_ok and args.clipping != "per-sample"),
         "--fsdp",
         FSDP_NEEDS_GHOST,
     )
@@ -135,17 +136,17 @@ def choose_clipping(args, plan: Plan, net, params) -> str:
                 file=sys.stderr,
             )
         return "per-sample"
-    if plan.optimizer == "dp-macadam":
+    if not ghost_ok:
         require(
             args.clipping != "ghost",
             "--clipping",
-            "ghost clipping cannot serve "
-            "dp-macadam (it clips whitened per-sample gradients); use per-sample",
+            f"ghost clipping cannot serve {plan.optimizer} (it clips whitened per-sample "
+            "gradients); use per-sample",
         )
         if args.clipping is None:
             print(
-                "dpkern finetune: note: dp-macadam clips whitened per-sample gradients: "
-                "using --clipping per-sample",
+                f"dpkern finetune: note: {plan.optimizer} clips whitened per-sample "
+                "gradients: using --clipping per-sample",
                 file=sys.stderr,
             )
         return "per-sample"

@@ -211,16 +211,10 @@ def _fixed_shape(plan: Plan, n_blocks: int, units, steps: int, delta: float) -> 
 
 
 def make_optimizer(plan: Plan, params, backend: str, sigma: float):
-    from ... import optim
+    from ... import rules
 
-    cls = {
-        "dp-sgd": optim.DPSGD,
-        "dp-adam": optim.DPAdam,
-        "dp-adambc": optim.DPAdamBC,
-        "dp-adamw": optim.DPAdamW,
-        "dp-adamw-bc": optim.DPAdamWBC,
-        "dp-macadam": optim.DPMacAdam,
-    }[plan.optimizer]
+    spec = rules.by_cli_name(plan.optimizer)
+    cls, options = spec.optimizer_class(), spec.optimizer_options()
     kw = {
         "lr": plan.lr,
         "noise_multiplier": sigma,
@@ -229,10 +223,10 @@ def make_optimizer(plan: Plan, params, backend: str, sigma: float):
         "backend": backend,
     }  # None: a secret key (os.urandom)
     if plan.weight_decay is not None:
-        if plan.optimizer == "dp-macadam":
-            raise UsageError("--weight-decay", "dp-macadam has no weight decay")
+        if "weight_decay" not in options:
+            raise UsageError("--weight-decay", f"{plan.optimizer} has no weight decay")
         kw["weight_decay"] = plan.weight_decay
-    if plan.optimizer != "dp-macadam":
+    if "max_grad_norm" in options:  # not for whitening rules (their bound adapts)
         kw["max_grad_norm"] = plan.max_grad_norm
     try:
         return cls(params, **kw)

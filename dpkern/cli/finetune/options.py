@@ -6,10 +6,12 @@ from __future__ import annotations
 import argparse
 import math
 
+from ... import rules
 from .checkpoint import FILES, UsageError
 
 
-OPTIMIZERS = ("dp-sgd", "dp-adam", "dp-adambc", "dp-adamw", "dp-adamw-bc", "dp-macadam")
+#: --optimizer choices: the command-line names of the rule registry (dpkern.rules).
+OPTIMIZERS = tuple(spec.cli_name for spec in rules.RULES.values())
 
 
 GRAD_SAMPLE_MODES = ("functorch", "opacus")

@@ -1,0 +1,268 @@
+// The update rules of the C++ backend: one update_<name> per rule of dpkern/rules.py, named
+// like the reference's (reference.update_<name>) and the Triton ones (triton/rules.py), and
+// the dispatch update() that step.cpp's block kernel calls once the clipped sum S and the
+// noise z of a block are ready.
+//
+// Everything is known to Python by name: RULE_NAMES is exported as _C.rule_codes() and
+// dpkern/backends/cpp.py looks each code up by the registry's name (a rule missing here is
+// refused by the backend, never run as another); RULE_STATES (_C.rule_states()) gives each
+// rule's states in the order of Param::state, and Python puts each buffer in its slot by
+// name. Hyper-parameters arrive as a dict keyed by the dataclass field names
+// (DPK_HYPER_FIELDS; bindings.cpp refuses any other key).
+// Arithmetic follows reference.py operation by operation, in float32, with each Python
+// scalar rounded to float32 where the reference multiplies a tensor by it.
+#pragma once
+
+#include <cmath>
+
+#include "common.h"
+
+namespace dpk {
+
+enum Rule : int { SGD = 0, ADAM = 1, ADAM_BC = 2, ADAMW = 3, ADAMW_BC = 4, MACADAM = 5 };
+// DP-MacAdam's variance term u (variance_estimate).
+enum Variance : int { UNBIASED = 0, PAPER = 1, CODE = 2 };
+
+struct Named {
+  const char* name;
+  int code;
+};
+// The registry's names (dpkern.rules.RuleSpec.name) of the rules implemented here.
+inline constexpr Named RULE_NAMES[] = {{"sgd", SGD},       {"adam", ADAM},         {"adam_bc", ADAM_BC},
+                                {"adamw", ADAMW},   {"adamw_bc", ADAMW_BC}, {"macadam", MACADAM}};
+inline constexpr Named VARIANCE_NAMES[] = {{"unbiased", UNBIASED}, {"paper", PAPER}, {"code", CODE}};
+
+// The slots of Param::state the update functions use, by state name, and each rule's
+// states in slot order (the names are the registry's, checked at import by cpp.py).
+enum Slot : int { MOMENTUM_BUFFER = 0, EXP_AVG = 0, EXP_AVG_SQ = 1, EXP_VAR = 2, SCALE = 3 };
+struct RuleStates {
+  int rule;
+  const char* names[MAX_STATES];
+};
+inline constexpr RuleStates RULE_STATES[] = {
+    {SGD, {"momentum_buffer"}},
+    {ADAM, {"exp_avg", "exp_avg_sq"}},
+    {ADAM_BC, {"exp_avg", "exp_avg_sq"}},
+    {ADAMW, {"exp_avg", "exp_avg_sq"}},
+    {ADAMW_BC, {"exp_avg", "exp_avg_sq"}},
+    {MACADAM, {"exp_avg", "exp_avg_sq", "exp_var", "scale"}},
+};
+
+// The float and bool fields of the dpkern.hyper dataclasses (name, default), read from the
+// Python dict by name. A new rule's hyper-parameters are added here.
+#define DPK_HYPER_FIELDS(X)                                                             \
+  X(lr, 0.0) X(momentum, 0.0) X(dampening, 0.0) X(weight_decay, 0.0) X(nesterov, false) \
+  X(beta1, 0.9) X(beta2, 0.999) X(eps, 1e-8) X(gamma, 1e-8) X(h1, 1e-9) X(h2, 1e-6)
+
+// The hyper-parameters of one update rule (dpkern.hyper), as Python doubles.
+struct Hyper {
+  int rule = SGD;
+  int variance = UNBIASED;  // variance_estimate, by name (VARIANCE_NAMES)
+#define DPK_HYPER_MEMBER(name, init) decltype(init) name = init;
+  DPK_HYPER_FIELDS(DPK_HYPER_MEMBER)
+#undef DPK_HYPER_MEMBER
+};
+
+// The float32 constants of one step, derived from the doubles of Hyper and DP. The block
+// kernels take it by value: a local copy whose fields the vectoriser sees as invariants.
+struct Consts {
+  int rule, variance;
+  float noise_std, batch;                                   // sigma * C, B_e
+  float lr, weight_decay, momentum, one_minus_dampening;    // SGD
+  bool coupled_wd, has_momentum, nesterov, first_step;
+  float beta1, beta2, one_minus_beta1, one_minus_beta2;     // Adam family
+  float bias_correction1, bias_correction2, decay, eps, gamma, phi_hat;
+  bool has_m_hat_prev;                                      // MacAdam
+  float bias_correction1_prev, kappa, noise_var, h1, h2;
+  bool want_sqrt_sum;
+};
+
+inline Consts make_consts(const Hyper& h, const DP& dp) {
+  Consts c{};
+  const double t = double(dp.step);
+  c.rule = h.rule;
+  c.variance = h.variance;
+  c.noise_std = float(dp.noise_std);
+  c.batch = float(dp.expected_batch_size);
+  c.lr = float(h.lr);
+  c.weight_decay = float(h.weight_decay);
+  c.coupled_wd = h.weight_decay != 0;  // read by the rules whose decay is coupled
+  c.momentum = float(h.momentum);
+  c.has_momentum = h.momentum != 0;
+  c.one_minus_dampening = float(1 - h.dampening);
+  c.nesterov = h.nesterov;
+  c.first_step = dp.step == 1;
+  c.beta1 = float(h.beta1);
+  c.beta2 = float(h.beta2);
+  c.one_minus_beta1 = float(1 - h.beta1);
+  c.one_minus_beta2 = float(1 - h.beta2);
+  c.bias_correction1 = float(1 - std::pow(h.beta1, t));
+  c.bias_correction2 = float(1 - std::pow(h.beta2, t));
+  c.decay = float(1 - h.lr * h.weight_decay);
+  c.eps = float(h.eps);
+  c.gamma = float(h.gamma);
+  c.phi_hat = float(dp.noise_var_avg / (1 - std::pow(h.beta2, t)));
+  const double bc1_prev = 1 - std::pow(h.beta1, t - 1);
+  c.has_m_hat_prev = bc1_prev > 0;  // false at t = 1 (m_hat_0 = 0)
+  c.bias_correction1_prev = float(bc1_prev);
+  c.kappa = float(2 * (h.beta1 - std::pow(h.beta1, t)) / (1 + h.beta1));
+  c.noise_var = float(std::pow(dp.noise_std / dp.expected_batch_size, 2.0));
+  c.h1 = float(h.h1);
+  c.h2 = float(h.h2);
+  c.want_sqrt_sum = h.rule == MACADAM && dp.step >= 2;
+  return c;
+}
+
+// ---------------------------------------------------------------------------------------
+// The update rules on one block: update_<name><PT>(c, S, z, param, begin, len, sqrt_sum),
+// PT the parameter's storage dtype. S = clipped sum (+ summed), z = noise; the privatised
+// gradient is g_hat = (S + noise_std z) / B_e (SPEC section 4). State s of the rule is
+// prm.state[SLOT] (RULE_STATES); sqrt_sum takes a block's partial sum of a
+// global reduction (DP-MacAdam) and is left alone by the other rules.
+
+// DP-SGD (SPEC 5.1): torch.optim.SGD on g_hat.
+template <int PT>
+DPK_INLINE void update_sgd(const Consts c, const float* __restrict S, float* __restrict z,
+                           const Param& prm, int64_t begin, int64_t len, double&) {
+  auto* __restrict p = static_cast<typename Storage<PT>::type*>(prm.data) + begin;
+  float* __restrict buf = c.has_momentum ? prm.state[MOMENTUM_BUFFER] + begin : nullptr;
+  for (int64_t j = 0; j < len; ++j) {
+    float g = (S[j] + c.noise_std * z[j]) / c.batch;
+    const float pj = load<PT>(p, j);
+    if (c.coupled_wd) g = g + c.weight_decay * pj;
+    if (c.has_momentum) {
+      const float b = c.first_step ? g : buf[j] * c.momentum + c.one_minus_dampening * g;
+      buf[j] = b;
+      g = c.nesterov ? g + c.momentum * b : b;
+    }
+    store<PT>(p, j, pj - c.lr * g);
+  }
+}
+
+// The Adam family's shared loop: DECOUPLED = decay p first (AdamW), else coupled L2;
+// BC = DP-AdamBC's denominator sqrt(max(v_hat - phi_hat, gamma)), else sqrt(v_hat) + eps.
+template <int PT, bool DECOUPLED, bool BC>
+DPK_INLINE void adam_family(const Consts c, const float* __restrict S, float* __restrict z,
+                            const Param& prm, int64_t begin, int64_t len) {
+  auto* __restrict p = static_cast<typename Storage<PT>::type*>(prm.data) + begin;
+  float* __restrict m = prm.state[EXP_AVG] + begin;
+  float* __restrict v = prm.state[EXP_AVG_SQ] + begin;
+  for (int64_t j = 0; j < len; ++j) {
+    float g = (S[j] + c.noise_std * z[j]) / c.batch;
+    float pj = load<PT>(p, j);
+    if (DECOUPLED) {
+      pj = pj * c.decay;
+    } else if (c.coupled_wd) {
+      g = g + c.weight_decay * pj;
+    }
+    const float mj = m[j] * c.beta1 + c.one_minus_beta1 * g;
+    const float vj = v[j] * c.beta2 + (c.one_minus_beta2 * g) * g;
+    m[j] = mj;
+    v[j] = vj;
+    const float m_hat = mj / c.bias_correction1, v_hat = vj / c.bias_correction2;
+    float denom;
+    if (BC) {
+      const float d = v_hat - c.phi_hat;
+      denom = __builtin_sqrtf(d < c.gamma ? c.gamma : d);  // clamp(min=gamma); NaN stays NaN
+    } else {
+      denom = __builtin_sqrtf(v_hat) + c.eps;
+    }
+    store<PT>(p, j, pj - (c.lr * m_hat) / denom);
+  }
+}
+
+// DP-Adam (SPEC 5.2).
+template <int PT>
+DPK_INLINE void update_adam(const Consts c, const float* __restrict S, float* __restrict z,
+                            const Param& prm, int64_t begin, int64_t len, double&) {
+  adam_family<PT, false, false>(c, S, z, prm, begin, len);
+}
+
+// DP-AdamBC (SPEC 5.3).
+template <int PT>
+DPK_INLINE void update_adam_bc(const Consts c, const float* __restrict S, float* __restrict z,
+                               const Param& prm, int64_t begin, int64_t len, double&) {
+  adam_family<PT, false, true>(c, S, z, prm, begin, len);
+}
+
+// DP-AdamW (SPEC 5.4).
+template <int PT>
+DPK_INLINE void update_adamw(const Consts c, const float* __restrict S, float* __restrict z,
+                             const Param& prm, int64_t begin, int64_t len, double&) {
+  adam_family<PT, true, false>(c, S, z, prm, begin, len);
+}
+
+// DP-AdamW-BC (SPEC 5.5).
+template <int PT>
+DPK_INLINE void update_adamw_bc(const Consts c, const float* __restrict S, float* __restrict z,
+                                const Param& prm, int64_t begin, int64_t len, double&) {
+  adam_family<PT, true, true>(c, S, z, prm, begin, len);
+}
+
+// S_hat = clamp(S / kappa - b^2 sigma^2 / B_e^2, h1, h2) (reference.macadam_variance).
+DPK_INLINE float macadam_variance(const Consts& c, float s, float b) {
+  const float x = s / c.kappa - (b * b) * c.noise_var;
+  const float lo = x < c.h1 ? c.h1 : x;
+  return lo > c.h2 ? c.h2 : lo;
+}
+
+// DP-MacAdam (SPEC section 7): S is the clipped whitened sum; z's slot j is reused for
+// sqrt(S_hat_j) once z_j is used.
+template <int PT>
+DPK_INLINE void update_macadam(const Consts c, const float* __restrict S, float* __restrict z,
+                               const Param& prm, int64_t begin, int64_t len, double& sqrt_sum) {
+  auto* __restrict p = static_cast<typename Storage<PT>::type*>(prm.data) + begin;
+  float* __restrict m = prm.state[EXP_AVG] + begin;
+  float* __restrict v = prm.state[EXP_AVG_SQ] + begin;
+  float* __restrict var = prm.state[EXP_VAR] + begin;
+  const float* __restrict b = prm.state[SCALE] + begin;
+  // m_hat_prev = m / (1 - beta1^(t-1)), or 0 at t = 1: divide always, select on a float
+  // (a select on a bool, or a division under a condition, keeps GCC from vectorising).
+  const float bc1_prev = c.has_m_hat_prev ? c.bias_correction1_prev : 1.0f;
+  const float keep = c.has_m_hat_prev ? 1.0f : 0.0f;
+  for (int64_t j = 0; j < len; ++j) {
+    const float w_tilde = (S[j] + c.noise_std * z[j]) / c.batch;
+    const float m_hat_prev = keep != 0.0f ? m[j] / bc1_prev : 0.0f;
+    const float g = b[j] * w_tilde + m_hat_prev;
+    const float mj = m[j] * c.beta1 + c.one_minus_beta1 * g;
+    const float vj = v[j] * c.beta2 + (c.one_minus_beta2 * g) * g;
+    m[j] = mj;
+    v[j] = vj;
+    const float m_hat = mj / c.bias_correction1, v_hat = vj / c.bias_correction2;
+    store<PT>(p, j, load<PT>(p, j) - (c.lr * m_hat) / (__builtin_sqrtf(v_hat) + c.gamma));
+    const float u = c.variance == UNBIASED ? (g - m_hat_prev) * (g - m_hat)
+                    : c.variance == PAPER  ? (g - m_hat) * (g - m_hat)
+                                           : (g - m_hat_prev) * (g - m_hat_prev);
+    const float s = var[j] * c.beta1 + c.one_minus_beta1 * u;
+    var[j] = s;
+    z[j] = __builtin_sqrtf(macadam_variance(c, s, b[j]));
+  }
+  if (c.want_sqrt_sum) sqrt_sum = ordered_sum(z, len);
+}
+
+// ---------------------------------------------------------------------------------------
+// The dispatch: every rule by name of its case; to_hyper (bindings.cpp) has refused any
+// other code before a kernel runs. Returns the block's partial sum (0 for most rules).
+DPK_INLINE double update(const Consts& c, const float* __restrict S, float* __restrict z,
+                         const Param& p, int64_t begin, int64_t len) {
+  double sqrt_sum = 0.0;
+  switch (c.rule) {
+    case SGD: DPK_DISPATCH_DTYPE(p.dtype, update_sgd, c, S, z, p, begin, len, sqrt_sum) break;
+    case ADAM: DPK_DISPATCH_DTYPE(p.dtype, update_adam, c, S, z, p, begin, len, sqrt_sum) break;
+    case ADAM_BC:
+      DPK_DISPATCH_DTYPE(p.dtype, update_adam_bc, c, S, z, p, begin, len, sqrt_sum) break;
+    case ADAMW: DPK_DISPATCH_DTYPE(p.dtype, update_adamw, c, S, z, p, begin, len, sqrt_sum) break;
+    case ADAMW_BC:
+      DPK_DISPATCH_DTYPE(p.dtype, update_adamw_bc, c, S, z, p, begin, len, sqrt_sum) break;
+    case MACADAM:
+      DPK_DISPATCH_DTYPE(p.dtype, update_macadam, c, S, z, p, begin, len, sqrt_sum) break;
+    default: break;  // unreachable: unknown codes are refused at the binding
+  }
+  return sqrt_sum;
+}
+
+// Whether the rule's clipped sum is taken in the whitened space (DP-MacAdam: its
+// accumulate reads exp_avg and scale, and a parameter without grad_sample contributes).
+DPK_INLINE bool whitens(int rule) { return rule == MACADAM; }
+
+}  // namespace dpk

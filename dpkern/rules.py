@@ -1,0 +1,397 @@
+"""The update-rule registry: one :class:`RuleSpec` per update rule, the single home of its
+name, command-line name, hyper-parameter dataclass, optimizer states and properties.
+
+Everything that enumerates update rules derives from :data:`RULES`: the optimizer
+classes' states (:mod:`dpkern.optim`), the reference backend's dispatch
+(``update_<name>`` in :mod:`dpkern.backends.reference`), the Triton and C++ rule codes
+(looked up by name, never by position), the command-line choices (``dpkern finetune
+--optimizer``, ``dpkern compare --optimizers``) and the test tables. Adding a rule is one
+spec here plus one function per backend (CONTRIBUTING.md, "Adding an optimizer").
+
+Names. ``RuleSpec.name`` (``"adam_bc"``) is the Python spelling: ``Hyper.rule``, the
+functional ``dp_<name>``, the backends' ``update_<name>``. ``RuleSpec.cli_name``
+(``"dp-adambc"``) is the command line's and the result tables', as documented in the
+README; no other spelling exists.
+
+States. Each :class:`StateSpec` names one float32 optimizer state (torch.optim's names
+where a twin exists) and its shape relative to the parameter ``p``:
+
+- ``"param"``: ``p.shape``;
+- ``"row"``: one value per row of the trailing matrix, ``p.shape[:-1]`` (a parameter with
+  fewer than 2 dimensions is its own row: ``p.shape``, Adafactor's unfactored fallback);
+- ``"col"``: one value per column, ``p.shape[:-2] + p.shape[-1:]`` (a scalar ``()`` for
+  fewer than 2 dimensions);
+- ``"scalar"``: a 0-dim tensor per parameter (like torch.optim's ``step``), e.g. a
+  per-group quantity such as DP-AdamBC's phi, kept and advanced with each parameter.
+
+Kernel states (``kernel=True``) are handed to the backends' ``step`` in the order of
+``RuleSpec.states``; the others are kept by the front-end. Every rule also keeps
+``state["step"]``, the parameter's own step count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from .hyper import (
+    AdamBCHyper,
+    AdamHyper,
+    AdamWBCHyper,
+    AdamWHyper,
+    Hyper,
+    MacAdamHyper,
+    SGDHyper,
+)
+
+__all__ = [
+    "PARAM",
+    "ROW",
+    "COL",
+    "SCALAR",
+    "RULES",
+    "RuleSpec",
+    "StateSpec",
+    "by_cli_name",
+    "get",
+    "macadam_kappa",
+    "of",
+    "register",
+    "state_shape",
+]
+
+PARAM, ROW, COL, SCALAR = "param", "row", "col", "scalar"
+STATE_SHAPES = (PARAM, ROW, COL, SCALAR)
+DOMAINS = ("real", "nonnegative", "positive")
+
+
+def state_shape(kind: str, param_shape) -> tuple[int, ...]:
+    """The shape of a state of shape kind ``kind`` for a parameter of ``param_shape``.
+
+    Raises ValueError for an unknown kind."""
+    shape = tuple(int(n) for n in param_shape)
+    if kind == PARAM:
+        return shape
+    if kind == ROW:
+        return shape[:-1] if len(shape) >= 2 else shape
+    if kind == COL:
+        return shape[:-2] + shape[-1:] if len(shape) >= 2 else ()
+    if kind == SCALAR:
+        return ()
+    raise ValueError(f"invalid state shape kind {kind!r}: expected one of {STATE_SHAPES}")
+
+
+def factor_sizes(param_shape) -> tuple[int, int]:
+    """(inner, matrix) of a parameter: its trailing dimension and the size of its trailing
+    matrix (``p.shape[-1]`` and ``p.shape[-2] * p.shape[-1]``; ``(1, numel)`` below 2
+    dimensions). Flat element j of the parameter has row-state index ``j // inner`` and
+    col-state index ``(j // matrix) * inner + j % inner``: what the fused backends need to
+    address "row" and "col" states from a flat block."""
+    shape = tuple(int(n) for n in param_shape)
+    if len(shape) < 2:
+        return 1, math.prod(shape)
+    return shape[-1], shape[-2] * shape[-1]
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """One optimizer state of an update rule (float32 whatever the parameter dtype).
+
+    Attributes:
+        name: the key in ``optimizer.state[p]`` and in the backends' ``states`` dict.
+        shape: ``"param"``, ``"row"``, ``"col"`` or ``"scalar"`` (module docstring).
+        domain: ``"real"``, ``"nonnegative"`` (second moments) or ``"positive"`` (scales):
+            the values the update keeps it in (tests draw random states from it).
+        kernel: handed to the backends' ``step`` (False: kept by the front-end only).
+        needed: ``hyper -> bool``; None means always. A state not needed for a group's
+            hyper-parameters is never allocated and reaches the backends as None
+            (DP-SGD's momentum buffer with momentum 0).
+    """
+
+    name: str
+    shape: str = PARAM
+    domain: str = "real"
+    kernel: bool = True
+    needed: Callable[[Hyper], bool] | None = field(default=None, compare=False)
+
+    def __post_init__(self):
+        if not self.name.isidentifier():
+            raise ValueError(f"invalid state name {self.name!r}: expected an identifier")
+        state_shape(self.shape, ())  # validates the kind
+        if self.domain not in DOMAINS:
+            raise ValueError(f"invalid domain {self.domain!r} of state {self.name!r}")
+
+    def shape_for(self, param_shape) -> tuple[int, ...]:
+        """This state's shape for a parameter (or local shard) of ``param_shape``."""
+        return state_shape(self.shape, param_shape)
+
+    def is_needed(self, hyper: Hyper) -> bool:
+        return self.needed is None or bool(self.needed(hyper))
+
+
+@dataclass(frozen=True)
+class RuleSpec:
+    """Everything dpkern knows about one update rule, besides its math.
+
+    Attributes:
+        name: Python spelling (``Hyper.rule``, ``dp_<name>``, ``update_<name>``).
+        cli_name: command-line spelling (``--optimizer``), also the result tables'.
+        title: the name in prose (``"DP-AdamBC"``).
+        hyper_class: its frozen hyper-parameter dataclass (:mod:`dpkern.hyper`), whose
+            ``rule`` is ``name``.
+        optimizer: the name of its class in :mod:`dpkern.optim`.
+        states: its optimizer states, kernel states in the order backends receive them.
+        decoupled_decay: weight decay p <- p (1 - lr wd) before the update (AdamW), not
+            coupled into the gradient.
+        noise_bias_correction: the second moment is corrected for the noise variance
+            (DP-AdamBC's phi, SPEC 5.3): the front-end keeps ``noise_var_avg`` and passes
+            phi_t to the backends as ``DPStep.noise_var_avg``.
+        whitening: per-sample gradients are whitened before clipping (DP-MacAdam, SPEC 7):
+            no ``max_grad_norm`` (the bound is 1), noise std sigma, pass 1 through
+            ``whitened_norms`` and a global scale update (``macadam_update_scale``) after
+            the step.
+        second_moment: keeps a second-moment estimate (``exp_avg_sq``).
+        ghost: ghost clipping (:mod:`dpkern.ghost`) can serve it: its clipping works on
+            the raw per-sample gradients.
+        lr_grid: the learning rates ``dpkern compare`` tries (they bracket the best values
+            of a 5-point sweep at epsilon 1 and 7 on digits, seed 0).
+        section: where SPEC.md defines it. source: the algorithm's reference.
+    """
+
+    name: str
+    cli_name: str
+    title: str
+    hyper_class: type
+    optimizer: str
+    states: tuple[StateSpec, ...]
+    decoupled_decay: bool = False
+    noise_bias_correction: bool = False
+    whitening: bool = False
+    second_moment: bool = False
+    ghost: bool = True
+    lr_grid: tuple[float, ...] = ()
+    section: str = ""
+    source: str = ""
+
+    def __post_init__(self):
+        if not self.name.isidentifier():
+            raise ValueError(f"invalid rule name {self.name!r}: expected an identifier")
+        if getattr(self.hyper_class, "rule", None) != self.name:
+            raise ValueError(
+                f"rule {self.name!r}: {self.hyper_class.__name__}.rule is "
+                f"{getattr(self.hyper_class, 'rule', None)!r}"
+            )
+        names = [s.name for s in self.states]
+        if len(set(names)) != len(names) or "step" in names:
+            raise ValueError(f"rule {self.name!r}: state names {names} repeat or include 'step'")
+        if self.noise_bias_correction != ("noise_var_avg" in names):
+            raise ValueError(
+                f"rule {self.name!r}: noise_bias_correction needs a 'noise_var_avg' state "
+                "(and only it has one)"
+            )
+        if self.noise_bias_correction and not self.second_moment:
+            raise ValueError(f"rule {self.name!r}: noise_bias_correction needs a second moment")
+
+    # -- derived views -------------------------------------------------------------------
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.states)
+
+    @property
+    def kernel_states(self) -> tuple[StateSpec, ...]:
+        """The states the backends receive, in order."""
+        return tuple(s for s in self.states if s.kernel)
+
+    @property
+    def kernel_state_names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.kernel_states)
+
+    @property
+    def fsdp(self) -> bool:
+        """Coordinate sharding (FSDP2) can serve it: every state is element-wise (shaped
+        like the parameter) or a per-parameter scalar, so a shard's states are the slice
+        of the unsharded ones."""
+        return all(s.shape in (PARAM, SCALAR) for s in self.states)
+
+    @property
+    def hyper_fields(self) -> tuple[str, ...]:
+        """Field names of the hyper-parameter dataclass."""
+        return tuple(f.name for f in dataclasses.fields(self.hyper_class))
+
+    def state(self, name: str) -> StateSpec:
+        for s in self.states:
+            if s.name == name:
+                return s
+        raise KeyError(f"rule {self.name!r} has no state {name!r}")
+
+    def needed_states(self, hyper: Hyper) -> tuple[str, ...]:
+        """The states this group's hyper-parameters use (the others are never allocated)."""
+        return tuple(s.name for s in self.states if s.is_needed(hyper))
+
+    def optimizer_class(self) -> type:
+        """The :mod:`dpkern.optim` class (imported on first use)."""
+        from . import optim
+
+        return getattr(optim, self.optimizer)
+
+    def optimizer_options(self) -> frozenset[str]:
+        """The argument names of its optimizer class's constructor (``"max_grad_norm"`` is
+        absent for whitening rules, ``"weight_decay"`` for rules without decay)."""
+        params = inspect.signature(self.optimizer_class().__init__).parameters
+        return frozenset(params) - {"self", "params"}
+
+
+_REGISTRY: dict[str, RuleSpec] = {}
+#: name -> RuleSpec, in registration order (read-only).
+RULES: Mapping[str, RuleSpec] = MappingProxyType(_REGISTRY)
+
+
+def register(spec: RuleSpec) -> RuleSpec:
+    """Add a rule to the registry. Raises ValueError if its name or cli_name is taken."""
+    for other in _REGISTRY.values():
+        if spec.name == other.name or spec.cli_name == other.cli_name:
+            raise ValueError(f"rule {spec.name!r} / {spec.cli_name!r} is already registered")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def get(name: str) -> RuleSpec:
+    """The spec of rule ``name``. Raises ValueError naming the registered rules."""
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"unknown update rule {name!r}: expected one of {tuple(_REGISTRY)}"
+        ) from None
+
+
+def of(hyper: Hyper) -> RuleSpec:
+    """The spec of a hyper-parameter dataclass instance (``get(hyper.rule)``)."""
+    return get(hyper.rule)
+
+
+def by_cli_name(cli_name: str) -> RuleSpec:
+    """The spec whose command-line name is ``cli_name``. Raises ValueError."""
+    for spec in _REGISTRY.values():
+        if spec.cli_name == cli_name:
+            return spec
+    raise ValueError(
+        f"unknown optimizer {cli_name!r}: expected one of "
+        f"{', '.join(s.cli_name for s in _REGISTRY.values())}"
+    )
+
+
+def macadam_kappa(beta1: float, t: int) -> float:
+    """kappa_t = 2 (beta1 - beta1^t) / (1 + beta1) (SPEC section 7): E[S] / Var[g~] of
+    DP-MacAdam's variance EMA. A host-side scalar every backend computes this way."""
+    return 2 * (beta1 - beta1**t) / (1 + beta1)
+
+
+# --------------------------------------------------------------------------------------
+# The rules
+# --------------------------------------------------------------------------------------
+_MOMENTS = (
+    StateSpec("exp_avg"),
+    StateSpec("exp_avg_sq", domain="nonnegative"),
+)
+_PHI = StateSpec("noise_var_avg", SCALAR, domain="nonnegative", kernel=False)
+_SMALL_LRS = (1e-3, 3e-3, 1e-2, 3e-2)
+_BC_LRS = (1e-5, 3e-5, 1e-4, 3e-4)
+
+register(
+    RuleSpec(
+        "sgd",
+        "dp-sgd",
+        "DP-SGD",
+        SGDHyper,
+        "DPSGD",
+        (StateSpec("momentum_buffer", needed=lambda h: h.momentum != 0),),
+        lr_grid=(0.125, 0.25, 0.5, 1.0),
+        section="5.1",
+        source='Abadi et al. 2016, "Deep Learning with Differential Privacy", Algorithm 1',
+    )
+)
+register(
+    RuleSpec(
+        "adam",
+        "dp-adam",
+        "DP-Adam",
+        AdamHyper,
+        "DPAdam",
+        _MOMENTS,
+        second_moment=True,
+        lr_grid=_SMALL_LRS,
+        section="5.2",
+        source="Abadi et al. 2016 with Kingma & Ba 2015 (TensorFlow Privacy, Opacus)",
+    )
+)
+register(
+    RuleSpec(
+        "adam_bc",
+        "dp-adambc",
+        "DP-AdamBC",
+        AdamBCHyper,
+        "DPAdamBC",
+        (*_MOMENTS, _PHI),
+        noise_bias_correction=True,
+        second_moment=True,
+        lr_grid=_BC_LRS,
+        section="5.3",
+        source="Tang et al., AAAI 2024, arXiv 2312.14334, Algorithm 1",
+    )
+)
+register(
+    RuleSpec(
+        "adamw",
+        "dp-adamw",
+        "DP-AdamW",
+        AdamWHyper,
+        "DPAdamW",
+        _MOMENTS,
+        decoupled_decay=True,
+        second_moment=True,
+        lr_grid=_SMALL_LRS,
+        section="5.4",
+        source="arXiv 2511.07843, Algorithm 1; Loshchilov & Hutter 2019",
+    )
+)
+register(
+    RuleSpec(
+        "adamw_bc",
+        "dp-adamw-bc",
+        "DP-AdamW-BC",
+        AdamWBCHyper,
+        "DPAdamWBC",
+        (*_MOMENTS, _PHI),
+        decoupled_decay=True,
+        noise_bias_correction=True,
+        second_moment=True,
+        lr_grid=_BC_LRS,
+        section="5.5",
+        source="arXiv 2511.07843, Algorithm 2",
+    )
+)
+register(
+    RuleSpec(
+        "macadam",
+        "dp-macadam",
+        "DP-MacAdam",
+        MacAdamHyper,
+        "DPMacAdam",
+        (
+            *_MOMENTS,
+            StateSpec("exp_var", domain="nonnegative"),
+            StateSpec("scale", domain="positive"),
+        ),
+        whitening=True,
+        second_moment=True,
+        ghost=False,
+        lr_grid=(3e-4, 1e-3, 3e-3, 1e-2),
+        section="7",
+        source="arXiv 2606.05435, Algorithm 1; AdaClip, arXiv 1908.07643",
+    )
+)
