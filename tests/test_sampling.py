@@ -263,6 +263,9 @@ def test_fixed_shape_bad_input_is_refused():
     units = torch.arange(100) // 5
     with pytest.raises(ValueError, match="max_unit_size"):
         PoissonBatchSampler(100, 0.1, 5, units=units, max_batch_size=30)
+    with pytest.raises(ValueError, match="max_unit_size"):  # the neighbour's unit is unbounded
+        PoissonBatchSampler(100, 0.1, 5, units=torch.arange(100), max_batch_size=30)
+    PoissonBatchSampler(100, 0.1, 5, units=torch.arange(100), max_batch_size=30, max_unit_size=1)
     with pytest.raises(ValueError, match="a unit has 5 rows"):
         PoissonBatchSampler(100, 0.01, 5, units=units, max_batch_size=4, max_unit_size=5)
     with pytest.raises(ValueError, match="one row only"):

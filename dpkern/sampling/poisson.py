@@ -119,7 +119,8 @@ class PoissonBatchSampler(torch.utils.data.Sampler[list[int]]):
     :class:`dpkern.accounting.PrivacyAccountant` charges it to delta (pass it to
     ``step``). With units of several rows, ``max_unit_size`` k is required: a unit's rows
     beyond its first k (in index order) are never used, so that a neighbour's unit
-    never holds more than k rows.
+    never holds more than k rows (with ``units`` and ``max_batch_size``, k is required
+    even if every unit here has one row: the neighbour's unit is not this data's).
 
     Data parallelism (``rank``, ``world_size`` W): in variable-shape mode rank r
     evaluates only the units i with i % W == r and yields their rows: the union over
@@ -154,9 +155,9 @@ class PoissonBatchSampler(torch.utils.data.Sampler[list[int]]):
     Raises:
         ValueError: an argument out of range: num_samples < 1, q outside (0, 1],
             steps < 1, both ``seed`` and ``key``, bad ``units``, B_max below the expected
-            batch size or below the largest unit, units of several rows with B_max but
-            no ``max_unit_size``, or fixed shapes over several ranks with units of
-            several rows.
+            batch size or below the largest unit, ``units`` with B_max but no
+            ``max_unit_size``, or fixed shapes over several ranks with units of several
+            rows.
     """
 
     def __init__(
@@ -236,11 +237,11 @@ class PoissonBatchSampler(torch.utils.data.Sampler[list[int]]):
                 f"{expected:g} (q * rows): most steps would be truncated; pass at least "
                 f"the expected batch plus a few standard deviations"
             )
-        if largest > 1 and self.max_unit_size is None:
+        if self._sizes is not None and self.max_unit_size is None:
             raise ValueError(
-                "fixed-shape batches of units with several rows need max_unit_size= (the "
-                "rows any unit may contribute, a public bound: the truncation term of the "
-                "accounting assumes it for the neighbouring unit)"
+                "fixed-shape batches of privacy units need max_unit_size= (the rows any "
+                "unit may contribute, a public bound: the truncation term of the "
+                "accounting assumes it for the neighbouring unit, whatever this data holds)"
             )
         if largest > B_max:
             raise ValueError(
