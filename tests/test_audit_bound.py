@@ -131,7 +131,9 @@ def test_a_large_delta_term_weakens_the_bound():
 
 def test_guess_sizes_are_fixed_and_union_bounded():
     sizes = B.guess_sizes(1000)
-    assert sizes == [(5, 5), (10, 10), (25, 25), (50, 50), (100, 100), (250, 250), (500, 500)]
+    assert sizes[:6] == [(10, 10), (25, 25), (50, 50), (100, 100), (250, 250), (500, 500)]
+    assert sizes[6:] == [(10, 0), (20, 0), (50, 0), (100, 0), (200, 0)]
+    assert (0, 0) not in B.guess_sizes(50) and len(B.guess_sizes(50)) == 9
     rng = np.random.default_rng(case_seed(1))
     inc = rng.random(1000) < 0.5
     res = B.lower_bound_from_scores(inc + rng.normal(0, 0.3, 1000), inc, 1e-5, 0.05, generator=rng)
@@ -146,11 +148,11 @@ def test_guess_sizes_are_fixed_and_union_bounded():
 def test_guesses_count_top_in_and_bottom_out_with_random_ties():
     inc = np.array([True] * 50 + [False] * 50)
     scores = np.where(inc, 1.0, 0.0)  # perfectly separated, but with ties inside each class
-    res = B.lower_bound_from_scores(scores, inc, 0.0, fractions=(1.0,))
+    res = B.lower_bound_from_scores(scores, inc, 0.0, fractions=((0.5, 0.5),))
     assert res.guesses[0].correct == 100
     counts = {  # all scores tied: the guesses are a random split, their count varies
         B.lower_bound_from_scores(
-            np.zeros(100), inc, 0.0, fractions=(1.0,), generator=np.random.default_rng(k)
+            np.zeros(100), inc, 0.0, fractions=((0.5, 0.5),), generator=np.random.default_rng(k)
         )
         .guesses[0]
         .correct

@@ -22,6 +22,7 @@ the i = v term, so the max runs over i = 1..v.
 Guess sizes are fixed before the scores are seen (:data:`GUESS_FRACTIONS`, a function of
 m only); trying all of them is paid for by a union bound: each is tested at
 beta / (number of sizes), so the reported maximum is a valid lower bound at level beta.
+(The paper picks its k+ and k- after looking; fixing them keeps the bound valid.)
 """
 
 from __future__ import annotations
@@ -32,9 +33,24 @@ from functools import lru_cache
 
 import numpy as np
 
-#: Fractions of the m canaries guessed (r / m), half "in" (the top scores), half "out"
-#: (the bottom scores); fixed in advance, each tested at beta / len(GUESS_FRACTIONS).
-GUESS_FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+#: Guess sizes as fractions of the m canaries, (guessed in, guessed out): the top scores
+#: are guessed in and the bottom ones out, both sides (a share of m split evenly) and the
+#: top alone (under Poisson sampling many included canaries are never drawn and look
+#: excluded, so the bottom guesses are the weaker ones). Fixed in advance; each size is
+#: tested at beta / len(GUESS_FRACTIONS) (union bound).
+GUESS_FRACTIONS = (
+    (0.01, 0.01),
+    (0.025, 0.025),
+    (0.05, 0.05),
+    (0.1, 0.1),
+    (0.25, 0.25),
+    (0.5, 0.5),
+    (0.01, 0.0),
+    (0.02, 0.0),
+    (0.05, 0.0),
+    (0.1, 0.0),
+    (0.2, 0.0),
+)
 
 #: Search interval of the bisection: eps in [0, EPS_MAX].
 EPS_MAX = 64.0
@@ -192,10 +208,11 @@ class Bound:
 
 
 def guess_sizes(m: int, fractions=GUESS_FRACTIONS) -> list[tuple[int, int]]:
-    """The (k_in, k_out) pairs tried on m canaries: for each fraction f, k_in = k_out =
-    floor(f m / 2) (pairs with no guess are dropped; they still count in the union
-    bound)."""
-    return [(k, k) for k in (int(f * m) // 2 for f in fractions) if k > 0]
+    """The (k_in, k_out) pairs tried on m canaries: (floor(f_in m), floor(f_out m)) for
+    each pair of fractions (sizes with no guess are dropped; they still count in the
+    union bound)."""
+    sizes = [(int(a * m + 1e-9), int(b * m + 1e-9)) for a, b in fractions]
+    return [(a, b) for a, b in sizes if a + b > 0]
 
 
 def lower_bound_from_scores(
@@ -214,8 +231,8 @@ def lower_bound_from_scores(
         included: bool array [m], the coins S_j (True = the canary was in the data).
         delta: the delta of the (eps, delta) guarantee being audited.
         beta: 1 - confidence (default 0.05: 95%).
-        fractions: guess sizes (r / m), fixed in advance; each is tested at
-            beta / len(fractions) (union bound).
+        fractions: guess sizes as (in, out) fractions of m, fixed in advance; each is
+            tested at beta / len(fractions) (union bound).
         generator: random tie-breaking (ties are broken by a random permutation, which
             is independent of the coins); default: a fresh ``numpy`` generator.
     Returns: a :class:`Bound`.
