@@ -36,6 +36,7 @@ import torch
 from .bound import (
     GUESS_FRACTIONS,
     Bound,
+    delta_note,
     epsilon_lower_bound,
     lower_bound_from_scores,
     p_value,
@@ -254,7 +255,7 @@ def audit_whitebox(
         if epsilon is not None
         else get_epsilon(sigma, sample_rate, int(steps), delta, accountant)
     )
-    notes = []
+    notes = [n for n in (delta_note(m, delta, beta),) if n]
     if rule in SIMULATED_RULES:
         gen = torch.Generator().manual_seed(int(rng.integers(2**62)))
         c = canary_norm * C

@@ -173,6 +173,20 @@ def epsilon_lower_bound(m: int, r: int, v: int, delta: float, beta: float = 0.05
     return lo
 
 
+def delta_note(m: int, delta: float, beta: float, fractions=GUESS_FRACTIONS) -> str | None:
+    """A note when Theorem 3.1's delta term is not small: 2 m delta against the level
+    each guess size is tested at (it then caps the bound; fewer canaries, or auditing a
+    smaller delta, sharpens it). None when it is small."""
+    share = beta / len(fractions)
+    if 2 * m * delta <= 0.1 * share:
+        return None
+    return (
+        f"2 m delta = {2 * m * delta:.3g} is not small against beta / {len(fractions)} = "
+        f"{share:.3g}: the delta term of Theorem 3.1 weakens this bound (fewer canaries "
+        "or a smaller --delta sharpen it)"
+    )
+
+
 @dataclass(frozen=True)
 class Guess:
     """One fixed guess size: ``k_in`` top scores guessed included, ``k_out`` bottom ones
