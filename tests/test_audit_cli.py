@@ -118,3 +118,11 @@ class _no_raise:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_faults_are_no_user_option(capsys):
+    with pytest.raises(SystemExit):
+        main(["audit", "--help"])
+    help_text = capsys.readouterr().out
+    assert "--canaries" in help_text and "--quick" in help_text and "--epsilon" in help_text
+    assert not re.search(r"\bfaults?\b", help_text, re.I) and "sigma/4" not in help_text

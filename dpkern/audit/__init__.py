@@ -147,6 +147,16 @@ class AuditResult:
         }
 
 
+def backend_label(name: str, device="cpu") -> str:
+    """The backend that ran: ``"auto (cpp)"`` for ``"auto"`` (resolved for ``device``)."""
+    if name != "auto":
+        return name
+    from .. import backends
+
+    module = backends.resolve("auto", torch.device(device)).__name__.rsplit(".", 1)[-1]
+    return "auto (" + {"reference": "torch"}.get(module, module) + ")"
+
+
 def _rng(seed):
     return np.random.default_rng(
         seed if seed is not None else int.from_bytes(os.urandom(8), "little")
@@ -285,7 +295,7 @@ def audit_whitebox(
     return AuditResult(
         path=path if path != "ddp" else f"ddp x{nproc} ({clipping})",
         optimizer=label or rule,
-        backend=str(getattr(inner, "backend", "?")),
+        backend=backend_label(str(getattr(inner, "backend", "auto")), device),
         canaries=m,
         steps=int(steps),
         sample_rate=float(sample_rate),

@@ -68,7 +68,7 @@ def audit_job(args, job, *, canaries: int, delta: float, beta: float, rng, steps
     Returns: an :class:`dpkern.audit.AuditResult`."""
     from ..accounting import get_epsilon
     from ..cli.finetune.launch import train_with_warnings
-    from . import AuditResult, coins
+    from . import AuditResult, backend_label, coins
 
     t0 = time.perf_counter()
     plan = job.plan
@@ -98,7 +98,7 @@ def audit_job(args, job, *, canaries: int, delta: float, beta: float, rng, steps
     return AuditResult(
         path="input",
         optimizer=plan.optimizer,
-        backend=str(getattr(inner, "backend", args.backend)),
+        backend=backend_label(str(getattr(inner, "backend", args.backend)), job.device),
         canaries=m,
         steps=int(job.steps),
         sample_rate=float(plan.sample_rate),

@@ -136,15 +136,6 @@ def choose_paths(args, clipping: str) -> list[str]:
     return ["ghost" if clipping == "ghost" else "accumulate", "input"]
 
 
-def _backend_label(name: str, device) -> str:
-    if name != "auto":
-        return name
-    from .. import backends
-
-    module = backends.resolve("auto", device).__name__.rsplit(".", 1)[-1]
-    return "auto (" + {"reference": "torch"}.get(module, module) + ")"
-
-
 def _run(args) -> int:
     _check(args)
     logging.getLogger("absl").setLevel(logging.ERROR)
@@ -201,8 +192,6 @@ def _run(args) -> int:
         results.append(
             audit_job(args, job, canaries=m_input, delta=job.delta, beta=beta, rng=rng, steps=steps)
         )
-    for r in results:
-        r.backend = _backend_label(r.backend, job.device)
     if any(r.violation for r in results):
         code = EXIT_VIOLATION
     elif any(not r.calibration.ok for r in results):
