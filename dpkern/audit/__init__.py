@@ -42,6 +42,7 @@ from .bound import (
     p_value,
 )
 from .calibration import (
+    N_SIM,
     SIMULATED_RULES,
     Calibration,
     calibration_check,
@@ -266,7 +267,9 @@ def audit_whitebox(
         else get_epsilon(sigma, sample_rate, int(steps), delta, accountant)
     )
     notes = [n for n in (delta_note(m, delta, beta),) if n]
-    if rule in SIMULATED_RULES:
+    if sigma == 0.0:
+        cal = not_available("sigma = 0: no noise to calibrate", alpha, sigma)
+    elif rule in SIMULATED_RULES:
         gen = torch.Generator().manual_seed(int(rng.integers(2**62)))
         c = canary_norm * C
         sim = {}
@@ -280,7 +283,7 @@ def audit_whitebox(
                 sample_rate=sample_rate,
                 steps=int(steps),
                 signal=signal,
-                n=20_000,
+                n=N_SIM,
                 generator=gen,
             )
             sim[name] = trajectory_scores(th, rule, group, unit=C / Be)
