@@ -12,6 +12,7 @@ import sys
 COMMANDS = {
     "finetune": "private fine-tuning of a causal language model (the main job)",
     "compare": "compare the DP optimizers on real data at several epsilons",
+    "audit": "one-run privacy audit of a finetune configuration (canaries, epsilon lower bound)",
 }
 
 
