@@ -3,7 +3,10 @@
 Per-sample gradients cost B x (model size) memory. Ghost clipping computes each sample's
 gradient norm from every layer's input A and output gradient G (:mod:`.norms`), and
 book-keeping builds the clipped sum ``sum_i c_i g_i`` as one GEMM per layer
-(:mod:`.bookkeeping`), both from ONE backward pass (:mod:`.capture`). The sum then goes to
+(:mod:`.bookkeeping`), both from ONE backward pass (:mod:`.capture`). Where a layer's
+per-sample gradients are cheaper to form than its Gram norm, they are formed once (the
+weight-gradient GEMM, batched) and reused for the norm and the sum, within a memory budget
+(``keep_bytes``; :mod:`.plan` chooses the route per parameter). The sum then goes to
 the optimizer's summed-gradient path (``optimizer.accumulate_clipped``) and
 ``optimizer.step()`` adds the Gaussian noise once and updates: the same DP step as the
 per-sample path (SPEC sections 2-4), to float32 rounding.
