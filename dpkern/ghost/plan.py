@@ -192,7 +192,8 @@ class Plan:
 
     Args:
         params: the trainable parameters (norm order); uses: one list per parameter
-            (empty: unused); B: the batch.
+            (empty: unused), taken over: a kept parameter's entry is emptied once its
+            per-sample gradient is formed (its tensors can be freed); B: the batch.
         outer_fn, chunk_bytes: the ghost route's Gram options (:func:`.norms.param_norm_sq`).
         keep_bytes: see :func:`plan_routes`; keep_uses: keep the kept parameters' uses
             (for ``GhostClipping(check=True)``), else they are dropped once formed;
@@ -212,7 +213,7 @@ class Plan:
         device: torch.device | None = None,
     ):
         self.params, self.B, self.device = list(params), B, device
-        self.uses = list(uses)
+        self.uses = uses if isinstance(uses, list) else list(uses)
         self.outer_fn, self.chunk_bytes = outer_fn, chunk_bytes
         self.kept = plan_routes(self.params, self.uses, B, keep_bytes)
         ks = [k for k, keep in enumerate(self.kept) if keep]
@@ -231,6 +232,8 @@ class Plan:
                     form_into(buf, self.uses[k], self.params[k].shape)
                     self._add_block(buf, [(k, 0, buf.shape[1])])
                     self._norms[k] = self._block_norms[-1]
+                    if not keep_uses:  # its activations and output gradients can go now
+                        self.uses[k] = []
             if small:
                 sizes = [self.params[k].numel() for k in small]
                 buf = torch.empty(B, sum(sizes), dtype=dt, device=device)
@@ -239,10 +242,9 @@ class Plan:
                     form_into(buf[:, a : a + n], self.uses[k], self.params[k].shape)
                     members.append((k, a, n))
                     a += n
+                    if not keep_uses:
+                        self.uses[k] = []
                 self._add_block(buf, members)
-        if not keep_uses:
-            for k in ks:
-                self.uses[k] = []
 
     def _add_block(self, buf: Tensor, members) -> None:
         self.blocks.append((buf, members))
