@@ -47,7 +47,10 @@ reporting medians, as :mod:`bench.report` does:
    - ``floor:nonprivate``: ``token_loss(...).mean().backward()`` +
      ``torch.optim.AdamW.step()`` (the non-private step every ratio divides by);
    - ``dpkern:ghost``: :class:`dpkern.ghost.GhostClipping` ``.backward(losses)`` +
-     ``dpkern.DPAdamW.step()``;
+     ``dpkern.DPAdamW.step()`` (default ``keep_bytes``: each parameter on the route
+     :mod:`dpkern.ghost.plan` picks, Gram norm or per-sample gradients kept);
+   - ``dpkern:ghost-gram``: the same with ``keep_bytes=0`` (every norm by the Gram path /
+     segment sums, every sum by book-keeping: the route before the kept one);
    - ``dpkern:per_sample``: :func:`dpkern.grad_sample.compute_grad_sample` (torch.func) +
      ``dpkern.DPAdamW.step()``;
    - ``baseline:opacus``: Opacus' fast gradient clipping
@@ -136,6 +139,7 @@ LLAMA_SHAPE = {
 E2E_ROLES = (
     "floor:nonprivate",
     "dpkern:ghost",
+    "dpkern:ghost-gram",
     "dpkern:per_sample",
     "baseline:opacus",
     "baseline:opacus-untied",
@@ -443,6 +447,17 @@ def e2e_candidates(
 
     cands.append(Candidate("dpkern", "ghost", _quiet(ghost_step)))
     cands[-1].model = g_net
+
+    gg_net = CausalLMLogits(copy.deepcopy(base))
+    gg_opt = dp_opt(gg_net)
+    ghost_gram = GhostClipping(gg_net, gg_opt, verify="off", keep_bytes=0).attach()
+
+    def ghost_gram_step():
+        ghost_gram.backward(token_loss(gg_net(ids), ids))
+        gg_opt.step()
+
+    cands.append(Candidate("dpkern", "ghost-gram", _quiet(ghost_gram_step)))
+    cands[-1].model = gg_net
 
     from dpkern.grad_sample import compute_grad_sample
 
@@ -762,8 +777,9 @@ def markdown(res: dict) -> str:
             f"{_mib(r['instantiate_peak_bytes'])} / {_mib(r['opacus_peak_bytes'])} |"
         )
     head = (
-        "| model | block | B | params | non-private ms | ghost ms | × | per-sample ms | × | "
-        "Opacus ms | × | peak extra MiB (non-private / ghost / per-sample / Opacus) |"
+        "| model | block | B | params | non-private ms | ghost ms | × | ghost Gram-only ms | × "
+        "| per-sample ms | × | Opacus ms | × | peak extra MiB (non-private / ghost / "
+        "ghost Gram-only / per-sample / Opacus) |"
     )
     lines += [
         "",
@@ -771,7 +787,8 @@ def markdown(res: dict) -> str:
         "(`dpkern.models.default_model`, tied embedding <-> lm-head) and of a "
         "Llama-style model (`bench.ghost.llama_model`: RMSNorm, SwiGLU, rotary, 2 KV "
         "heads, untied lm-head), eager attention, × = time / non-private step "
-        "(AdamW after `loss.mean().backward()`).",
+        "(AdamW after `loss.mean().backward()`); ghost Gram-only = `keep_bytes=0` (no "
+        "kept per-sample gradients).",
         "",
         head,
         "|" + "---|" * (head.count("|") - 1),
@@ -788,11 +805,12 @@ def markdown(res: dict) -> str:
         lines.append(
             f"| {title} | {r['block']} | {r['batch']} | {r['params'] / 1e6:.2f}M | "
             f"{_ms(r['nonprivate_s'])} | {_ms(r['ghost_s'])} | {_x(r['ghost_ratio'])} "
+            f"| {_ms(r.get('ghost_gram_s'))} | {_x(r.get('ghost_gram_ratio'))} "
             f"| {_ms(r['per_sample_s'])} | {_x(r['per_sample_ratio'])} | "
             f"{_ms(r[op + '_s'])}{' (untied)' if op == 'opacus_untied' else ''} | "
             f"{_x(r[op + '_ratio'])} | "
             f"{_mib(r['nonprivate_peak_bytes'])} / {_mib(r['ghost_peak_bytes'])} / "
-            f"{_mib(r['per_sample_peak_bytes'])} / {_mib(r[op + '_peak_bytes'])} |"
+            f"{_mib(r.get('ghost_gram_peak_bytes'))} / {_mib(r['per_sample_peak_bytes'])} / {_mib(r[op + '_peak_bytes'])} |"
         )
     checks = [
         f"{MODEL_TITLES.get(r.get('model', 'gpt2'), r.get('model'))} block {r['block']} "

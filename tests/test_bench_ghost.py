@@ -108,14 +108,16 @@ def test_measure_tiny_end_to_end(tmp_path):
     assert [r["model"] for r in res["e2e"]] == ["gpt2", "llama"]
     for row in res["e2e"]:
         assert (row["block"], row["batch"]) == (8, 2) and row["params"] > 0
-        for key in ("ghost", "per_sample"):
+        for key in ("ghost", "ghost_gram", "per_sample"):
             assert row[f"{key}_ratio"] == pytest.approx(row[f"{key}_s"] / row["nonprivate_s"])
     by_model = {
         m: {t["candidate"] for t in res["timings"] if t["kind"] == "e2e" and t["model"] == m}
         for m in GB.E2E_MODELS
     }
     for m, names in by_model.items():
-        assert {"floor:nonprivate", "dpkern:ghost", "dpkern:per_sample"} <= names, m
+        assert {"floor:nonprivate", "dpkern:ghost", "dpkern:ghost-gram", "dpkern:per_sample"} <= (
+            names
+        ), m
     if any(n.startswith("baseline:opacus") for n in by_model["gpt2"]):
         # Opacus 1.6 refuses the tied GPT-2 and says why; the untied copy is timed instead
         names = by_model["gpt2"]

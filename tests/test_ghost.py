@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import dpkern
+import dpkern.ghost.plan as plan_mod
 from dpkern.ghost import GhostClipping, supports
 from dpkern.ghost.capture import Capture
 from dpkern.ghost.norms import index_norm_sq, outer_method, outer_norm_sq, param_norm_sq
@@ -370,13 +371,24 @@ def _pair(opt_cls, seed, **kw):
     return model, make(model), twin, make(twin)
 
 
+def route_kw(route: str, monkeypatch) -> dict:
+    """GhostClipping arguments (and a patch) for a parameter route of
+    :mod:`dpkern.ghost.plan`: "ghost" (no kept per-sample gradients), "kept" (every
+    used parameter kept), "auto" (the cost model's choice)."""
+    if route == "kept":
+        monkeypatch.setattr(plan_mod, "route_costs", lambda uses, shape, B: (1.0, 0.0))
+    return {"keep_bytes": 0} if route == "ghost" else {}
+
+
+@pytest.mark.parametrize("route", ["auto", "ghost", "kept"])
 @pytest.mark.parametrize("opt_cls", [dpkern.DPAdamW, dpkern.DPSGD])
-def test_ghost_step_equals_per_sample_step(opt_cls):
+def test_ghost_step_equals_per_sample_step(opt_cls, route, monkeypatch):
     seed = int.from_bytes(os.urandom(2), "little")
     ghost_model, ghost_opt, ps_model, ps_opt = _pair(opt_cls, seed)
+    kw = route_kw(route, monkeypatch)
     for step in range(2):
         ids = torch.randint(0, 53, (6, 12))
-        with GhostClipping(ghost_model, ghost_opt, check=(step == 0)) as gc:
+        with GhostClipping(ghost_model, ghost_opt, check=(step == 0), **kw) as gc:
             sums, norms = gc.clipped_sums(token_losses(ghost_model(ids), ids))
             ghost_opt.accumulate_clipped(sums, batch_size=6)
         ghost_opt.step()
@@ -418,7 +430,9 @@ def test_micro_batches_accumulate_to_one_logical_step():
     assert ghost_opt.stats["clipped_samples"] == ps_opt.stats["clipped_samples"]
 
 
-def test_nonfinite_samples_error_or_dropped():
+@pytest.mark.parametrize("route", ["ghost", "kept"])
+def test_nonfinite_samples_error_or_dropped(route, monkeypatch):
+    kw = route_kw(route, monkeypatch)
     model = Seq()
     ids = torch.randint(3, 11, (4, 5))
 
@@ -434,7 +448,7 @@ def test_nonfinite_samples_error_or_dropped():
         expected_batch_size=4,
         seed=0,
     )
-    with GhostClipping(model, opt) as gc:
+    with GhostClipping(model, opt, **kw) as gc:
         with pytest.raises(FloatingPointError, match=r"\[1\]"):
             gc.backward(losses_with_nan(model))
     assert all(float(b.abs().sum()) == 0 for b in opt.clipped_sum_buffers())
@@ -447,7 +461,7 @@ def test_nonfinite_samples_error_or_dropped():
         seed=0,
         nonfinite="zero",
     )
-    with GhostClipping(model, opt) as gc:
+    with GhostClipping(model, opt, **kw) as gc:
         gc.backward(losses_with_nan(model))
         sums_drop = [b.clone() for b in opt.clipped_sum_buffers()]
         keep = torch.tensor([0, 2, 3])

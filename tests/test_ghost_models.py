@@ -27,6 +27,7 @@ and ``instantiate_unsupported=True`` on the models whose norm layers are uncover
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import math
@@ -37,6 +38,7 @@ import torch
 from torch import nn
 
 import dpkern
+import dpkern.ghost.plan as plan_mod
 from dpkern.ghost import GhostClipping, supports
 
 pytest.importorskip("transformers")
@@ -211,26 +213,45 @@ class only_embeddings:
 
 
 def outcome(
-    name: str, case: str, instantiate: bool = False, subset: str = "all"
+    name: str, case: str, instantiate: bool = False, subset: str = "all", route: str = "auto"
 ) -> tuple[str, str]:
     """``("exact" | "wrong" | "refused" | "crash", detail)`` of ghost vs ground truth
     (computed once per module); subset ``"emb"``: under :class:`only_embeddings`,
-    otherwise a parameter name: only that parameter trainable."""
-    return _cached_outcome(name, case, bool(instantiate), subset)
+    otherwise a parameter name: only that parameter trainable. ``route``: the parameters'
+    route (:mod:`dpkern.ghost.plan`): "auto" (the cost model's), "ghost" (no kept
+    per-sample gradients) or "kept" (every used parameter's kept)."""
+    return _cached_outcome(name, case, bool(instantiate), subset, route)
 
 
 @functools.lru_cache(maxsize=None)
-def _cached_outcome(name, case, instantiate, subset):
+def _cached_outcome(name, case, instantiate, subset, route="auto"):
     tiny = tiny_model(name)
     if subset == "all":
-        return _outcome(tiny, case, instantiate)
+        return _outcome(tiny, case, instantiate, route)
     with only_embeddings(tiny.model, None if subset == "emb" else subset):
-        return _outcome(tiny, case, instantiate)
+        return _outcome(tiny, case, instantiate, route)
 
 
-def _outcome(tiny, case: str, instantiate: bool) -> tuple[str, str]:
+@contextlib.contextmanager
+def _route(route: str):
+    real = plan_mod.route_costs
+    if route == "kept":
+        plan_mod.route_costs = lambda uses, shape, B: (1.0, 0.0)
+    try:
+        yield {"keep_bytes": 0} if route == "ghost" else {}
+    finally:
+        plan_mod.route_costs = real
+
+
+def _outcome(tiny, case: str, instantiate: bool, route: str = "auto") -> tuple[str, str]:
+    with _route(route) as kw:
+        return _outcome_of(tiny, case, instantiate, kw)
+
+
+def _outcome_of(tiny, case: str, instantiate: bool, route_kw: dict) -> tuple[str, str]:
     batch = make_batch(tiny, case)
     kw = {"instantiate_unsupported": True} if instantiate else {}
+    kw.update(route_kw)
     want, want_loss = true_norms(tiny, batch)
     stage = "construct"
     try:
@@ -341,9 +362,11 @@ def matrix(table, models=MODELS, cases=CASES):
     return out
 
 
-def check(name: str, case: str, instantiate: bool = False, subset: str = "all") -> None:
+def check(
+    name: str, case: str, instantiate: bool = False, subset: str = "all", route: str = "auto"
+) -> None:
     get(name)
-    status, detail = outcome(name, case, instantiate, subset)
+    status, detail = outcome(name, case, instantiate, subset, route)
     if name in EXACT_REQUIRED and not instantiate:
         assert status == "exact", f"{name} {case}: {status}: {detail}"
     else:
@@ -352,10 +375,12 @@ def check(name: str, case: str, instantiate: bool = False, subset: str = "all") 
 
 
 # -- the matrix ------------------------------------------------------------------------------
+@pytest.mark.parametrize("route", ["auto", "ghost", "kept"])
 @pytest.mark.parametrize("name,case", matrix(XFAIL))
-def test_ghost_norms_exact_or_refused(name, case):
-    """Every trainable parameter, default (memory-lean) path."""
-    check(name, case)
+def test_ghost_norms_exact_or_refused(name, case, route):
+    """Every trainable parameter, default (memory-lean) path, on each parameter route
+    (the cost model's choice, all by Gram / segment sums, all kept)."""
+    check(name, case, route=route)
 
 
 @pytest.mark.parametrize(

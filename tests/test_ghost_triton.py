@@ -97,7 +97,8 @@ def test_ghost_clipping_uses_kernel(device, monkeypatch):
             seed=0,
             backend="torch",
         )
-        with GhostClipping(model, opt, backend=backend) as gc:
+        # keep_bytes=0: every parameter takes the ghost route (no kept per-sample gradients)
+        with GhostClipping(model, opt, backend=backend, keep_bytes=0) as gc:
             results.append(gc.clipped_sums(model(x).square().sum((1, 2))))
     (s_ref, n_ref), (s_tri, n_tri) = results
     assert len(calls) == 2  # both weights take the Gram path

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import dpkern
-import dpkern.ghost as ghost_mod
+import dpkern.ghost.plan as plan_mod
 from dpkern.ghost import GhostClipping
 from dpkern.ghost.verify import (
     RTOL,
@@ -248,20 +248,22 @@ def test_custom_autograd_function_is_refused_naming_the_parameter():
 
 def _inject(monkeypatch, shape, factor=1.01, row=None):
     """Make the ghost squared norm of the parameter of ``shape`` wrong by ``factor``
-    (in every row, or in ``row`` only): a ghost rule error whatever the capture does."""
-    real = ghost_mod.param_norm_sq
+    (in every row, or in ``row`` only): a ghost rule error whatever the capture does,
+    on either route of the parameter (ghost or kept, :mod:`dpkern.ghost.plan`)."""
+    real = plan_mod.Plan.each
 
-    def wrong(uses, pshape, B, **kw):
-        out = real(uses, pshape, B, **kw)
-        if tuple(pshape) == tuple(shape):
-            out = out.clone()
-            if row is None:
-                out *= factor
-            else:
-                out[row] *= factor
+    def wrong(self):
+        out = real(self)
+        for k, p in enumerate(self.params):
+            if out[k] is not None and tuple(p.shape) == tuple(shape):
+                out[k] = out[k].clone()
+                if row is None:
+                    out[k] *= factor
+                else:
+                    out[k][row] *= factor
         return out
 
-    monkeypatch.setattr(ghost_mod, "param_norm_sq", wrong)
+    monkeypatch.setattr(plan_mod.Plan, "each", wrong)
 
 
 def test_injected_wrong_norm_is_named_with_the_worst_row(monkeypatch):

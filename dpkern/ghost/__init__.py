@@ -3,7 +3,10 @@
 Per-sample gradients cost B x (model size) memory. Ghost clipping computes each sample's
 gradient norm from every layer's input A and output gradient G (:mod:`.norms`), and
 book-keeping builds the clipped sum ``sum_i c_i g_i`` as one GEMM per layer
-(:mod:`.bookkeeping`), both from ONE backward pass (:mod:`.capture`). The sum then goes to
+(:mod:`.bookkeeping`), both from ONE backward pass (:mod:`.capture`). Where a layer's
+per-sample gradients are cheaper to form than its Gram norm, they are formed once (the
+weight-gradient GEMM, batched) and reused for the norm and the sum, within a memory budget
+(``keep_bytes``; :mod:`.plan` chooses the route per parameter). The sum then goes to
 the optimizer's summed-gradient path (``optimizer.accumulate_clipped``) and
 ``optimizer.step()`` adds the Gaussian noise once and updates: the same DP step as the
 per-sample path (SPEC sections 2-4), to float32 rounding.
@@ -48,7 +51,8 @@ from .. import backends
 from ..functional import clip_factors
 from .bookkeeping import clipped_sum
 from .capture import Capture, module_kind
-from .norms import DEFAULT_CHUNK_BYTES, clamp_norm_sq, param_norm_sq
+from .norms import DEFAULT_CHUNK_BYTES
+from .plan import Plan
 from .verify import Verifier
 
 __all__ = ["GhostClipping", "module_kind", "supports"]
@@ -98,6 +102,11 @@ class GhostClipping:
             tensors when triton is installed, else the PyTorch reference), ``"torch"``,
             ``"triton"``.
         chunk_bytes: temporary memory per chunk of samples in the reference norms.
+        keep_bytes: memory for per-sample gradients formed once and kept from the norm to
+            the clipped sum, for the parameters where that is cheaper than the Gram route
+            (:mod:`dpkern.ghost.plan`; exact either way). None (default): the larger of
+            256 MiB and the bytes of the step's recorded activations and output
+            gradients; 0: every parameter takes the ghost route.
         check: debugging aid: also compute autograd's summed gradient and raise
             RuntimeError if the unclipped sum rebuilt from the recorded uses differs
             (a parameter used outside its module's forward). Costs one GEMM per layer.
@@ -124,6 +133,7 @@ class GhostClipping:
         instantiate_unsupported: bool = False,
         backend: str = "auto",
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        keep_bytes: int | None = None,
         check: bool = False,
         verify: str = "first",
     ):
@@ -146,6 +156,7 @@ class GhostClipping:
         self.optimizer = optimizer
         self.backend = backend
         self.chunk_bytes = int(chunk_bytes)
+        self.keep_bytes = None if keep_bytes is None else int(keep_bytes)
         self.check = check
         self.sharded = bool(getattr(optimizer, "sharded", False))  # FSDP2 wrapper
         if hasattr(model, "reshard") and callable(model.reshard):
@@ -235,21 +246,22 @@ class GhostClipping:
         )  # before the graph is consumed
         B, uses, summed = self.capture.backward(losses, check=self.check)
         device = losses.device
-        outer_fn = self._outer_fn(device)
-        each = [
-            param_norm_sq(u, p.shape, B, outer_fn=outer_fn, chunk_bytes=self.chunk_bytes)
-            if u
-            else None
-            for p, u in zip(params, uses)
-        ]
+        plan = Plan(
+            params,
+            uses,
+            B,
+            outer_fn=self._outer_fn(device),
+            chunk_bytes=self.chunk_bytes,
+            keep_bytes=self.keep_bytes,
+            keep_uses=summed is not None,
+            device=device,
+        )
+        each = None
         if pending is not None:
+            each = plan.each()
             self._verifier.compare(pending, each, device)
-        per_param = [n for n in each if n is not None]
-        dtype = torch.float64 if any(n.dtype == torch.float64 for n in per_param) else torch.float32
-        norm_sq = torch.zeros(B, dtype=dtype, device=device)
-        for n in per_param:
-            norm_sq += n
-        norms = clamp_norm_sq(norm_sq).sqrt()
+        norm_sq = plan.norm_sq(each)
+        norms = norm_sq.sqrt()
         finite = torch.isfinite(norms)
         bad = (~finite).nonzero().flatten().tolist()
         if bad and self.optimizer.nonfinite == "error":
@@ -265,9 +277,9 @@ class GhostClipping:
         if bad:
             drop = ~finite
             c = torch.where(finite, c, torch.zeros_like(c))
-        sums = [clipped_sum(u, p.shape, c, drop) if u else None for p, u in zip(params, uses)]
+        sums = plan.sums(c, drop)
         if summed is not None:
-            self._check(params, uses, summed, B)
+            self._check(params, plan.uses, summed, B)
         self._last = (B, int((finite & (c < 1.0)).sum()) if B else 0, len(bad))
         return sums, norms
 
