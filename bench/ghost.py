@@ -104,7 +104,7 @@ from dpkern.ghost.norms import outer_method, outer_norm_sq
 from dpkern.models import BYTE_VOCAB, CausalLMLogits, default_model, sample_loss, token_loss
 
 from . import MI, synchronize
-from .report import (
+from .harness import (
     KEY,
     LR,
     RESULTS_DIR,
@@ -880,7 +880,7 @@ def main(argv=None) -> dict:
     if min(args.blocks) < 2:
         ap.error("--blocks must be >= 2")
     if args.threads:
-        from .report import set_threads
+        from .harness import set_threads
 
         set_threads(args.threads)
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))

@@ -58,7 +58,7 @@ from . import (
     make_params,
     parse_size,
 )
-from .harness import (  # re-exported: bench.ghost and the tests read them here too
+from .harness import (
     BYTES_F32,
     KEY,
     LR,

@@ -137,12 +137,12 @@ class GhostClipping:
         check: bool = False,
         verify: str = "first",
     ):
-        from ..optim import DPMacAdam, DPOptimizer
+        from ..optim import DPOptimizer
 
         inner = getattr(optimizer, "optimizer", optimizer)  # DistributedDPOptimizer
-        if isinstance(inner, DPMacAdam):
+        if isinstance(inner, DPOptimizer) and not inner.rule.ghost:  # (DP-MacAdam)
             raise ValueError(
-                "ghost clipping cannot serve DP-MacAdam: it clips whitened "
+                f"ghost clipping cannot serve {inner.rule.title}: it clips whitened "
                 "per-sample gradients (g_i - m_hat) / b, whose norms ghost "
                 "clipping cannot compute; use the per-sample path "
                 "(dpkern.grad_sample.compute_grad_sample + optimizer.step())"
@@ -339,6 +339,6 @@ class GhostClipping:
                 raise_if_any_failed(exc, mesh_group(params), params[0].device, "ghost clipping")
             raise
         B, clipped, nonfinite = self._last
-        self.optimizer.accumulate_clipped(sums, batch_size=B)
-        self.optimizer.stats["clipped_samples"] += clipped
-        self.optimizer.stats["nonfinite_samples"] += nonfinite
+        self.optimizer.accumulate_clipped(
+            sums, batch_size=B, clipped_samples=clipped, nonfinite_samples=nonfinite
+        )
