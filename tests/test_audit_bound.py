@@ -1,4 +1,4 @@
-"""dpkern.audit.bound: Theorem 3.1 of Steinke, Nasr & Jagielski (2023), exact tails.
+"""dpkern.audit.bound: the main theorem of Steinke, Nasr & Jagielski (2023), exact tails.
 
 References: the values of the paper's own p-value and bisection (its appendix code,
 transcribed independently below with scipy's binomial), exact rational tails, and the
@@ -29,6 +29,21 @@ PAPER_M500 = {
     (500, 10, 10): 1.0336,
     (1000, 1000, 1000): 5.7823,
 }
+
+
+#: Values printed in the paper (arXiv 2305.08846v1): (m, r, v, delta) -> epsilon at beta = 0.05,
+#: printed to 3 decimals: Appendix D's example and Section 7's Figure 11 point.
+PRINTED = {
+    (1000, 100, 75, 1e-4): 0.673,
+    (100000, 1510, 1439, 1e-5): 2.675,
+}
+
+
+@pytest.mark.parametrize("key", sorted(PRINTED))
+def test_reproduces_the_values_printed_in_the_paper(key):
+    m, r, v, delta = key
+    eps = B.epsilon_lower_bound(m, r, v, delta, 0.05)
+    assert abs(eps - PRINTED[key]) <= 1e-3  # printed to 3 decimals
 
 
 def paper_p_value(m, r, v, eps, delta):

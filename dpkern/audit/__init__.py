@@ -3,7 +3,7 @@
 
 m canaries, each included in the data by an independent fair coin; ONE training run;
 each canary scored from the released parameters only; the top scores guessed "in", the
-bottom ones "out" (guess sizes fixed in advance); Theorem 3.1 of the paper turns the
+bottom ones "out" (guess sizes fixed in advance); the paper's main theorem turns the
 number of correct guesses into a lower bound on epsilon that holds with probability
 >= 1 - beta (:mod:`.bound`: exact binomial tails, the delta term, a union bound over the
 guess sizes). A lower bound ABOVE the claimed epsilon is proof (at confidence 1 - beta)

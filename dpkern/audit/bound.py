@@ -4,7 +4,8 @@
 Setting (the paper's Section 3): m canaries, each included in the training data by an
 independent fair coin S_j in {-1, +1}; one run of the (epsilon, delta)-DP mechanism; the
 auditor then makes r guesses T_j in {-1, +1} (abstaining on the other m - r canaries)
-from the run's output alone, and W counts the correct ones. Theorem 3.1 of the paper:
+from the run's output alone, and W counts the correct ones. The paper's main theorem
+(as its code, p_value_DP_audit, computes it):
 
     P[W >= v]  <=  f(v) + 2 m delta * max_{i = 1..m} (f(v - i) - f(v)) / i,
     f(v) = P[Binomial(r, e^eps / (1 + e^eps)) >= v],
@@ -12,7 +13,7 @@ from the run's output alone, and W counts the correct ones. Theorem 3.1 of the p
 for every v (with delta = 0 it is the stochastic domination of W by that binomial). The
 observed v therefore rejects "the mechanism is (eps, delta)-DP" at level beta when the
 right-hand side is below beta; the lower bound is the largest eps rejected, found by
-bisection as in the paper's code (its appendix), here with a scan that keeps the result
+bisection as in the paper's code (its appendix, get_eps_audit; Appendix D in arXiv v1), here with a scan that keeps the result
 conservative should the right-hand side ever fail to grow with eps.
 
 The tails are exact sums of binomial probabilities (log-space, lgamma coefficients; no
@@ -122,8 +123,8 @@ def binom_sf(v: int, r: int, q: float) -> float:
 
 
 def p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> float:
-    """The right-hand side of Theorem 3.1: an upper bound on P[W >= v] for W the correct
-    guesses among r on m canaries of an (epsilon, delta)-DP mechanism (capped at 1).
+    """The right-hand side of the paper's main theorem: an upper bound on P[W >= v] for W
+    the correct guesses among r on m canaries of an (epsilon, delta)-DP mechanism (capped at 1).
 
     Args: m canaries, r guesses, v correct (0 <= v <= r <= m); epsilon >= 0;
     delta in [0, 1].
@@ -144,7 +145,7 @@ def p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> float:
 
 def epsilon_lower_bound(m: int, r: int, v: int, delta: float, beta: float = 0.05) -> float:
     """The largest epsilon that v correct guesses out of r (m canaries) reject at level
-    beta under Theorem 3.1: with probability >= 1 - beta over the canary coins and the
+    beta under the paper's main theorem: with probability >= 1 - beta over the canary coins and the
     mechanism, an (eps, delta)-DP mechanism never yields a bound above eps.
 
     Returns 0.0 when even eps = 0 is not rejected. Accuracy: 1e-9 in eps.
@@ -174,7 +175,7 @@ def epsilon_lower_bound(m: int, r: int, v: int, delta: float, beta: float = 0.05
 
 
 def delta_note(m: int, delta: float, beta: float, fractions=GUESS_FRACTIONS) -> str | None:
-    """A note when Theorem 3.1's delta term is not small: 2 m delta against the level
+    """A note when the main theorem's delta term is not small: 2 m delta against the level
     each guess size is tested at (it then caps the bound; fewer canaries, or auditing a
     smaller delta, sharpens it). None when it is small."""
     share = beta / len(fractions)
@@ -182,7 +183,7 @@ def delta_note(m: int, delta: float, beta: float, fractions=GUESS_FRACTIONS) -> 
         return None
     return (
         f"2 m delta = {2 * m * delta:.3g} is not small against beta / {len(fractions)} = "
-        f"{share:.3g}: the delta term of Theorem 3.1 weakens this bound (fewer canaries "
+        f"{share:.3g}: the delta term of the paper's main theorem weakens this bound (fewer canaries "
         "or a smaller --delta sharpen it)"
     )
 

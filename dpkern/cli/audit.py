@@ -4,7 +4,7 @@ Takes the options of ``dpkern finetune`` (the same model, data, optimizer, epsil
 delta, clipping, micro-batches, --nproc ...) and runs the one-run audit of Steinke, Nasr &
 Jagielski (NeurIPS 2023, arXiv 2305.08846) on it: m canaries, each included by a fair
 coin, one training run, and a lower bound on epsilon at 95% confidence from how well the
-canaries can be told apart (Theorem 3.1 of the paper; exact binomial tails).
+canaries can be told apart (the paper's main theorem; exact binomial tails).
 
 Paths (--path): white-box gradient canaries through the optimizer, clipping and
 data-parallel code of the configuration -- "step" (per-sample gradients, step()),
