@@ -145,7 +145,7 @@ def test_calibration_sees_a_sigma_the_bound_cannot(monkeypatch):
     assert res.bound.epsilon <= res.epsilon_claimed
     assert res.verdict == "MISCALIBRATED"
     assert res.calibration.noise_ratio == pytest.approx(0.9, abs=0.03)
-    assert res.calibration.sigma_effective == pytest.approx(0.9 * res.noise_multiplier, rel=0.1)
+    assert res.calibration.sigma_effective == pytest.approx(0.9 * res.noise_multiplier, rel=0.2)
 
 
 @pytest.mark.slow

@@ -321,8 +321,10 @@ def test_resume_through_checkpoints_equals_the_uninterrupted_run(tmp_path):
         again = trainer(hf_tiny.build("llama").model, tmp_path / "resumed", data, priv, **kw)
     again.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
     assert again.noise_multiplier == full.noise_multiplier
+    # equal up to float rounding: ghost clipping picks each parameter's exact route (Gram
+    # or kept per-sample gradient) per step, and the two round differently
     for (n, p), q in zip(full.model.named_parameters(), again.model.parameters()):
-        assert torch.equal(p, q), n
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=n)
     assert again.optimizer.optimizer.dp_step == 4
     assert again.accountant.history == full.accountant.history == [[1.0, 8 / 24, 4]]
 
