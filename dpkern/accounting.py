@@ -585,3 +585,60 @@ class PrivacyAccountant:
             )
         self.history = history
         self.batch_overflow = float(overflow)
+
+
+def calibrate_extension(
+    history,
+    sample_rate: float,
+    steps: int,
+    epsilon: float,
+    delta: float,
+    accountant: str = "rdp",
+    *,
+    guess: float = 1.0,
+) -> float:
+    """The noise multiplier for ``steps`` more steps at rate ``sample_rate`` such that a
+    resumed ledger plus them spends at most ``epsilon`` at ``delta`` (a resumed run whose
+    plan changed: more steps, a new target).
+
+    Args: history: the ledger (:attr:`PrivacyAccountant.history`, as a state_dict holds
+    it); steps >= 1; epsilon > 0, delta in (0, 1); accountant "rdp" or "pld"; guess: a
+    starting sigma (the checkpoint's), from which a bracket is doubled or halved.
+    Returns: sigma, the upper end of a geometric bisection to 1e-4 relative (it meets the
+    target); 1e-3 when even that little noise does.
+    Raises: ValueError when no sigma <= MAX_NOISE_MULTIPLIER keeps the target (the ledger
+    already spent the budget)."""
+    floor = 1e-3
+
+    def spent(sigma):
+        acc = PrivacyAccountant(accountant)
+        acc.load_state_dict({"accountant": accountant, "history": history})
+        acc.step(sigma, sample_rate, steps)
+        return acc.get_epsilon(delta)
+
+    hi = min(max(float(guess), floor), MAX_NOISE_MULTIPLIER)
+    if spent(hi) > epsilon:  # go up: lo spends too much
+        lo = hi
+        while True:
+            hi = min(lo * 2.0, MAX_NOISE_MULTIPLIER)
+            if spent(hi) <= epsilon:
+                break
+            if hi >= MAX_NOISE_MULTIPLIER:
+                raise ValueError(
+                    f"the checkpoint already spent the budget: no noise multiplier <= "
+                    f"{MAX_NOISE_MULTIPLIER:g} keeps {steps} more steps within "
+                    f"epsilon={epsilon:g}"
+                )
+            lo = hi
+    else:  # go down: hi meets the target
+        while True:
+            lo = max(hi / 2.0, floor)
+            if spent(lo) > epsilon:
+                break
+            if lo <= floor:
+                return floor
+            hi = lo
+    while hi / lo > 1 + 1e-4:  # spent(lo) > epsilon >= spent(hi)
+        mid = math.sqrt(lo * hi)
+        lo, hi = (lo, mid) if spent(mid) <= epsilon else (mid, hi)
+    return hi

@@ -11,7 +11,11 @@ from __future__ import annotations
 import hashlib
 import os
 
-__all__ = ["NoiseKey", "key_fingerprint", "reveal", "secure_key"]
+__all__ = ["NOT_PRIVATE", "NoiseKey", "key_fingerprint", "reveal", "secure_key"]
+
+#: What every output of a run whose noise key is known (a seeded key) says in place of an
+#: epsilon claim: whoever knows the key can subtract the noise.
+NOT_PRIVATE = "not private: the noise key is known"
 
 
 class NoiseKey:

@@ -285,3 +285,17 @@ def test_epsilon_curve(kind):
     assert A.PrivacyAccountant(kind).epsilon_curve(deltas) == [0.0] * 4
     with pytest.raises(ValueError, match="delta"):
         acc.epsilon_curve([1e-5, 1.5])
+
+
+@pytest.mark.parametrize("guess", [0.01, 2.0, 300.0])
+def test_calibrate_extension_meets_the_target_from_any_guess(guess):
+    """A ledger of 10 steps at sigma 2 and the target that 20 such steps spend: 10 more
+    steps need sigma 2 again, whether the bracket starts below, at or above it."""
+    from dpkern.accounting import calibrate_extension, get_epsilon
+
+    q, delta = 0.05, 1e-3
+    target = get_epsilon(2.0, q, 20, delta)
+    sigma = calibrate_extension([[2.0, q, 10]], q, 10, target, delta, "rdp", guess=guess)
+    assert sigma == pytest.approx(2.0, rel=2e-4) and get_epsilon(sigma, q, 20, delta) <= target
+    with pytest.raises(ValueError, match="already spent the budget"):
+        calibrate_extension([[0.5, q, 10]], q, 10, 0.5 * target, delta, "rdp", guess=guess)

@@ -369,7 +369,7 @@ def test_a_resumed_calibrated_run_keeps_sigma_or_recalibrates_the_rest(tmp_path,
     tr = trainer(hf_tiny.build("llama").model, tmp_path, data, priv, max_steps=20)
     tr._resume_record = rec
     monkeypatch.setattr(hft, "get_noise_multiplier", refuse)
-    monkeypatch.setattr(hft, "_calibrate_extension", refuse)
+    monkeypatch.setattr(hft, "calibrate_extension", refuse)
     assert tr._calibrate()["noise_multiplier"] == 2.0 and tr.accountant.steps == 10
     monkeypatch.undo()
     tr = trainer(hf_tiny.build("llama").model, tmp_path, data, priv, max_steps=20)

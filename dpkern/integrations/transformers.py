@@ -83,7 +83,12 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from .. import optim, rules
-from ..accounting import MAX_NOISE_MULTIPLIER, PrivacyAccountant, get_noise_multiplier
+from ..keys import NOT_PRIVATE
+from ..accounting import (
+    PrivacyAccountant,
+    calibrate_extension,
+    get_noise_multiplier,
+)
 from ..ghost import GhostClipping
 from ..models import per_sample_causal_lm_loss
 from ..sampling import PoissonBatchSampler
@@ -101,7 +106,6 @@ __all__ = [
 ]
 
 #: What a run with a known noise key says in place of an epsilon claim.
-NOT_PRIVATE = "not private: the noise key is known"
 #: The privacy record written into every checkpoint directory.
 PRIVACY_FILE = "dpkern_privacy.json"
 
@@ -333,52 +337,6 @@ def _row_chunks(inputs, rows: int, size: int):
             else v
             for k, v in inputs.items()
         }
-
-
-def _calibrate_extension(history, q, steps, epsilon, delta, kind, guess: float = 1.0) -> float:
-    """The sigma for ``steps`` more steps at rate q such that ``history`` plus them spends
-    at most ``epsilon`` at ``delta``: a bracket doubled from ``guess`` (the checkpoint's
-    sigma), then geometric bisection to 1e-4 relative (the returned sigma is the upper
-    end: it meets the target).
-
-    Raises: ValueError when no sigma <= MAX_NOISE_MULTIPLIER keeps the target."""
-    floor = 1e-3
-
-    def spent(sigma):
-        acc = PrivacyAccountant(kind)
-        acc.load_state_dict({"accountant": kind, "history": history})
-        acc.step(sigma, q, steps)
-        return acc.get_epsilon(delta)
-
-    def too_small():
-        return ValueError(
-            f"the checkpoint already spent the budget: no noise multiplier <= "
-            f"{MAX_NOISE_MULTIPLIER:g} keeps {steps} more steps within "
-            f"target_epsilon={epsilon:g}"
-        )
-
-    hi = min(max(float(guess), floor), MAX_NOISE_MULTIPLIER)
-    if spent(hi) > epsilon:  # go up: lo spends too much
-        lo = hi
-        while True:
-            hi = min(lo * 2.0, MAX_NOISE_MULTIPLIER)
-            if spent(hi) <= epsilon:
-                break
-            if hi >= MAX_NOISE_MULTIPLIER:
-                raise too_small()
-            lo = hi
-    else:  # go down: hi meets the target
-        while True:
-            lo = max(hi / 2.0, floor)
-            if spent(lo) > epsilon:
-                break
-            if lo <= floor:
-                return floor
-            hi = lo
-    while hi / lo > 1 + 1e-4:  # spent(lo) > epsilon >= spent(hi)
-        mid = math.sqrt(lo * hi)
-        lo, hi = (lo, mid) if spent(mid) <= epsilon else (mid, hi)
-    return hi
 
 
 def _optimizer_name(args) -> str:
@@ -633,7 +591,7 @@ class DPTrainer(Trainer):
             if same:
                 sigma = float(rec["noise_multiplier"])  # an interrupted run: the same plan
             else:
-                sigma = _calibrate_extension(
+                sigma = calibrate_extension(
                     acc.history,
                     q,
                     steps - done,

@@ -369,7 +369,13 @@ def prepare(args) -> Job:
             sigma = float(saved["noise_multiplier"])  # an interrupted run: same plan
         else:
             sigma = calibrate_extension(
-                accountant.history, q, steps - done, plan.epsilon, delta, plan.accountant
+                accountant.history,
+                q,
+                steps - done,
+                plan.epsilon,
+                delta,
+                plan.accountant,
+                guess=float(saved["noise_multiplier"]),
             )
     plan.steps, plan.epochs = steps, None
     plan.n_train, plan.n_val, plan.sample_rate = n_blocks, val.shape[0], q

@@ -5,7 +5,6 @@ of the expected batch and of delta against the data."""
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +14,7 @@ from .options import DEFAULTS, PLAN_OPTIONS
 
 
 #: What every output of a run with --noise-seed says in place of an epsilon claim.
-NOT_PRIVATE = "not private: the noise key is known"
+from ...keys import NOT_PRIVATE
 
 
 @dataclass
@@ -179,33 +178,14 @@ def check_units(plan: Plan) -> None:
         )
 
 
-def calibrate_extension(
-    history, sample_rate: float, steps: int, epsilon: float, delta: float, accountant: str
-) -> float:
-    """The noise multiplier for ``steps`` more steps such that the whole history plus them
-    spends at most ``epsilon`` (geometric bisection on the PrivacyAccountant, to 1e-4)."""
-    from ...accounting import MAX_NOISE_MULTIPLIER, PrivacyAccountant
+def calibrate_extension(history, sample_rate, steps, epsilon, delta, accountant, guess):
+    """:func:`dpkern.accounting.calibrate_extension`, its refusal as a --epsilon error."""
+    from ...accounting import calibrate_extension as calibrate
 
-    def spent(sigma):
-        acc = PrivacyAccountant(accountant)
-        acc.load_state_dict({"accountant": accountant, "history": history})
-        acc.step(sigma, sample_rate, steps)
-        return acc.get_epsilon(delta)
-
-    if spent(MAX_NOISE_MULTIPLIER) > epsilon:
-        raise UsageError(
-            "--epsilon",
-            f"the checkpoint already spent the budget: no noise "
-            f"multiplier <= {MAX_NOISE_MULTIPLIER:g} keeps {steps} more steps "
-            f"within epsilon={epsilon:g}",
-        )
-    lo, hi = 1e-3, MAX_NOISE_MULTIPLIER
-    if spent(lo) <= epsilon:
-        return lo
-    while hi / lo > 1 + 1e-4:
-        mid = math.sqrt(lo * hi)
-        lo, hi = (lo, mid) if spent(mid) <= epsilon else (mid, hi)
-    return hi
+    try:
+        return calibrate(history, sample_rate, steps, epsilon, delta, accountant, guess=guess)
+    except ValueError as exc:
+        raise UsageError("--epsilon", str(exc)) from None
 
 
 def check_batch_fits(plan: Plan, n: int, n_tokens: int, block_size_given: bool) -> None:
