@@ -19,7 +19,15 @@
 
 namespace dpk {
 
-enum Rule : int { SGD = 0, ADAM = 1, ADAM_BC = 2, ADAMW = 3, ADAMW_BC = 4, MACADAM = 5 };
+// One line per rule (codes are private to the build; Python looks them up by name).
+enum Rule : int {
+  SGD = 0,
+  ADAM = 1,
+  ADAM_BC = 2,
+  ADAMW = 3,
+  ADAMW_BC = 4,
+  MACADAM = 5,
+};
 // DP-MacAdam's variance term u (variance_estimate).
 enum Variance : int { UNBIASED = 0, PAPER = 1, CODE = 2 };
 
@@ -28,13 +36,25 @@ struct Named {
   int code;
 };
 // The registry's names (dpkern.rules.RuleSpec.name) of the rules implemented here.
-inline constexpr Named RULE_NAMES[] = {{"sgd", SGD},       {"adam", ADAM},         {"adam_bc", ADAM_BC},
-                                {"adamw", ADAMW},   {"adamw_bc", ADAMW_BC}, {"macadam", MACADAM}};
+inline constexpr Named RULE_NAMES[] = {
+    {"sgd", SGD},
+    {"adam", ADAM},
+    {"adam_bc", ADAM_BC},
+    {"adamw", ADAMW},
+    {"adamw_bc", ADAMW_BC},
+    {"macadam", MACADAM},
+};
 inline constexpr Named VARIANCE_NAMES[] = {{"unbiased", UNBIASED}, {"paper", PAPER}, {"code", CODE}};
 
 // The slots of Param::state the update functions use, by state name, and each rule's
 // states in slot order (the names are the registry's, checked at import by cpp.py).
-enum Slot : int { MOMENTUM_BUFFER = 0, EXP_AVG = 0, EXP_AVG_SQ = 1, EXP_VAR = 2, SCALE = 3 };
+enum Slot : int {
+  MOMENTUM_BUFFER = 0,
+  EXP_AVG = 0,
+  EXP_AVG_SQ = 1,
+  EXP_VAR = 2,
+  SCALE = 3,
+};
 struct RuleStates {
   int rule;
   const char* names[MAX_STATES];
@@ -50,9 +70,19 @@ inline constexpr RuleStates RULE_STATES[] = {
 
 // The float and bool fields of the dpkern.hyper dataclasses (name, default), read from the
 // Python dict by name. A new rule's hyper-parameters are added here.
-#define DPK_HYPER_FIELDS(X)                                                             \
-  X(lr, 0.0) X(momentum, 0.0) X(dampening, 0.0) X(weight_decay, 0.0) X(nesterov, false) \
-  X(beta1, 0.9) X(beta2, 0.999) X(eps, 1e-8) X(gamma, 1e-8) X(h1, 1e-9) X(h2, 1e-6)
+// One field per line.
+#define DPK_HYPER_FIELDS(X) \
+  X(lr, 0.0)                \
+  X(momentum, 0.0)          \
+  X(dampening, 0.0)         \
+  X(weight_decay, 0.0)      \
+  X(nesterov, false)        \
+  X(beta1, 0.9)             \
+  X(beta2, 0.999)           \
+  X(eps, 1e-8)              \
+  X(gamma, 1e-8)            \
+  X(h1, 1e-9)               \
+  X(h2, 1e-6)
 
 // The hyper-parameters of one update rule (dpkern.hyper), as Python doubles.
 struct Hyper {

@@ -160,7 +160,14 @@ class MacAdamHyper(_AdamBase):
             )
 
 
-Hyper = Union[SGDHyper, AdamHyper, AdamBCHyper, AdamWHyper, AdamWBCHyper, MacAdamHyper]
+Hyper = Union[  # noqa: UP007 (one member per line)
+    SGDHyper,
+    AdamHyper,
+    AdamBCHyper,
+    AdamWHyper,
+    AdamWBCHyper,
+    MacAdamHyper,
+]
 
 
 def __getattr__(name):

@@ -56,6 +56,7 @@ __all__ = [
     "RULES",
     "RuleSpec",
     "StateSpec",
+    "adam_noise_var_ema",
     "by_cli_name",
     "get",
     "macadam_kappa",
@@ -147,9 +148,14 @@ class RuleSpec:
         states: its optimizer states, kernel states in the order backends receive them.
         decoupled_decay: weight decay p <- p (1 - lr wd) before the update (AdamW), not
             coupled into the gradient.
-        noise_bias_correction: the second moment is corrected for the noise variance
+        noise_bias_correction: the second moment can be corrected for the noise variance
             (DP-AdamBC's phi, SPEC 5.3): the front-end keeps ``noise_var_avg`` and passes
-            phi_t to the backends as ``DPStep.noise_var_avg``.
+            phi_t to the backends as ``DPStep.noise_var_avg``. For a rule whose hyper
+            class has a ``noise_bias_correction`` field the correction is that field
+            (:meth:`corrects`); otherwise it is always on.
+        noise_var_ema: ``(hyper, phi_prev, Phi_t, t) -> phi_t``, the rule's recursion of
+            phi from the noise variance Phi_t = (sigma_t C / B_e)^2 in force at its step t
+            (SPEC 5.3 for the Adam form); required with ``noise_bias_correction``.
         whitening: per-sample gradients are whitened before clipping (DP-MacAdam, SPEC 7):
             no ``max_grad_norm`` (the bound is 1), noise std sigma, pass 1 through
             ``whitened_norms`` and a global scale update (``macadam_update_scale``) after
@@ -176,6 +182,9 @@ class RuleSpec:
     lr_grid: tuple[float, ...] = ()
     section: str = ""
     source: str = ""
+    noise_var_ema: Callable[[Hyper, float, float, int], float] | None = field(
+        default=None, compare=False
+    )
 
     def __post_init__(self):
         if not self.name.isidentifier():
@@ -195,6 +204,8 @@ class RuleSpec:
             )
         if self.noise_bias_correction and not self.second_moment:
             raise ValueError(f"rule {self.name!r}: noise_bias_correction needs a second moment")
+        if self.noise_bias_correction and self.noise_var_ema is None:
+            raise ValueError(f"rule {self.name!r}: noise_bias_correction needs noise_var_ema")
 
     # -- derived views -------------------------------------------------------------------
     @property
@@ -227,6 +238,19 @@ class RuleSpec:
             if s.name == name:
                 return s
         raise KeyError(f"rule {self.name!r} has no state {name!r}")
+
+    def corrects(self, hyper: Hyper) -> bool:
+        """Whether this group's update corrects its second moment for the noise variance
+        (keeps phi): the rule can, and its hyper-parameters' ``noise_bias_correction``
+        (where the dataclass has that field) is on."""
+        return self.noise_bias_correction and bool(getattr(hyper, "noise_bias_correction", True))
+
+    def next_noise_var(self, hyper: Hyper, prev: float, noise_var: float, t: int) -> float:
+        """phi_t from phi_{t-1} = ``prev`` and Phi_t = ``noise_var`` at the rule's step t
+        (0.0 when the group does not correct)."""
+        if not self.corrects(hyper):
+            return 0.0
+        return float(self.noise_var_ema(hyper, prev, noise_var, t))
 
     def needed_states(self, hyper: Hyper) -> tuple[str, ...]:
         """The states this group's hyper-parameters use (the others are never allocated)."""
@@ -299,6 +323,14 @@ _MOMENTS = (
     StateSpec("exp_avg_sq", domain="nonnegative"),
 )
 _PHI = StateSpec("noise_var_avg", SCALAR, domain="nonnegative", kernel=False)
+
+
+def adam_noise_var_ema(hyper: Hyper, prev: float, noise_var: float, t: int) -> float:
+    """The Adam form (SPEC 5.3): phi_t = beta2 phi_{t-1} + (1 - beta2) Phi_t, bias-corrected
+    by the update like v. Python floats (double)."""
+    return hyper.beta2 * prev + (1 - hyper.beta2) * noise_var
+
+
 _SMALL_LRS = (1e-3, 3e-3, 1e-2, 3e-2)
 _BC_LRS = (1e-5, 3e-5, 1e-4, 3e-4)
 
@@ -342,6 +374,7 @@ register(
         lr_grid=_BC_LRS,
         section="5.3",
         source="Tang et al., AAAI 2024, arXiv 2312.14334, Algorithm 1",
+        noise_var_ema=adam_noise_var_ema,
     )
 )
 register(
@@ -373,6 +406,7 @@ register(
         lr_grid=_BC_LRS,
         section="5.5",
         source="arXiv 2511.07843, Algorithm 2",
+        noise_var_ema=adam_noise_var_ema,
     )
 )
 register(

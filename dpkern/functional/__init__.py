@@ -45,6 +45,7 @@ from .groups import (
     check_privacy,
     clip_and_check,
     dp_step_groups,
+    noise_var,
     noise_var_ema,
     prepare_step,
 )
@@ -73,6 +74,7 @@ __all__ = [
     "dp_step",
     "dp_step_groups",
     "gaussian_noise",
+    "noise_var",
     "noise_var_ema",
     "per_sample_norms",
     "prepare_step",

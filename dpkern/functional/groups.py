@@ -294,6 +294,13 @@ def apply_step(
             )
 
 
+def noise_var(max_grad_norm: float, noise_multiplier: float, expected_batch_size: float) -> float:
+    """Phi = (sigma C / B_e)^2: the variance of the Gaussian noise in each coordinate of
+    g_hat = (S + sigma C z) / B_e (SPEC 5.3), with sigma the noise multiplier in force at
+    the step. Python float (double)."""
+    return (noise_multiplier * max_grad_norm / expected_batch_size) ** 2
+
+
 def noise_var_ema(
     prev: float,
     *,
@@ -305,8 +312,9 @@ def noise_var_ema(
     """phi_t = beta2 phi_{t-1} + (1 - beta2) Phi_t, Phi_t = (sigma C / B_e)^2: the EMA of
     the noise variance in each coordinate of g_hat that DP-AdamBC / DP-AdamW-BC remove from
     the second moment (SPEC 5.3; Tang et al., arXiv 2312.14334). Python floats (double)."""
-    Phi = (noise_multiplier * max_grad_norm / expected_batch_size) ** 2
-    return beta2 * prev + (1 - beta2) * Phi
+    return beta2 * prev + (1 - beta2) * noise_var(
+        max_grad_norm, noise_multiplier, expected_batch_size
+    )
 
 
 def check_privacy(

@@ -375,7 +375,7 @@ class DPOptimizer(torch.optim.Optimizer):
                         b["states"],
                         b["offsets"],
                         b["names"],
-                        self._noise_var_avg(hyper, phi_prev),
+                        self._noise_var_avg(hyper, phi_prev, t_p),
                         step=t_p,
                     )
                 )
@@ -455,17 +455,13 @@ class DPOptimizer(torch.optim.Optimizer):
         phi = state.get("noise_var_avg")
         return 0.0 if phi is None else float(phi)
 
-    def _noise_var_avg(self, hyper: Hyper, prev: float) -> float:
-        """phi_t from the parameter's phi_{t-1} (SPEC 5.3), for the rules that keep it."""
-        if not self.rule.noise_bias_correction:
+    def _noise_var_avg(self, hyper: Hyper, prev: float, t: int) -> float:
+        """phi_t from the parameter's phi_{t-1} at its step t, by the rule's recursion
+        (``RuleSpec.noise_var_ema``), for the groups that correct (0.0 otherwise)."""
+        if not self.rule.corrects(hyper):
             return 0.0
-        return F.noise_var_ema(
-            prev,
-            beta2=hyper.beta2,
-            max_grad_norm=self.max_grad_norm,
-            noise_multiplier=self.noise_multiplier,
-            expected_batch_size=self.expected_batch_size,
-        )
+        noise_var = F.noise_var(self.max_grad_norm, self.noise_multiplier, self.expected_batch_size)
+        return self.rule.next_noise_var(hyper, prev, noise_var, t)
 
     def _check_state_shape(self, name: str, value: Tensor, shape) -> None:
         """A loaded state's shape: as its StateSpec says for the parameter (shard); other
