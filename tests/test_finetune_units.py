@@ -7,6 +7,8 @@ import json
 import random
 
 import pytest
+
+from dpkern.accounting import get_noise_multiplier, overflow_delta
 import torch
 
 from dpkern.cli.__main__ import main
@@ -121,11 +123,22 @@ def test_fixed_shape_run_charges_truncation_and_resumes(text_file, tmp_path):
     assert finetune(*argv, "--steps", 3, "--out", out, "--epsilon-curve", *TINY) == 0
     m = read_metrics(out)
     assert m["max_batch_size"] == 60 and 0 < m["batch_overflow_probability"] < 1e-12
-    want = m["target_delta"] + m["delta_noise_tail"] + m["delta_batch_truncation"]
+    want = m["delta_mechanism"] + m["delta_noise_tail"] + m["delta_batch_truncation"]
     assert m["delta"] == pytest.approx(want, rel=1e-12) and m["delta_batch_truncation"] > 0
+    # sigma was calibrated for what the truncation leaves: the total stays within the
+    # target (the noise tail, ~1e-16 relative, is reported on top)
+    assert m["delta_mechanism"] < m["target_delta"]
+    assert m["delta"] <= m["target_delta"] + m["delta_noise_tail"]
+    eps_t = m["target_epsilon"]
+    charge = overflow_delta(m["steps"] * m["batch_overflow_probability"], eps_t)
+    assert m["delta_mechanism"] == pytest.approx(m["target_delta"] - charge, rel=1e-12)
+    sigma = get_noise_multiplier(
+        eps_t, m["delta_mechanism"], m["sample_rate"], m["steps"], m["accountant"]
+    )
+    assert m["noise_multiplier"] == pytest.approx(sigma, rel=1e-12)
     curve = m["epsilon_curve"]
     assert [c["delta"] for c in curve] == sorted(c["delta"] for c in curve)
-    assert any(c["delta"] == m["target_delta"] and c["epsilon"] == m["epsilon"] for c in curve)
+    assert any(c["delta"] == m["delta_mechanism"] and c["epsilon"] == m["epsilon"] for c in curve)
     assert finetune("--resume", out, "--steps", 4, "--quiet") == 0
     assert read_metrics(out)["step"] == 4
 

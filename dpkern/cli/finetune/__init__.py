@@ -24,7 +24,9 @@ document or user. The summary and metrics.json name the unit and the number of u
 Fixed shapes (--max-batch-size B_MAX): each Poisson batch is truncated to B_MAX blocks
 (whole units, in a random order) and padded to B_MAX; the padding is masked out of the
 losses, the norms and the counts. The accountant adds (1 + e^epsilon) * T * P[a batch
-exceeds B_MAX] to delta and metrics.json reports it (delta_batch_truncation); a B_MAX
+exceeds B_MAX] to delta and metrics.json reports it (delta_batch_truncation); sigma is
+calibrated for the target delta less that charge (delta_mechanism), so the total stays
+within the target; a B_MAX
 below the expected batch, or one whose truncation would cost more than a tenth of
 delta, is refused. Losses shown on the progress bar and saved in metrics.json are computed
 on the private data without noise: they are for the operator, not for publication. No

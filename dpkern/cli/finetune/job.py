@@ -34,7 +34,9 @@ class Job:
     """What one run trains with, built by :func:`prepare` (every check passed). ``out``
     is None on ranks that do not write; ``done``: steps already taken (a resumed run);
     ``steps``: the total at the end; ``micro``: the micro-batch size; ``delta``: the
-    target delta; ``numel``: trainable parameters; ``old_metrics``: the resumed
+    Gaussian mechanism's delta, sigma's calibration target (the target delta less the
+    fixed-shape truncation's charge at the target epsilon, so the reported total stays
+    within the target); ``target_delta``: the user's delta; ``numel``: trainable parameters; ``old_metrics``: the resumed
     checkpoint's metrics.json ({} for a new run); ``units``: None (each block its own
     privacy unit) or int64 ``[len(train)]``, the unit of each training block (0 .. U-1)."""
 
@@ -57,6 +59,7 @@ class Job:
     device: torch.device
     old_metrics: dict
     units: torch.Tensor | None = None
+    target_delta: float | None = None
 
 
 def load_model(plan: Plan, args):
@@ -348,8 +351,15 @@ def prepare(args) -> Job:
     )
     done = int(trainer_state["step"]) if trainer_state else 0
 
-    from ...accounting import PrivacyAccountant, get_noise_multiplier
+    from ...accounting import PrivacyAccountant, get_noise_multiplier, overflow_delta
 
+    target_delta = delta
+    if plan.max_batch_size is not None:
+        # Fixed shapes cost (1 + e^eps) sum_t P_t[overflow] in delta (at most a tenth of
+        # it): sigma is calibrated for what is left, so the reported total stays within.
+        plan.sample_rate = q
+        plan.batch_overflow_probability = _fixed_shape(plan, n_blocks, units, steps, delta)
+        delta -= overflow_delta(steps * plan.batch_overflow_probability, plan.epsilon)
     accountant = PrivacyAccountant(plan.accountant)
     if trainer_state:
         accountant.load_state_dict(trainer_state["accountant"])
@@ -381,8 +391,6 @@ def prepare(args) -> Job:
     plan.n_train, plan.n_val, plan.sample_rate = n_blocks, val.shape[0], q
     plan.noise_multiplier, plan.n_units = sigma, n
     plan.tokenizer = "bytes" if tokenizer is None else "hf"
-    if plan.max_batch_size is not None:
-        plan.batch_overflow_probability = _fixed_shape(plan, n_blocks, units, steps, delta)
 
     model.to(device)
     net = models.CausalLMLogits(model, explicit_positions=args.grad_sample == "opacus")
@@ -420,6 +428,7 @@ def prepare(args) -> Job:
         steps=steps,
         micro=micro,
         delta=delta,
+        target_delta=target_delta,
         numel=numel,
         device=device,
         old_metrics=old_metrics or {},
