@@ -1,6 +1,6 @@
 """Ghost clipping in the benchmark report: per-layer norms and the end-to-end DP step.
 
-    python -m bench.ghost                  # this part alone (~1.5-2 min on a 2-core CPU)
+    python -m bench.ghost                  # this part alone (~2-3 min on a 2-core CPU)
     python -m bench.report --ghost         # the same, inside the full report
     python -m bench.ghost --models llama   # the end-to-end step of one model only
 

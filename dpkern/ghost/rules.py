@@ -113,7 +113,8 @@ def _addmm(fa, args, kwargs):
         if w is not None:
             out.append(_outer(w, ins[1], G, alpha))
         if b is not None:
-            out.append(_rows(b, reduce_rows(G, b.shape or b.param.shape) * beta))
+            rows = reduce_rows(G, b.shape or b.param.shape)
+            out.append(_rows(b, rows * beta if beta != 1 else rows))
         return out
 
     return fn
