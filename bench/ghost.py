@@ -1,6 +1,6 @@
 """Ghost clipping in the benchmark report: per-layer norms and the end-to-end DP step.
 
-    python -m bench.ghost                  # this part alone (~1.5-2 min on a 2-core CPU)
+    python -m bench.ghost                  # this part alone (~2-3 min on a 2-core CPU)
     python -m bench.report --ghost         # the same, inside the full report
     python -m bench.ghost --models llama   # the end-to-end step of one model only
 
@@ -69,7 +69,8 @@ reporting medians, as :mod:`bench.report` does:
 
    Reported: median ms, ratio = candidate / non-private (1.0 = free privacy), and the peak
    extra memory of one step (the report's ``peak_extra_bytes``: CPU peak-RSS delta,
-   CUDA ``max_memory_allocated`` delta), measured after all timings.
+   CUDA ``max_memory_allocated`` delta), measured after all timings, on CPU in a fresh
+   process (:mod:`bench.ghost_memory`).
 
    The ghost candidate is timed with ``verify="off"`` (the steady state). The one-time
    first-step check of the default ``verify="first"`` (:mod:`dpkern.ghost.verify`: exact
@@ -113,7 +114,6 @@ from .harness import (
     load_average,
     machine_info,
     peak_extra_bytes,
-    pin_malloc_threshold,
     time_alternating,
     write_csv,
 )
@@ -615,9 +615,9 @@ def measure(
     ``models``: the e2e models (:data:`E2E_MODELS` names), each on every block and batch;
     ``model_kw``: {model name: its builder's shape arguments} (e.g. tiny models in tests).
 
-    Memory (``memory=True``) is measured after all timings; on CPU that pins glibc's
-    mmap threshold for the rest of the process (see ``bench.report.pin_malloc_threshold``),
-    so run other timings before this. Raises AssertionError when a layer candidate's norms
+    Memory (``memory=True``) is measured after all timings: on CPU in a fresh process
+    (:mod:`bench.ghost_memory`: this process's heap after the timings inflates RSS peaks),
+    on CUDA in this one. Raises AssertionError when a layer candidate's norms
     disagree with the Gram path, ValueError for an unknown model name."""
     device = torch.device(device)
     started = time.perf_counter()
@@ -683,21 +683,18 @@ def measure(
     layer_peaks = [{} for _ in layer_meds]
     e2e_peaks = [{} for _ in e2e_meds]
     if memory:
-        if device.type == "cpu":
-            pin_malloc_threshold()
-        for i, (case, _) in enumerate(layer_meds):
-            layer_peaks[i] = _peaks(layer_candidates(case, device), device)
-        for i, (model, block, batch, *_) in enumerate(e2e_meds):
-            cands, _, _ = e2e_candidates(
-                block,
-                batch,
-                device,
-                sigma=sigma,
-                clip=clip,
-                model_kw=model_kw.get(model),
-                model=model,
-            )
-            e2e_peaks[i] = _peaks(cands, device)
+        from .ghost_memory import peaks
+
+        layer_peaks, e2e_peaks, note = peaks(
+            [c for c, _ in layer_meds],
+            [(mo, b, n) for mo, b, n, *_ in e2e_meds],
+            device,
+            sigma=sigma,
+            clip=clip,
+            model_kw=model_kw,
+        )
+        if note:
+            notes.append(note)
         say(f"ghost: peak memory measured [{time.perf_counter() - started:.0f}s so far]")
     peak_of = {("layer", c.B, c.T, c.d, c.p): pk for (c, _), pk in zip(layer_meds, layer_peaks)}
     peak_of.update({("e2e", mo, b, n): pk for (mo, b, n, *_), pk in zip(e2e_meds, e2e_peaks)})

@@ -223,3 +223,29 @@ def test_report_runs_the_ghost_part_by_default(tmp_path, monkeypatch):
     assert GB.markdown(res["ghost"]) in md and "non-private ms" in md
     assert (tmp_path / "ghost_e2e.csv").exists()
     assert json.loads((tmp_path / "results.json").read_text())["ghost"]["e2e"][0]["batch"] == 2
+
+
+def test_memory_is_measured_in_a_fresh_process():
+    """CPU peaks come from a child process (bench.ghost_memory) that pins the allocator
+    before building anything; every candidate gets a peak and no fallback note."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        res = GB.measure(
+            "cpu",
+            layers=["2x4x16x16"],
+            blocks=[8],
+            batches=[2],
+            repeats=1,
+            warmup=0,
+            model_kw=TINY_KW,
+            models=("gpt2",),
+        )
+    finally:
+        torch.set_num_threads(threads)
+    assert not any("peak memory measured after" in n for n in res["notes"]), res["notes"]
+    (row,) = res["e2e"]
+    for key in ("nonprivate", "ghost", "ghost_gram", "per_sample"):
+        assert isinstance(row[f"{key}_peak_bytes"], int) and row[f"{key}_peak_bytes"] >= 0
+    assert res["layers"][0]["gram_peak_bytes"] is not None
+    assert all("peak_extra_bytes" in t for t in res["timings"])

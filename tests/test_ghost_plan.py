@@ -159,3 +159,36 @@ def test_budget_is_respected_largest_saving_per_byte_first():
     assert one[max(range(2), key=lambda k: saving[k])]
     assert plan_routes(params, [[], uses[1]], B) == [False, True]  # unused: no route
     assert plan_routes(params, uses, 0) == [False, False]  # B = 0
+
+
+def test_layer_norm_rows_from_the_forwards_statistics():
+    """The LayerNorm rule takes mean and rstd from the forward (autograd's saved outputs
+    of native_layer_norm) instead of normalizing again: the same rows as recomputing,
+    also bias-only (no x_hat at all) and through a flattened [B*T, d] input."""
+    from dpkern.ghost.norms import layer_norm_rows
+    from dpkern.ghost.rules import _layer_norm_stats
+
+    torch.manual_seed(case_seed(41))
+    x = torch.randn(3, 5, 8) * 3 + 1
+    w = torch.randn(8, requires_grad=True)
+    b = torch.randn(8, requires_grad=True)
+    g = torch.randn(3, 5, 8)
+    out = nn.functional.layer_norm(x, (8,), w, b, 1e-5)
+    stats = _layer_norm_stats(out)
+    assert stats is not None and stats[0].shape == stats[1].shape
+    ref = layer_norm_rows(x, g, (8,), 1e-5, True)
+    got = layer_norm_rows(x, g, (8,), 1e-5, True, stats=stats)
+    want_w = torch.einsum("btd,btd->bd", g, nn.functional.layer_norm(x, (8,), eps=1e-5))
+    for r, s in zip(ref, got):
+        torch.testing.assert_close(s, r, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[0], want_w, rtol=1e-5, atol=1e-6)
+    wr, br = layer_norm_rows(x, g, (8,), 1e-5, True, has_weight=False, stats=stats)
+    assert wr is None
+    torch.testing.assert_close(br, g.sum(1))
+    # flattened input, [B*T] statistics: matched by size, reshaped to the samples
+    flat = layer_norm_rows(x, g, (8,), 1e-5, True, stats=tuple(t.reshape(15, 1) for t in stats))
+    torch.testing.assert_close(flat[0], ref[0], rtol=1e-5, atol=1e-6)
+    # statistics of another shape are not used
+    odd = layer_norm_rows(x, g, (8,), 1e-5, True, stats=(torch.zeros(4), torch.zeros(4)))
+    torch.testing.assert_close(odd[0], ref[0])
+    assert _layer_norm_stats(out.detach() * 2) is None

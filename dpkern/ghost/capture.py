@@ -90,9 +90,10 @@ class _Mode(TorchFunctionMode):
     def __init__(self, capture: "Capture"):
         super().__init__()
         self.cap = capture
+        self._on_op = capture._on_op  # (hot path: one lookup less per torch call)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        return self.cap._on_op(func, args, kwargs or {})
+        return self._on_op(func, args, kwargs or {})
 
 
 @dataclass

@@ -49,6 +49,7 @@ arXiv 2210.00038).
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -240,24 +241,46 @@ def rows_norm_sq(rows: Tensor) -> Tensor:
     return rows.to(acc_dtype(rows)).square().reshape(rows.shape[0], -1).sum(1)
 
 
-def _norm_rows(x_hat: Tensor, g: Tensor, n_norm: int, has_bias: bool):
+def _norm_rows(x_hat: Tensor | None, g: Tensor, n_norm: int, has_bias: bool, dt=None):
     dims = tuple(range(1, g.dim() - n_norm))
-    gf = g.to(x_hat.dtype)
-    w = (gf * x_hat).sum(dims) if dims else gf * x_hat
+    gf = g.to(x_hat.dtype if x_hat is not None else dt)
+    w = None
+    if x_hat is not None:
+        w = (gf * x_hat).sum(dims) if dims else gf * x_hat
     b = (gf.sum(dims) if dims else gf) if has_bias else None
     return w, b
 
 
-def layer_norm_rows(x: Tensor, g: Tensor, normalized_shape, eps: float, has_bias: bool):
+def layer_norm_rows(
+    x: Tensor,
+    g: Tensor,
+    normalized_shape,
+    eps: float,
+    has_bias: bool,
+    *,
+    has_weight: bool = True,
+    stats: tuple[Tensor, Tensor] | None = None,
+):
     """Per-sample gradients of a LayerNorm's weight and bias (Ba et al. 2016).
 
     Args: x the layer's input ``[B, ..., *normalized_shape]``; g its output gradient (same
-    shape). Returns ``(weight_rows, bias_rows or None)``, float32 (float64 if x or g is)
-    ``[B, *normalized_shape]``: ``sum over the non-normalized dims of g * x_hat`` and
-    ``of g``."""
+    shape); has_weight: False when only the bias is wanted (weight_rows is then None);
+    stats: the forward's own ``(mean, rstd)`` (``native_layer_norm``'s second and third
+    outputs, one per normalized row): ``x_hat = (x - mean) * rstd`` is then formed from
+    them instead of normalizing x again. Returns ``(weight_rows, bias_rows or None)``,
+    float32 (float64 if x or g is) ``[B, *normalized_shape]``: ``sum over the
+    non-normalized dims of g * x_hat`` and ``of g``."""
     shape = tuple(normalized_shape)
-    x_hat = torch.nn.functional.layer_norm(x.to(acc_dtype(x, g)), shape, None, None, eps)
-    return _norm_rows(x_hat, g, len(shape), has_bias)
+    dt = acc_dtype(x, g)
+    x_hat = None
+    if has_weight:
+        lead = tuple(x.shape[: x.dim() - len(shape)]) + (1,) * len(shape)
+        if stats is not None and all(t.numel() == math.prod(lead) for t in stats):
+            mean, rstd = (t.to(dt).reshape(lead) for t in stats)
+            x_hat = (x.to(dt) - mean) * rstd
+        else:
+            x_hat = torch.nn.functional.layer_norm(x.to(dt), shape, None, None, eps)
+    return _norm_rows(x_hat, g, len(shape), has_bias, dt)
 
 
 def rms_norm_rows(x: Tensor, g: Tensor, normalized_shape, eps) -> Tensor:

@@ -295,10 +295,10 @@ class Plan:
         """``sum_i c_i g_i`` of every parameter, float32 shaped like it (None: unused);
         samples in ``drop`` (bool ``[B]``) are left out entirely (never multiplied)."""
         out: list[Tensor | None] = [None] * len(self.params)
+        keep = (~drop).nonzero().flatten() if drop is not None else None
         for buf, members in self.blocks:
             cb, rows = c.to(buf.dtype), buf
-            if drop is not None:
-                keep = (~drop).nonzero().flatten()
+            if keep is not None:
                 cb, rows = cb[keep], buf.index_select(0, keep)
             with no_tf32():
                 s = cb @ rows

@@ -113,7 +113,8 @@ def _addmm(fa, args, kwargs):
         if w is not None:
             out.append(_outer(w, ins[1], G, alpha))
         if b is not None:
-            out.append(_rows(b, reduce_rows(G, b.shape or b.param.shape) * beta))
+            rows = reduce_rows(G, b.shape or b.param.shape)
+            out.append(_rows(b, rows * beta if beta != 1 else rows))
         return out
 
     return fn
@@ -162,12 +163,29 @@ def _layer_norm(fa, args, kwargs):
         return None
 
     def fn(G, ins):
-        wr, br = layer_norm_rows(ins[0], G, shape, eps, b is not None)
+        wr, br = layer_norm_rows(
+            ins[0], G, shape, eps, b is not None, has_weight=w is not None, stats=ins[-1]
+        )
         return ([_rows(w, wr)] if w is not None else []) + ([_rows(b, br)] if b is not None else [])
 
-    if w is None:  # bias only: its rows are sum of G (layer_norm_rows gives them)
-        pass
+    fn.stash = _layer_norm_stats
     return fn
+
+
+def _layer_norm_stats(out: Tensor):
+    """The forward's ``(mean, rstd)`` of a layer norm's output, saved by autograd for its
+    own backward (``native_layer_norm`` returns ``(out, mean, rstd)``), or None (another
+    backward node, e.g. a later in-place change or a backend's own kernel)."""
+    node = out.grad_fn
+    if type(node).__name__ != "NativeLayerNormBackward0":
+        return None
+    try:
+        mean, rstd = node._saved_result1, node._saved_result2
+    except (AttributeError, RuntimeError):
+        return None
+    if not (isinstance(mean, Tensor) and isinstance(rstd, Tensor)) or mean.shape != rstd.shape:
+        return None
+    return mean.detach(), rstd.detach()
 
 
 def _rms_norm(fa, args, kwargs):
@@ -295,6 +313,9 @@ def uses_of(rule, func, args, kwargs, out, forms, layouts, B):
     inputs = [
         a.detach() if k == act and isinstance(a, Tensor) else None for k, a in enumerate(args)
     ]
+    stash = getattr(fn, "stash", None)
+    if stash is not None:  # what the rule needs from the forward beyond its arguments
+        inputs.append(stash(out))
     lay = layout_of(layouts, x)
     if lay == UNKNOWN:
         raise ValueError(
