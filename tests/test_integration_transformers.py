@@ -346,7 +346,7 @@ def test_a_resumed_calibrated_run_keeps_sigma_or_recalibrates_the_rest(tmp_path,
     the sigma for the remaining steps such that the whole ledger meets the target; here
     the ledger is 10 steps at sigma 2 and the target what 20 such steps spend, so the
     answer is sigma 2 again."""
-    import dpkern.integrations.transformers as hft
+    import dpkern.integrations.transformers.plan as hft_plan
     from dpkern.accounting import get_epsilon
 
     q, delta = 0.05, 1e-3
@@ -368,8 +368,8 @@ def test_a_resumed_calibrated_run_keeps_sigma_or_recalibrates_the_rest(tmp_path,
 
     tr = trainer(hf_tiny.build("llama").model, tmp_path, data, priv, max_steps=20)
     tr._resume_record = rec
-    monkeypatch.setattr(hft, "get_noise_multiplier", refuse)
-    monkeypatch.setattr(hft, "calibrate_extension", refuse)
+    monkeypatch.setattr(hft_plan, "get_noise_multiplier", refuse)
+    monkeypatch.setattr(hft_plan, "calibrate_extension", refuse)
     assert tr._calibrate()["noise_multiplier"] == 2.0 and tr.accountant.steps == 10
     monkeypatch.undo()
     tr = trainer(hf_tiny.build("llama").model, tmp_path, data, priv, max_steps=20)

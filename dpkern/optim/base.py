@@ -22,7 +22,6 @@ dpkern refuses, and why"):
 from __future__ import annotations
 
 from collections import defaultdict
-from copy import deepcopy
 from typing import Any
 
 import dataclasses
@@ -34,7 +33,6 @@ from torch import Tensor
 from .. import backends
 from .. import functional as F
 from ..guards import (
-    ALREADY_RELEASED,
     DPOPTIMIZER_IS_A_BASE,
     NO_FRESH_GRAD_SAMPLE,
     StepInterrupted,
@@ -45,19 +43,11 @@ from ..hyper import Hyper, check_betas, check_nonnegative, check_positive
 from ..interop import refuse_opacus_wrapper
 from ..keys import NoiseKey, key_fingerprint, secure_key
 from ..rules import PARAM, RuleSpec
-from ..sharding import common_mesh, is_sharded, local_shard
+from ..sharding import common_mesh, local_shard
+from .checkpoint import _check_seed, check_state_shape, validated_state_dict
+from .inputs import check_clipped_sums, consume_grad_samples, grad_sample_of
 
 __all__ = ["DPOptimizer", "key_fingerprint", "secure_key"]
-
-_RELEASED = "_dpkern_released"  # attribute marking a grad_sample tensor already used
-
-
-def _check_seed(seed) -> int | None:
-    if seed is None:
-        return None
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
-        raise ValueError(f"invalid seed={seed!r}: expected None or an int in [0, 2**64)")
-    return seed
 
 
 class _Checked:
@@ -388,35 +378,12 @@ class DPOptimizer(torch.optim.Optimizer):
     def _check_rule_steps(self, groups) -> None:
         """Hook: refuse parameters whose own step differs where the rule cannot have it."""
 
-    @staticmethod
-    def _grad_sample(p: Tensor, name: str) -> Tensor | None:
-        """``p.grad_sample`` as one tensor (Opacus' list of several forward passes is
-        concatenated); refuses a tensor that an earlier step or accumulate() consumed."""
-        gs = getattr(p, "grad_sample", None)
-        parts = list(gs) if isinstance(gs, (list, tuple)) else [gs]
-        for x in parts:
-            if x is not None and not isinstance(x, Tensor):
-                raise ValueError(
-                    f"{name}: grad_sample is a {type(x).__name__}, expected a "
-                    "tensor (or Opacus' list of tensors)"
-                )
-            if x is not None and getattr(x, _RELEASED, False):
-                raise ValueError(ALREADY_RELEASED.format(name=name))
-        if p.grad is not None and p.grad.is_sparse:
-            raise ValueError(f"{name}: sparse gradients are not supported")
-        if isinstance(gs, (list, tuple)):
-            return torch.cat(parts, dim=0) if parts else None
-        return gs
+    #: ``p.grad_sample`` as one tensor, refused once released (:mod:`dpkern.optim.inputs`).
+    _grad_sample = staticmethod(grad_sample_of)
 
     def _consume_grad_samples(self) -> None:
         """Mark every trainable parameter's grad_sample as released and detach it."""
-        for p in self.trainable_params():
-            gs = getattr(p, "grad_sample", None)
-            for x in gs if isinstance(gs, (list, tuple)) else [gs]:
-                if isinstance(x, Tensor):
-                    setattr(x, _RELEASED, True)
-            if gs is not None:
-                p.grad_sample = None
+        consume_grad_samples(self.trainable_params())
 
     def _reduce(self):
         """None for ordinary parameters; for FSDP2 DTensor shards, an in-place SUM over the
@@ -466,18 +433,7 @@ class DPOptimizer(torch.optim.Optimizer):
     def _check_state_shape(self, name: str, value: Tensor, shape) -> None:
         """A loaded state's shape: as its StateSpec says for the parameter (shard); other
         entries (``step``) shaped like the parameter or 0-dim. Raises ValueError."""
-        if name in self.rule.state_names:
-            want = self.rule.state(name).shape_for(shape)
-            if tuple(value.shape) != want:
-                raise ValueError(
-                    f"state {name!r} has shape {tuple(value.shape)}, expected {want} for "
-                    f"the parameter (shard) of shape {tuple(shape)}"
-                )
-        elif value.shape != shape and value.dim() != 0:
-            raise ValueError(
-                f"state {name!r} has shape {tuple(value.shape)}, "
-                f"parameter (shard) has {tuple(shape)}"
-            )
+        check_state_shape(self.rule, name, value, shape)
 
     def _commit(self, groups, owners, new_states) -> None:
         """After a successful step: install new states and advance each parameter's own
@@ -567,32 +523,7 @@ class DPOptimizer(torch.optim.Optimizer):
         Raises: ValueError (wrong count, shape, device, non-finite values); nothing is
         modified when it raises."""
         self._check_can_release()
-        params = self.trainable_params()
-        clipped_sums = list(clipped_sums)
-        if len(clipped_sums) != len(params):
-            raise ValueError(
-                f"accumulate_clipped: {len(clipped_sums)} sums for "
-                f"{len(params)} trainable parameters"
-            )
-        for k, (s, p) in enumerate(zip(clipped_sums, params, strict=True)):
-            if s is None:
-                continue
-            if (
-                not isinstance(s, Tensor)
-                or s.shape != p.shape
-                or s.device != p.device
-                or not s.is_floating_point()
-                or s.is_sparse
-                or is_sharded(s) != is_sharded(p)
-            ):
-                raise ValueError(
-                    f"clipped_sums[{k}]: expected a dense float "
-                    f"{'DTensor' if is_sharded(p) else 'tensor'} of shape "
-                    f"{tuple(p.shape)} on {p.device}"
-                )
-            clipped_sums[k] = s = local_shard(s, f"clipped_sums[{k}]")[0]
-            if not torch.isfinite(s).all():
-                raise ValueError(f"clipped_sums[{k}]: non-finite values")
+        clipped_sums = check_clipped_sums(clipped_sums, self.trainable_params())
         for s, buf in zip(clipped_sums, self.clipped_sum_buffers(), strict=True):
             if s is not None:
                 buf += s.float()
@@ -731,52 +662,7 @@ class DPOptimizer(torch.optim.Optimizer):
             out = pre_hook(self, sd)
             if out is not None:
                 sd = out
-        dp = sd.get("dp")
-        if not isinstance(dp, dict):
-            raise ValueError(
-                f"load_state_dict: not a dpkern optimizer's state_dict (no 'dp' entry): a "
-                f"torch.optim or Opacus DPOptimizer checkpoint cannot be loaded into "
-                f"{type(self).__name__} (its moments were built from other gradients and "
-                "its step counts do not map onto dpkern's noise steps); start the DP "
-                "optimizer fresh, or load a state_dict saved by a dpkern optimizer"
-            )
-        saved_state = sd.get("state", {})
-        saved_groups = deepcopy(sd.get("param_groups", []))
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError("loaded state dict has a different number of parameter groups")
-        id_to_param = {}
-        for saved, group in zip(saved_groups, self.param_groups, strict=True):
-            if len(saved["params"]) != len(group["params"]):
-                raise ValueError(
-                    "loaded state dict contains a parameter group that doesn't "
-                    "match the size of optimizer's group"
-                )
-            self.group_hyper({**group, **{k: v for k, v in saved.items() if k != "params"}})
-            id_to_param.update(zip(saved["params"], group["params"], strict=True))
-        step = dp.get("step", 0)
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"invalid dp step {step!r} in state dict")
-        seed = _check_seed(dp.get("seed"))
-        new_state = {}
-        for pid, st in saved_state.items():
-            if pid not in id_to_param:
-                raise ValueError(f"state of parameter {pid!r} has no parameter in the groups")
-            p = id_to_param[pid]
-            shape = local_shard(p)[0].shape  # this rank's shard for FSDP2 DTensors
-            new_state[p] = {}
-            for name, value in st.items():
-                if isinstance(value, Tensor):
-                    self._check_state_shape(name, value, shape)
-                    device = "cpu" if name == "step" else p.device
-                    value = value.to(device=device, dtype=torch.float32).clone()
-                new_state[p][name] = value
-            if "step" not in new_state[p]:  # format 1: every parameter at the global step
-                new_state[p]["step"] = torch.tensor(float(step), dtype=torch.float32)
-            elif not 0 <= int(new_state[p]["step"]) <= step:
-                raise ValueError(
-                    f"state 'step' {int(new_state[p]['step'])} of parameter "
-                    f"{pid!r} exceeds the dp step {step}"
-                )
+        saved_groups, new_state, step, seed = validated_state_dict(self, sd)
         # validated: now change things
         for saved, group in zip(saved_groups, self.param_groups, strict=True):
             saved["params"] = group["params"]

@@ -1,0 +1,181 @@
+"""The outputs of ``dpkern compare``: the learning rate chosen per cell on the validation
+split, the CSV files, the markdown table and the plot."""
+
+from __future__ import annotations
+
+import csv
+import math
+import statistics
+from pathlib import Path
+
+from .tasks import Task
+
+#: Said in every output: each run's noise key is its seed.
+NOISE_NOTE = (
+    "not private: the noise key is known (each run's noise key is its seed, the "
+    "same for every optimizer; the epsilons are those the runs would spend with a "
+    "secret key)"
+)
+CSV_RUN_FIELDS = (
+    "task",
+    "optimizer",
+    "epsilon",
+    "seed",
+    "lr",
+    "noise_multiplier",
+    "sample_rate",
+    "steps",
+    "epsilon_spent",
+    "delta",
+    "val_metric",
+    "test_metric",
+    "seconds",
+    "cpu_seconds",
+)
+CSV_SUMMARY_FIELDS = (
+    "task",
+    "optimizer",
+    "epsilon",
+    "lr",
+    "seeds",
+    "test_mean",
+    "test_std",
+    "val_mean",
+    "epsilon_spent_max",
+    "noise_multiplier",
+    "steps",
+)
+
+
+def select(rows: list[dict], higher_is_better: bool) -> list[dict]:
+    """Per (optimizer, epsilon): the learning rate with the best mean ``val_metric`` over
+    seeds (ties -> the smaller lr), and the ``test_metric`` mean and std (sample std,
+    ddof=1; 0 for one seed) of the runs at that lr. The test metric plays no part in the
+    choice. Returns rows of :data:`CSV_SUMMARY_FIELDS`, in input order of first appearance."""
+    groups: dict[tuple, dict[float, list[dict]]] = {}
+    for r in rows:
+        groups.setdefault((r["optimizer"], r["epsilon"]), {}).setdefault(r["lr"], []).append(r)
+    sign = 1.0 if higher_is_better else -1.0
+    out = []
+    for (name, eps), by_lr in groups.items():
+
+        def score(lr):
+            vals = [r["val_metric"] for r in by_lr[lr]]
+            mean = statistics.fmean(vals)
+            return (sign * mean if math.isfinite(mean) else -math.inf, -lr)
+
+        lr = max(by_lr, key=score)
+        runs = by_lr[lr]
+        tests = [r["test_metric"] for r in runs]
+        out.append(
+            dict(
+                task=runs[0]["task"],
+                optimizer=name,
+                epsilon=eps,
+                lr=lr,
+                seeds=len(runs),
+                test_mean=statistics.fmean(tests),
+                test_std=statistics.stdev(tests) if len(tests) > 1 else 0.0,
+                val_mean=statistics.fmean(r["val_metric"] for r in runs),
+                epsilon_spent_max=max(r["epsilon_spent"] for r in runs),
+                noise_multiplier=runs[0]["noise_multiplier"],
+                steps=runs[0]["steps"],
+            )
+        )
+    return out
+
+
+def _fmt_time(seconds: float) -> str:
+    return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
+def _fmt_eps(eps: float) -> str:
+    return f"{eps:g}"
+
+
+def markdown_table(summary: list[dict], task: Task, delta: float, header: str = "") -> str:
+    """The papers' table: one row per optimizer, one column per epsilon, cells
+    ``mean ± std`` of the test metric over seeds (best mean per column in bold), then the
+    chosen learning rates and the largest epsilon spent per cell."""
+    names = list(dict.fromkeys(r["optimizer"] for r in summary))
+    epss = sorted({r["epsilon"] for r in summary})
+    cell = {(r["optimizer"], r["epsilon"]): r for r in summary}
+    best = {}
+    for e in epss:
+        means = [cell[n, e]["test_mean"] for n in names if (n, e) in cell]
+        best[e] = max(means) if task.higher_is_better else min(means)
+    lines = [header] if header else []
+    lines += [
+        f"{task.metric}, mean ± std over seeds (lr chosen on the validation split)",
+        "",
+        "| optimizer | " + " | ".join(f"ε = {_fmt_eps(e)}" for e in epss) + " |",
+        "|---|" + "---:|" * len(epss),
+    ]
+    for n in names:
+        cells = []
+        for e in epss:
+            r = cell.get((n, e))
+            if r is None:
+                cells.append("")
+                continue
+            txt = f"{r['test_mean']:.2f} ± {r['test_std']:.2f}"
+            cells.append(f"**{txt}**" if r["test_mean"] == best[e] else txt)
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    lines += ["", f"chosen learning rate / largest ε spent over seeds (δ = {delta:g})", ""]
+    lines += [
+        "| optimizer | " + " | ".join(f"ε = {_fmt_eps(e)}" for e in epss) + " |",
+        "|---|" + "---:|" * len(epss),
+    ]
+    for n in names:
+        cells = [
+            f"{cell[n, e]['lr']:g} / {cell[n, e]['epsilon_spent_max']:.3f}"
+            if (n, e) in cell
+            else ""
+            for e in epss
+        ]
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: list[dict], task: Task, path: Path) -> None:
+    """metric vs epsilon per optimizer (mean with ± std error bars) as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    for n in dict.fromkeys(r["optimizer"] for r in summary):
+        pts = sorted(
+            (r["epsilon"], r["test_mean"], r["test_std"]) for r in summary if r["optimizer"] == n
+        )
+        ax.errorbar(
+            [p[0] for p in pts],
+            [p[1] for p in pts],
+            yerr=[p[2] for p in pts],
+            marker="o",
+            capsize=3,
+            label=n,
+        )
+    ax.set_xlabel("ε (target, δ fixed)")
+    ax.set_ylabel(task.metric)
+    ax.set_title(f"dpkern compare --task {task.name}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def write_csv(path: Path, rows, fields) -> list[dict]:
+    """Write ``rows`` (any iterable of dicts) to ``path`` as CSV with columns ``fields``,
+    flushing each row as it comes (a long run keeps what it finished); returns the rows."""
+    done = []
+    with open(path, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(fields), extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
+            fh.flush()
+            done.append(r)
+    return done

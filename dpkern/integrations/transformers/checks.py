@@ -1,0 +1,96 @@
+"""What :class:`~dpkern.integrations.transformers.DPTrainer` refuses: TrainingArguments
+and Trainer arguments it cannot train privately with (ValueError naming the field)."""
+
+from __future__ import annotations
+
+
+def _refuse(ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(f"DPTrainer: {what}")
+
+
+def _check_training_args(args) -> None:
+    """The TrainingArguments DPTrainer refuses (ValueError naming the field)."""
+    _refuse(
+        args.world_size <= 1,
+        f"world_size={args.world_size}: DPTrainer runs in one process (data-parallel "
+        "training through the Trainer is not tested yet; use dpkern.distributed in your "
+        "own loop, or dpkern finetune --nproc N)",
+    )
+    _refuse(
+        args.n_gpu <= 1,
+        f"n_gpu={args.n_gpu}: torch.nn.DataParallel replicas are not supported (make one "
+        "device visible, e.g. CUDA_VISIBLE_DEVICES=0)",
+    )
+    _refuse(
+        not args.fp16,
+        "fp16=True: the fp16 loss scaler rescales .grad, which DP training does not use; "
+        "use bf16=True or fp32",
+    )
+    _refuse(not args.deepspeed, "deepspeed is not supported")
+    _refuse(not args.fsdp, "fsdp is not supported (dpkern.distributed has FSDP2 for own loops)")
+    _refuse(not getattr(args, "torch_compile", False), "torch_compile=True is not supported yet")
+    _refuse(
+        not (
+            getattr(args, "activation_checkpointing", False)
+            or getattr(args, "gradient_checkpointing", False)
+        ),
+        "activation (gradient) checkpointing is not supported yet: ghost clipping records "
+        "the forward once",
+    )
+    _refuse(
+        not args.label_smoothing_factor,
+        "label_smoothing_factor != 0 is not supported: pass a per_sample_loss_func",
+    )
+    _refuse(
+        getattr(args, "include_num_input_tokens_seen", "no") in ("no", False),
+        "include_num_input_tokens_seen would log an exact data-dependent count",
+    )
+    _refuse(
+        getattr(args, "neftune_noise_alpha", None) is None,
+        "neftune_noise_alpha scales each sample's embedding noise by the batch's padded "
+        "length, which couples the samples",
+    )
+    _refuse(
+        not args.auto_find_batch_size,
+        "auto_find_batch_size=True would change the expected batch (and sigma) mid-run",
+    )
+    _refuse(
+        getattr(args, "train_sampling_strategy", "random") == "random"
+        and not getattr(args, "group_by_length", False),
+        "the training batches are Poisson-sampled (what the accountant assumes): "
+        "train_sampling_strategy / group_by_length must stay at their defaults",
+    )
+
+
+def _check_trainer_kwargs(given: dict) -> None:
+    """The ``transformers.Trainer`` arguments DPTrainer refuses (``given``: the bound
+    arguments of ``Trainer.__init__``)."""
+    _refuse(
+        given.get("optimizers", (None, None)) in ((None, None), [None, None]),
+        "optimizers=... is not supported: DPTrainer builds the dpkern optimizer itself "
+        "(sigma is calibrated from the run); choose it with PrivacyArguments.optimizer "
+        "and the TrainingArguments' learning rate, weight decay and scheduler",
+    )
+    _refuse(
+        given.get("optimizer_cls_and_kwargs") is None,
+        "optimizer_cls_and_kwargs is not supported: name the DP rule in PrivacyArguments.optimizer",
+    )
+    _refuse(
+        given.get("compute_loss_func") is None,
+        "compute_loss_func returns a batch loss; pass per_sample_loss_func "
+        "(outputs, labels) -> float [B] instead",
+    )
+
+
+def _check_right_padded(mask) -> None:
+    """Refuse a 2-D ``attention_mask`` with 0s before 1s (a left-padded batch)."""
+    m = mask != 0
+    if bool((m[:, 1:] & ~m[:, :-1]).any()):
+        raise ValueError(
+            "DPTrainer: a batch is not right-padded (its attention_mask has 0s before "
+            "1s): with left padding a sample's positions depend on the longest sample "
+            "of its batch, which couples the samples (removing one would change the "
+            "others' gradients). Pad on the right (tokenizer.padding_side = 'right'), "
+            "or have the collator pass position_ids"
+        )

@@ -1,0 +1,88 @@
+"""The privacy record of a :class:`~dpkern.integrations.transformers.DPTrainer`
+checkpoint (``dpkern_privacy.json``: the ledger, sigma, q, the plan): written next to the
+optimizer state, read and checked on resume."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from ...keys import NOT_PRIVATE
+
+#: The privacy record written into every checkpoint directory.
+PRIVACY_FILE = "dpkern_privacy.json"
+
+
+def read_record(path, privacy) -> dict:
+    """The privacy record of the checkpoint ``path``, checked against the run's
+    PrivacyArguments ``privacy`` (ValueError: missing, not a record, another accountant
+    or noise mode)."""
+    file = os.path.join(path, PRIVACY_FILE)
+    if not os.path.isfile(file):
+        raise ValueError(
+            f"DPTrainer: {path} has no {PRIVACY_FILE}: not a DPTrainer checkpoint (or "
+            "saved with save_only_model); resuming it would lose the privacy ledger and "
+            "under-report epsilon"
+        )
+    with open(file) as f:
+        rec = json.load(f)
+    if not isinstance(rec, dict) or rec.get("format") != 1 or "ledger" not in rec:
+        raise ValueError(f"DPTrainer: {file} is not a dpkern privacy record (format 1)")
+    if rec.get("accountant") != privacy.accountant:
+        raise ValueError(
+            f"DPTrainer: the checkpoint's ledger is {rec.get('accountant')!r}, "
+            f"PrivacyArguments.accountant is {privacy.accountant!r}"
+        )
+    if bool(rec.get("private")) != privacy.private:
+        raise ValueError(
+            "DPTrainer: the checkpoint's noise key is known (noise_seed): the run is not "
+            "private and cannot become so; resume it with the same noise_seed"
+            if not rec.get("private")
+            else "DPTrainer: the checkpoint is a private run: resume it without noise_seed"
+        )
+    if not privacy.private and rec.get("noise_seed") != privacy.noise_seed:
+        raise ValueError(
+            f"DPTrainer: the checkpoint was run with noise_seed={rec.get('noise_seed')}, "
+            f"not {privacy.noise_seed}"
+        )
+    return rec
+
+
+def build_record(privacy, plan: dict, accountant, dp_step: int) -> dict:
+    """The record of a run at ``dp_step`` optimizer steps (without the privacy spent;
+    RuntimeError when the ledger holds another number of steps)."""
+    if dp_step != accountant.steps:
+        raise RuntimeError(
+            f"DPTrainer: the optimizer took {dp_step} steps, the ledger holds {accountant.steps}"
+        )
+    rec = {
+        "format": 1,
+        "private": privacy.private,
+        **({} if privacy.private else {"privacy": NOT_PRIVATE}),
+        **({} if privacy.private else {"noise_seed": privacy.noise_seed}),
+        "ledger": accountant.state_dict(),
+        "accountant": privacy.accountant,
+        "target_epsilon": privacy.target_epsilon,
+        "dp_step": dp_step,
+        **{
+            k: plan[k]
+            for k in (
+                "noise_multiplier",
+                "sample_rate",
+                "planned_steps",
+                "target_delta",
+                "max_grad_norm",
+                "expected_batch_size",
+                "dataset_size",
+            )
+        },
+    }
+    return rec
+
+
+def write_record(output_dir: str, record: dict) -> None:
+    """Write ``record`` as ``output_dir/dpkern_privacy.json`` (atomically)."""
+    tmp = os.path.join(output_dir, PRIVACY_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(record, f, indent=2)
+    os.replace(tmp, os.path.join(output_dir, PRIVACY_FILE))

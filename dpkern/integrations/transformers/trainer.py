@@ -1,0 +1,421 @@
+"""The Trainer: :class:`DPTrainer`, a ``transformers.Trainer`` that trains with
+differential privacy (see :mod:`dpkern.integrations.transformers`), and the callback that
+accounts each release."""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Mapping
+from dataclasses import asdict
+
+import torch
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import get_last_checkpoint
+
+from ...accounting import PrivacyAccountant
+from ...ghost import GhostClipping
+from ...keys import NOT_PRIVATE
+from ...models import per_sample_causal_lm_loss
+from ..guard import UpdateCheck, _inner, check_trainable_params
+from .arguments import (
+    OPTIMIZERS,
+    PrivacyArguments,
+    _optimizer_kwargs,
+    _optimizer_name,
+    _param_groups,
+)
+from .checks import _check_right_padded, _check_trainer_kwargs, _check_training_args, _refuse
+from .data import PoissonMicroBatchSampler, _batch_rows, _EmptySafeCollator, _row_chunks
+from .plan import calibrate, compute_plan, dataset_size
+from .records import build_record, read_record, write_record
+
+#: Log keys never passed on: ``grad_norm`` is the norm of ``.grad`` (not the released
+#: gradient; an exact un-noised statistic if anything filled it).
+_DROPPED_LOGS = ("grad_norm",)
+
+
+class _PrivacyCallback(TrainerCallback):
+    """Account each release when the optimizer steps (and check the first one)."""
+
+    def __init__(self, trainer: "DPTrainer"):
+        self.trainer = trainer
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer._before_release()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer._after_release()
+
+
+class DPTrainer(Trainer):
+    """A ``transformers.Trainer`` that trains with differential privacy (DP-SGD style):
+    Poisson sampling, per-sample losses, ghost clipping at C, Gaussian noise sigma * C
+    once per logical batch, a dpkern optimizer, sigma calibrated to the target epsilon, and
+    the privacy ledger in the checkpoints. See :mod:`dpkern.integrations.transformers`.
+
+    Args:
+        model, args, **kwargs: as ``transformers.Trainer`` (``train_dataset`` must be a
+            map-style dataset with ``len``; the data collator may pad dynamically).
+        privacy: the :class:`PrivacyArguments` (required, keyword).
+        per_sample_loss_func: optional ``(outputs, labels) -> float [B]``, one loss per
+            sample that depends on that sample alone (default: causal LM next-token loss,
+            :func:`per_sample_causal_lm_loss` with ``privacy.loss_normalizer``). ``labels``
+            is the batch's ``labels`` (or ``input_ids`` masked by ``attention_mask``).
+    Raises:
+        ValueError: at construction, the settings of the module doc's "Refused" list
+            (named); at ``train()``: a dataset smaller than the expected batch, a budget
+            too small for the run (no sigma <= 1e6), a checkpoint without its ledger or
+            of another noise mode, ghost clipping that cannot cover the model (named by
+            operation and module), trainable parameters that are not the optimizer's.
+        RuntimeError: during ``train()``, a trainable parameter unchanged after the first
+            step (``check_first_step``), or a Trainer loop that does not step once per
+            logical batch.
+
+    Attributes (after ``train()`` started): ``accountant`` (:class:`PrivacyAccountant`),
+    ``noise_multiplier``, ``sample_rate``, ``expected_batch_size``, ``planned_steps``,
+    ``target_delta``; :meth:`privacy_spent`.
+    """
+
+    def __init__(self, model=None, args=None, *pos, privacy=None, per_sample_loss_func=None, **kw):
+        if not isinstance(privacy, PrivacyArguments):
+            raise ValueError(
+                "DPTrainer needs privacy=PrivacyArguments(target_epsilon=...) (keyword), got "
+                f"{type(privacy).__name__}"
+            )
+        try:
+            bound = inspect.signature(Trainer.__init__).bind(None, model, args, *pos, **kw)
+        except TypeError as exc:
+            raise TypeError(f"DPTrainer: {exc}") from None
+        _check_trainer_kwargs(bound.arguments)
+        if args is not None:
+            _check_training_args(args)
+        self.privacy = PrivacyArguments(**asdict(privacy))  # a validated copy
+        self.per_sample_loss_func = per_sample_loss_func
+        super().__init__(model, args, *pos, **kw)
+        _check_training_args(self.args)
+        _refuse(not self.is_model_parallel, "a model spread over several devices is not supported")
+        if not self.privacy.private:
+            warnings.warn(
+                f"DPTrainer: noise_seed={self.privacy.noise_seed} given: {NOT_PRIVATE} "
+                "(a reproducible run; it logs epsilon_if_noise_key_were_secret)",
+                stacklevel=2,
+            )
+        self.accountant = PrivacyAccountant(self.privacy.accountant)
+        self.noise_multiplier = None
+        self._plan = None
+        self._resume_record = None
+        self._gc = None
+        self._update_check = None
+        self._micro = 0
+        self._accounted = 0
+        self._started = False
+        self._spent_cache = None
+        self.add_callback(_PrivacyCallback(self))
+
+    # -- the plan: sampling rate, steps, sigma ---------------------------------------------
+    def _compute_plan(self) -> dict:
+        return compute_plan(self.args, self.privacy, dataset_size(self.train_dataset))
+
+    def _calibrate(self) -> dict:
+        """The plan and sigma of this train() (a resumed run continues its ledger)."""
+        plan = self._compute_plan()
+        sigma, acc = calibrate(plan, self.privacy, self._resume_record)
+        plan["noise_multiplier"] = sigma
+        self.accountant = acc
+        self.noise_multiplier = sigma
+        self._plan = plan
+        return plan
+
+    @property
+    def sample_rate(self) -> float | None:
+        """q = B_e / N (None before train())."""
+        return None if self._plan is None else self._plan["sample_rate"]
+
+    @property
+    def expected_batch_size(self) -> int | None:
+        """B_e = per_device_train_batch_size x gradient_accumulation_steps."""
+        return None if self._plan is None else self._plan["expected_batch_size"]
+
+    @property
+    def planned_steps(self) -> int | None:
+        """T, the optimizer steps sigma is calibrated for."""
+        return None if self._plan is None else self._plan["planned_steps"]
+
+    @property
+    def target_delta(self) -> float | None:
+        """The delta of the target (the given one, or 1 / N^1.1)."""
+        return None if self._plan is None else self._plan["target_delta"]
+
+    def _numel(self) -> int:
+        return sum(p.numel() for p in _inner(self.optimizer).trainable_params())
+
+    def privacy_spent(self) -> dict:
+        """What the run has spent so far: ``{"private", "epsilon" (or
+        "epsilon_if_noise_key_were_secret" for a known noise key), "delta" (the target
+        plus the noise stream's truncation term), "steps"}``.
+
+        Raises: RuntimeError before train() built the optimizer."""
+        if self._plan is None or self.optimizer is None:
+            raise RuntimeError("DPTrainer.privacy_spent: train() has not started")
+        ledger = (self._plan["target_delta"], self._numel(), repr(self.accountant.history))
+        cached = self._spent_cache
+        if cached is None or cached[0] != ledger:  # (an RDP / PLD evaluation takes ~0.1-1 s)
+            spent = self.accountant.get_privacy_spent(self._plan["target_delta"], self._numel())
+            self._spent_cache = cached = (ledger, spent)
+        eps, delta = cached[1]
+        key = "epsilon" if self.privacy.private else "epsilon_if_noise_key_were_secret"
+        return {
+            "private": self.privacy.private,
+            key: eps,
+            "delta": delta,
+            "steps": self.accountant.steps,
+        }
+
+    # -- data ---------------------------------------------------------------------------------
+    def get_train_dataloader(self):
+        """The Poisson-sampled training loader (:class:`PoissonMicroBatchSampler`),
+        prepared by Accelerate (device placement); columns the model does not take are
+        removed as by the Trainer."""
+        plan = self._plan or self._compute_plan()
+        dataset = self.train_dataset
+        collator = self.data_collator
+        try:
+            import datasets
+
+            is_hf_dataset = isinstance(dataset, datasets.Dataset)
+        except ImportError:
+            is_hf_dataset = False
+        if is_hf_dataset:
+            dataset = self._remove_unused_columns(dataset, description="training")
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description="training")
+        seed = self.privacy.noise_seed
+        sampler = PoissonMicroBatchSampler(
+            plan["dataset_size"],
+            plan["sample_rate"],
+            plan["steps_per_epoch"],
+            plan["micro_batches"],
+            seed=None if seed is None else (seed ^ 0x5DEECE66D) % 2**63,
+        )
+        args = self.args
+        params = {
+            "batch_sampler": sampler,
+            "collate_fn": _EmptySafeCollator(collator, dataset),
+            "num_workers": args.dataloader_num_workers,
+            "pin_memory": args.dataloader_pin_memory,
+            "persistent_workers": args.dataloader_persistent_workers,
+        }
+        if args.dataloader_num_workers > 0:
+            params["prefetch_factor"] = args.dataloader_prefetch_factor
+        loader = torch.utils.data.DataLoader(dataset, **params)
+        return self.accelerator.prepare(loader)
+
+    # -- the optimizer ------------------------------------------------------------------------
+    def create_optimizer(self, model=None):
+        """Build the dpkern optimizer over the trainable parameters (the Trainer's decay /
+        no-decay groups), with sigma calibrated for the run (see the class doc)."""
+        if self.optimizer is not None:
+            return self.optimizer
+        opt_model = self.model if model is None else model
+        plan = self._calibrate()
+        if self.state.max_steps and self.state.max_steps != plan["planned_steps"]:
+            raise RuntimeError(
+                f"DPTrainer: the Trainer plans {self.state.max_steps} steps, sigma was "
+                f"calibrated for {plan['planned_steps']}"
+            )
+        args, p = self.args, self.privacy
+        decay = set(self.get_decay_parameter_names(opt_model))
+        groups = _param_groups(opt_model, decay, args.weight_decay)
+        name = p.optimizer or _optimizer_name(args)
+        kw = _optimizer_kwargs(name, args)
+        self.optimizer = OPTIMIZERS[name](
+            groups,
+            **kw,
+            max_grad_norm=plan["max_grad_norm"],
+            noise_multiplier=plan["noise_multiplier"],
+            expected_batch_size=plan["expected_batch_size"],
+            seed=p.noise_seed,
+            backend=p.backend,
+        )
+        return self.optimizer
+
+    # -- the training step --------------------------------------------------------------------
+    def _setup_clipping(self):
+        opt = _inner(self.optimizer)
+        check_trainable_params(self.model, opt)
+        self._gc = GhostClipping(self.model, opt, verify=self.privacy.verify).attach()
+        if str(getattr(self.accelerator, "mixed_precision", "no")) != "no":
+            # Accelerate's autocast wraps the forward only: the check would not see it
+            self._gc.verify_rtol = 1e-2
+        if self.privacy.check_first_step:
+            self._update_check = UpdateCheck(self.model, opt)
+
+    def compute_per_sample_loss(self, model, inputs) -> torch.Tensor:
+        """One loss per sample of a (micro-)batch: float ``[B]``, each a function of its own
+        sample only (override for other tasks, or pass ``per_sample_loss_func``).
+
+        Default: ``labels`` (or ``input_ids`` where ``attention_mask`` is 1) ->
+        :func:`per_sample_causal_lm_loss` of the model's logits with
+        ``normalizer=privacy.loss_normalizer`` and the batch's ``attention_mask``.
+        Raises: ValueError (no ``labels`` nor ``input_ids``; packed batches with
+        ``shift_labels``)."""
+        inputs = dict(inputs)
+        if "shift_labels" in inputs:
+            raise ValueError("DPTrainer: packed batches (shift_labels) are not supported yet")
+        labels = inputs.pop("labels", None)
+        mask = inputs.get("attention_mask")
+        if mask is not None and "position_ids" not in inputs and mask.dim() == 2:
+            _check_right_padded(mask)
+        if labels is None:
+            ids = inputs.get("input_ids")
+            if ids is None:
+                raise ValueError("DPTrainer: a batch needs labels or input_ids")
+            labels = ids if mask is None else ids.masked_fill(mask == 0, -100)
+        outputs = model(**inputs)
+        if self.per_sample_loss_func is not None:
+            return self.per_sample_loss_func(outputs, labels)
+        logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
+        return per_sample_causal_lm_loss(
+            logits, labels, normalizer=self.privacy.loss_normalizer, attention_mask=mask
+        )
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """One micro-batch: per-sample losses, ghost clipping, the clipped sum into the
+        optimizer's buffers (no ``.grad``; ``num_items_in_batch`` is ignored: nothing is
+        divided by a realised count). Returns the micro-batch's sum of per-sample losses
+        / B_e (detached; the logged training loss)."""
+        if self._gc is None:
+            self._setup_clipping()
+        opt = _inner(self.optimizer)
+        if self._micro == 0 and opt.dp_step != self._accounted:
+            raise RuntimeError(
+                f"DPTrainer: the optimizer took {opt.dp_step} steps, {self._accounted} were "
+                "accounted: a step happened outside the Trainer's loop"
+            )
+        if self._micro >= self._plan["micro_batches"]:
+            raise RuntimeError(
+                "DPTrainer: more micro-batches than gradient_accumulation_steps before an "
+                "optimizer step (the Trainer's loop does not step once per logical batch)"
+            )
+        self._micro += 1
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        rows = _batch_rows(inputs)
+        total = torch.zeros((), device=self.args.device)
+        if rows == 0:
+            self._gc.add_empty_batch()
+            return total
+        for chunk in _row_chunks(inputs, rows, self.args.per_device_train_batch_size):
+            self._gc.discard()  # forwards outside this step are not trained on
+            with self.compute_loss_context_manager():
+                losses = self.compute_per_sample_loss(model, chunk)
+            b = _batch_rows(chunk)
+            if not isinstance(losses, torch.Tensor) or tuple(losses.shape) != (b,):
+                raise ValueError(
+                    f"DPTrainer: the per-sample loss must be a float tensor [{b}], got "
+                    f"{tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses)}"
+                )
+            self._gc.backward(losses)
+            total = total + losses.detach().float().sum().to(total.device)
+        return total / self._plan["expected_batch_size"]
+
+    def _before_release(self):
+        if self._micro != self._plan["micro_batches"]:
+            raise RuntimeError(
+                f"DPTrainer: an optimizer step after {self._micro} micro-batches, expected "
+                f"gradient_accumulation_steps = {self._plan['micro_batches']} (one logical "
+                "Poisson batch per step)"
+            )
+
+    def _after_release(self):
+        self._before_release()
+        opt = _inner(self.optimizer)
+        if opt.dp_step != self._accounted + 1:
+            raise RuntimeError(
+                f"DPTrainer: the optimizer is at step {opt.dp_step} after a release, the "
+                f"ledger at {self._accounted}"
+            )
+        self.accountant.step(self._plan["noise_multiplier"], self._plan["sample_rate"])
+        self._accounted = opt.dp_step
+        self._micro = 0
+        check, self._update_check = self._update_check, None
+        if check is not None:
+            check.after_step()
+
+    # -- train, logging, checkpoints ----------------------------------------------------------
+    def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
+        """``Trainer.train``; ``resume_from_checkpoint`` (a path, or True: the last
+        checkpoint in ``output_dir``) also restores the privacy ledger (see the class doc).
+
+        Raises: ValueError for a second call on the same trainer (build a new one and
+        resume from a checkpoint), hyper-parameter search (``trial``: every trial would
+        spend the budget), a checkpoint without ``dpkern_privacy.json`` or of the other
+        noise mode; the errors of the class doc."""
+        _refuse(not self._started, "train() runs once per DPTrainer; resume from a checkpoint")
+        _refuse(trial is None, "hyper-parameter search is not supported (each trial spends)")
+        self._started = True
+        path = resume_from_checkpoint
+        if isinstance(path, bool):
+            path = get_last_checkpoint(self.args.output_dir) if path else None
+            if resume_from_checkpoint and path is None:
+                raise ValueError(
+                    f"No valid checkpoint found in output directory ({self.args.output_dir})"
+                )
+        self._resume_record = None if path is None else read_record(path, self.privacy)
+        try:
+            return super().train(resume_from_checkpoint=path, trial=trial, **kwargs)
+        finally:
+            if self._gc is not None:
+                self._gc.detach()
+                self._gc = None
+
+    def _record(self) -> dict:
+        rec = build_record(
+            self.privacy, self._plan, self.accountant, _inner(self.optimizer).dp_step
+        )
+        spent = self.privacy_spent()
+        rec.update({k: v for k, v in spent.items() if k not in ("private", "steps")})
+        return rec
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self.args.should_save:
+            write_record(output_dir, self._record())
+
+    def _load_optimizer_and_scheduler(self, checkpoint) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        opt, done = _inner(self.optimizer), self.accountant.steps
+        if not opt.dp_step == done == self.state.global_step:
+            raise ValueError(
+                f"DPTrainer: {checkpoint} does not fit together: optimizer at step "
+                f"{opt.dp_step}, privacy ledger at {done}, Trainer at {self.state.global_step}"
+            )
+        self._accounted = opt.dp_step
+
+    def log(self, logs: dict, start_time=None) -> None:
+        """``Trainer.log`` with the privacy spent next to the training loss (``epsilon``,
+        or ``epsilon_if_noise_key_were_secret``), without ``grad_norm``."""
+        for key in _DROPPED_LOGS:
+            logs.pop(key, None)
+        if (
+            ("loss" in logs or "train_loss" in logs)
+            and self._plan is not None
+            and self.optimizer is not None
+        ):
+            spent = self.privacy_spent()
+            key = "epsilon" if self.privacy.private else "epsilon_if_noise_key_were_secret"
+            logs[key] = spent[key]
+            if "train_loss" in logs:
+                logs.update(
+                    delta=spent["delta"],
+                    noise_multiplier=self._plan["noise_multiplier"],
+                    sample_rate=self._plan["sample_rate"],
+                )
+        super().log(logs, start_time)
+
+    def floating_point_ops(self, inputs) -> int:
+        """0: the Trainer's count multiplies the sampled tokens (a data-dependent count)."""
+        return 0
