@@ -252,3 +252,25 @@ def test_functional_validation_before_mutation():
     for a, b in zip(p, before):
         assert torch.equal(a, b)
     assert all(torch.count_nonzero(x) == 0 for x in m + v)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_accumulate_clipped_refuses_nonfinite_sum_and_keeps_buffers(bad):
+    # The check is batched (one reduction per device); it must still name the tensor and
+    # leave every buffer as it was, whichever of several parameters is bad.
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in [(3,), (2, 5), (4,)]]
+    opt = dpkern.DPSGD(
+        params, lr=0.1, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=4
+    )
+    good = [torch.randn(p.shape) for p in params]
+    opt.accumulate_clipped(good, 2)
+    before = [b.clone() for b in opt.clipped_sum_buffers()]
+    for k in range(len(params)):
+        sums = [torch.randn(p.shape) for p in params]
+        sums[k].view(-1)[-1] = bad
+        with pytest.raises(ValueError, match=rf"clipped_sums\[{k}\]: non-finite"):
+            opt.accumulate_clipped(sums, 2)
+        for b, want in zip(opt.clipped_sum_buffers(), before, strict=True):
+            assert torch.equal(b, want)
+    assert opt.stats["samples"] == 2

@@ -69,7 +69,23 @@ def check_clipped_sums(clipped_sums, params: list[Tensor]) -> list:
                 f"{'DTensor' if is_sharded(p) else 'tensor'} of shape "
                 f"{tuple(p.shape)} on {p.device}"
             )
-        clipped_sums[k] = s = local_shard(s, f"clipped_sums[{k}]")[0]
-        if not torch.isfinite(s).all():
-            raise ValueError(f"clipped_sums[{k}]: non-finite values")
+        clipped_sums[k] = local_shard(s, f"clipped_sums[{k}]")[0]
+    _check_finite(clipped_sums)
     return clipped_sums
+
+
+def _check_finite(tensors: list) -> None:
+    """Raise ValueError naming the first tensor (None entries skipped) with a NaN or an
+    infinity. One multi-tensor max-abs reduction and one host sync per device (NaN and
+    inf propagate through the max), not one sync per tensor."""
+    by_device: dict = {}
+    for k, t in enumerate(tensors):
+        if t is not None and t.numel():
+            by_device.setdefault(t.device, []).append(k)
+    for ks in by_device.values():
+        peaks = torch._foreach_norm([tensors[k] for k in ks], float("inf"))
+        if bool(torch.isfinite(torch.stack([x.float() for x in peaks])).all()):
+            continue
+        for k in ks:
+            if not torch.isfinite(tensors[k]).all():
+                raise ValueError(f"clipped_sums[{k}]: non-finite values")
