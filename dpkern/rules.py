@@ -470,8 +470,8 @@ register(
         lr_grid=(0.25, 0.5, 1.0, 2.0),
         section="10.8",
         source=(
-            'Defazio et al. 2024, "The Road Less Scheduled", arXiv 2405.15682, Algorithm 1; '
-            "schedulefree.SGDScheduleFree"
+            'Defazio et al. 2024, "The Road Less Scheduled", arXiv 2405.15682, section 2 '
+            "(schedule-free SGD); schedulefree.SGDScheduleFree"
         ),
     )
 )
@@ -498,9 +498,9 @@ register(
         lr_grid=(1e-3, 2.5e-3, 5e-3, 1e-2),
         section="10.8",
         source=(
-            'Defazio et al. 2024, "The Road Less Scheduled", arXiv 2405.15682, Algorithm 2; '
-            "schedulefree.AdamWScheduleFree; the noise bias correction of Tang et al., "
-            "arXiv 2312.14334"
+            'Defazio et al. 2024, "The Road Less Scheduled", arXiv 2405.15682, Algorithm 1 '
+            "(schedule-free AdamW); schedulefree.AdamWScheduleFree; the noise bias "
+            "correction of Tang et al., arXiv 2312.14334"
         ),
         noise_var_ema=adam_noise_var_ema,
     )

@@ -659,7 +659,7 @@ class DPSGDScheduleFree(_ScheduleFree):
     State: ``z`` (float32, parameter-shaped), ``step``; per group ``k``, ``weight_sum``,
     ``lr_max``, ``train_mode``, ``scheduled_lr``.
     Source: Defazio et al. 2024, "The Road Less Scheduled", arXiv 2405.15682,
-    Algorithm 1 (schedule-free SGD); ``schedulefree.SGDScheduleFree``; SPEC 10.8.
+    section 2 (schedule-free SGD); ``schedulefree.SGDScheduleFree``; SPEC 10.8.
     """
     )
     rule = rules.get("sgd_schedule_free")
@@ -743,7 +743,7 @@ class DPAdamWScheduleFree(_ScheduleFree):
     0-dim, with noise_bias_correction), ``step``; per group ``k``, ``weight_sum``,
     ``lr_max``, ``train_mode``, ``scheduled_lr``.
     Source: Defazio et al. 2024, "The Road Less Scheduled", arXiv 2405.15682,
-    Algorithm 2 (schedule-free AdamW); ``schedulefree.AdamWScheduleFree``; the noise bias
+    Algorithm 1 (schedule-free AdamW); ``schedulefree.AdamWScheduleFree``; the noise bias
     correction of Tang et al., arXiv 2312.14334 (DP-AdamBC); SPEC 10.8.
     """
     )
