@@ -27,6 +27,8 @@ enum Rule : int {
   ADAMW = 3,
   ADAMW_BC = 4,
   MACADAM = 5,
+  SGD_SCHEDULE_FREE = 13,
+  ADAMW_SCHEDULE_FREE = 14,
 };
 // DP-MacAdam's variance term u (variance_estimate).
 enum Variance : int { UNBIASED = 0, PAPER = 1, CODE = 2 };
@@ -43,6 +45,8 @@ inline constexpr Named RULE_NAMES[] = {
     {"adamw", ADAMW},
     {"adamw_bc", ADAMW_BC},
     {"macadam", MACADAM},
+    {"sgd_schedule_free", SGD_SCHEDULE_FREE},
+    {"adamw_schedule_free", ADAMW_SCHEDULE_FREE},
 };
 inline constexpr Named VARIANCE_NAMES[] = {{"unbiased", UNBIASED}, {"paper", PAPER}, {"code", CODE}};
 
@@ -54,6 +58,8 @@ enum Slot : int {
   EXP_AVG_SQ = 1,
   EXP_VAR = 2,
   SCALE = 3,
+  SF_Z = 0,
+  SF_EXP_AVG_SQ = 1,
 };
 struct RuleStates {
   int rule;
@@ -66,6 +72,8 @@ inline constexpr RuleStates RULE_STATES[] = {
     {ADAMW, {"exp_avg", "exp_avg_sq"}},
     {ADAMW_BC, {"exp_avg", "exp_avg_sq"}},
     {MACADAM, {"exp_avg", "exp_avg_sq", "exp_var", "scale"}},
+    {SGD_SCHEDULE_FREE, {"z"}},
+    {ADAMW_SCHEDULE_FREE, {"z", "exp_avg_sq"}},
 };
 
 // The float and bool fields of the dpkern.hyper dataclasses (name, default), read from the
@@ -82,7 +90,13 @@ inline constexpr RuleStates RULE_STATES[] = {
   X(eps, 1e-8)              \
   X(gamma, 1e-8)            \
   X(h1, 1e-9)               \
-  X(h2, 1e-6)
+  X(h2, 1e-6)               \
+  X(warmup_steps, 0.0)      \
+  X(r, 0.0)                 \
+  X(weight_lr_power, 2.0)   \
+  X(noise_bias_correction, false) \
+  X(weight_sum, 0.0)        \
+  X(lr_max, -1.0)
 
 // The hyper-parameters of one update rule (dpkern.hyper), as Python doubles.
 struct Hyper {
@@ -105,6 +119,8 @@ struct Consts {
   bool has_m_hat_prev;                                      // MacAdam
   float bias_correction1_prev, kappa, noise_var, h1, h2;
   bool want_sqrt_sum;
+  float sf_lr, sf_y_coef, sf_ckp1;                          // schedule-free
+  bool sf_lerp_small, sf_correct;
 };
 
 inline Consts make_consts(const Hyper& h, const DP& dp) {
@@ -140,6 +156,22 @@ inline Consts make_consts(const Hyper& h, const DP& dp) {
   c.h1 = float(h.h1);
   c.h2 = float(h.h2);
   c.want_sqrt_sum = h.rule == MACADAM && dp.step >= 2;
+  // Schedule-free (SPEC 10.8): dpkern.rules.schedule_free_scalars, in double.
+  if (h.rule == SGD_SCHEDULE_FREE || h.rule == ADAMW_SCHEDULE_FREE) {
+    const double k = t - 1;
+    const double sched = k < h.warmup_steps ? (k + 1) / h.warmup_steps : 1.0;
+    const double lr = h.lr * sched;
+    const double lr_max = lr >= h.lr_max ? lr : h.lr_max;
+    const double weight = std::pow(k + 1, h.r) * std::pow(lr_max, h.weight_lr_power);
+    const double weight_sum = h.weight_sum + weight;
+    const double ckp1 = weight_sum != 0 ? weight / weight_sum : 0.0;
+    const double beta = h.rule == SGD_SCHEDULE_FREE ? h.momentum : h.beta1;
+    c.sf_lr = float(lr);
+    c.sf_y_coef = float(lr * (beta * (1 - ckp1) - 1));
+    c.sf_ckp1 = float(ckp1);
+    c.sf_lerp_small = std::fabs(c.sf_ckp1) < 0.5f;  // torch.lerp's test, in float32
+    c.sf_correct = h.rule == ADAMW_SCHEDULE_FREE && h.noise_bias_correction;
+  }
   return c;
 }
 
@@ -270,6 +302,57 @@ DPK_INLINE void update_macadam(const Consts c, const float* __restrict S, float*
   if (c.want_sqrt_sum) sqrt_sum = ordered_sum(z, len);
 }
 
+// Schedule-free DP-SGD and DP-AdamW (SPEC 10.8): p holds y; z (SF_Z) is the base sequence,
+// p itself at the parameter's first step; ADAMW: u = g_hat / denominator (SF_EXP_AVG_SQ),
+// else u = g_hat; then the decay at y, y <- lerp(y, z, c_t) + y_coef u, z <- z - lr u.
+template <int PT, bool ADAMW>
+DPK_INLINE void schedule_free(const Consts c, const float* __restrict S, float* __restrict z,
+                              const Param& prm, int64_t begin, int64_t len) {
+  auto* __restrict p = static_cast<typename Storage<PT>::type*>(prm.data) + begin;
+  float* __restrict zs = prm.state[SF_Z] + begin;
+  float* __restrict v = ADAMW ? prm.state[SF_EXP_AVG_SQ] + begin : nullptr;
+  for (int64_t j = 0; j < len; ++j) {
+    const float g = (S[j] + c.noise_std * z[j]) / c.batch;
+    const float pj = load<PT>(p, j);
+    const float zj = c.first_step ? pj : zs[j];
+    float u = g;
+    if (ADAMW) {
+      const float vj = v[j] * c.beta2 + (c.one_minus_beta2 * g) * g;
+      v[j] = vj;
+      const float v_hat = vj / c.bias_correction2;
+      float denom;
+      if (c.sf_correct) {
+        const float d = v_hat - c.phi_hat;
+        denom = __builtin_sqrtf(d < c.gamma ? c.gamma : d);  // clamp(min=gamma)
+      } else {
+        denom = __builtin_sqrtf(v_hat) + c.eps;
+      }
+      u = g / denom;
+    }
+    if (c.coupled_wd) u = u + c.weight_decay * pj;
+    float y = c.sf_lerp_small ? pj + c.sf_ckp1 * (zj - pj) : zj - (zj - pj) * (1.0f - c.sf_ckp1);
+    y = y + c.sf_y_coef * u;
+    zs[j] = zj - c.sf_lr * u;
+    store<PT>(p, j, y);
+  }
+}
+
+// Schedule-free DP-SGD (SPEC 10.8).
+template <int PT>
+DPK_INLINE void update_sgd_schedule_free(const Consts c, const float* __restrict S,
+                                         float* __restrict z, const Param& prm, int64_t begin,
+                                         int64_t len, double&) {
+  schedule_free<PT, false>(c, S, z, prm, begin, len);
+}
+
+// Schedule-free DP-AdamW (SPEC 10.8).
+template <int PT>
+DPK_INLINE void update_adamw_schedule_free(const Consts c, const float* __restrict S,
+                                           float* __restrict z, const Param& prm, int64_t begin,
+                                           int64_t len, double&) {
+  schedule_free<PT, true>(c, S, z, prm, begin, len);
+}
+
 // ---------------------------------------------------------------------------------------
 // The dispatch: every rule by name of its case; to_hyper (bindings.cpp) has refused any
 // other code before a kernel runs. Returns the block's partial sum (0 for most rules).
@@ -286,6 +369,12 @@ DPK_INLINE double update(const Consts& c, const float* __restrict S, float* __re
       DPK_DISPATCH_DTYPE(p.dtype, update_adamw_bc, c, S, z, p, begin, len, sqrt_sum) break;
     case MACADAM:
       DPK_DISPATCH_DTYPE(p.dtype, update_macadam, c, S, z, p, begin, len, sqrt_sum) break;
+    case SGD_SCHEDULE_FREE:
+      DPK_DISPATCH_DTYPE(p.dtype, update_sgd_schedule_free, c, S, z, p, begin, len, sqrt_sum)
+      break;
+    case ADAMW_SCHEDULE_FREE:
+      DPK_DISPATCH_DTYPE(p.dtype, update_adamw_schedule_free, c, S, z, p, begin, len, sqrt_sum)
+      break;
     default: break;  // unreachable: unknown codes are refused at the binding
   }
   return sqrt_sum;

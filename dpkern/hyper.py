@@ -160,6 +160,82 @@ class MacAdamHyper(_AdamBase):
             )
 
 
+# --------------------------------------------------------------------------------------
+# Schedule-free DP-SGD and DP-AdamW (SPEC 10.8)
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _ScheduleFreeBase(_Base):
+    """The schedule-free options (``schedulefree``'s) and the group's running scalars.
+
+    ``weight_sum`` and ``lr_max`` are not options but the group's averaging state before
+    this step, kept in the param group as the package keeps them (0.0 and -1.0 before the
+    first step); :func:`dpkern.rules.schedule_free_scalars` derives the step's scalars."""
+
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    r: float = 0.0
+    weight_lr_power: float = 2.0
+    noise_bias_correction: bool = False
+    weight_sum: float = 0.0
+    lr_max: float = -1.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_nonnegative("weight_decay", self.weight_decay)
+        if (
+            isinstance(self.warmup_steps, bool)
+            or not isinstance(self.warmup_steps, int)
+            or self.warmup_steps < 0
+        ):
+            raise _bad("warmup_steps", self.warmup_steps, "expected an int >= 0")
+        check_nonnegative("r", self.r)
+        check_nonnegative("weight_lr_power", self.weight_lr_power)
+        if not isinstance(self.noise_bias_correction, bool):
+            raise _bad("noise_bias_correction", self.noise_bias_correction, "expected a bool")
+        check_nonnegative("weight_sum", self.weight_sum)
+        if _finite("lr_max", self.lr_max) != -1.0 and self.lr_max < 0:
+            raise _bad("lr_max", self.lr_max, "must be -1 (before the first step) or >= 0")
+
+
+@dataclass(frozen=True)
+class SGDScheduleFreeHyper(_ScheduleFreeBase):
+    """Schedule-free DP-SGD (SPEC 10.8): schedulefree.SGDScheduleFree on g_hat."""
+
+    rule: ClassVar[str] = "sgd_schedule_free"
+    momentum: float = 0.9
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0.0 < _finite("momentum", self.momentum) < 1.0:
+            raise _bad("momentum", self.momentum, "must be in (0, 1)")
+        if self.noise_bias_correction:
+            raise _bad(
+                "noise_bias_correction",
+                self.noise_bias_correction,
+                "schedule-free SGD keeps no second moment to correct",
+            )
+
+
+@dataclass(frozen=True)
+class AdamWScheduleFreeHyper(_ScheduleFreeBase):
+    """Schedule-free DP-AdamW (SPEC 10.8): schedulefree.AdamWScheduleFree on g_hat; with
+    noise_bias_correction, the denominator sqrt(max(v_hat - phi_hat, gamma))."""
+
+    rule: ClassVar[str] = "adamw_schedule_free"
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    gamma: float = 1e-8
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0.0 < _finite("betas[0]", self.beta1) < 1.0:
+            raise _bad("betas[0]", self.beta1, "must be in (0, 1) (eval() divides by it)")
+        check_beta("betas[1]", self.beta2)
+        check_positive("eps", self.eps)
+        check_positive("gamma", self.gamma)
+
+
 Hyper = Union[  # noqa: UP007 (one member per line)
     SGDHyper,
     AdamHyper,
@@ -167,6 +243,8 @@ Hyper = Union[  # noqa: UP007 (one member per line)
     AdamWHyper,
     AdamWBCHyper,
     MacAdamHyper,
+    SGDScheduleFreeHyper,
+    AdamWScheduleFreeHyper,
 ]
 
 

@@ -47,6 +47,7 @@ from .hyper import (
     MacAdamHyper,
     SGDHyper,
 )
+from .hyper import AdamWScheduleFreeHyper, SGDScheduleFreeHyper
 
 __all__ = [
     "PARAM",
@@ -64,6 +65,7 @@ __all__ = [
     "register",
     "state_shape",
 ]
+__all__ += ["schedule_free_scalars"]
 
 PARAM, ROW, COL, SCALAR = "param", "row", "col", "scalar"
 STATE_SHAPES = (PARAM, ROW, COL, SCALAR)
@@ -427,5 +429,79 @@ register(
         lr_grid=(3e-4, 1e-3, 3e-3, 1e-2),
         section="7",
         source="arXiv 2606.05435, Algorithm 1; AdaClip, arXiv 1908.07643",
+    )
+)
+
+
+# --------------------------------------------------------------------------------------
+# Schedule-free DP-SGD and DP-AdamW (SPEC 10.8)
+# --------------------------------------------------------------------------------------
+def schedule_free_scalars(hyper: Hyper, t: int) -> tuple[float, float, float, float]:
+    """(lr_t, lr_max_t, weight_sum_t, c_t) of schedule-free step t (SPEC 10.8), from the
+    group's ``hyper.lr_max`` and ``hyper.weight_sum`` before the step, in Python floats
+    (double), operation by operation as ``schedulefree``'s ``step``:
+
+        lr_t = lr * min(1, t / warmup_steps)           (linear warmup, k = t - 1 < warmup)
+        lr_max_t = max(lr_t, lr_max);  w_t = t^r * lr_max_t^weight_lr_power
+        weight_sum_t = weight_sum + w_t;  c_t = w_t / weight_sum_t  (0 when weight_sum_t = 0)
+
+    A host-side computation every backend does this way; the optimizer class stores
+    lr_max_t and weight_sum_t in the param group after the step."""
+    k = t - 1
+    sched = (k + 1) / hyper.warmup_steps if k < hyper.warmup_steps else 1.0
+    lr = hyper.lr * sched
+    lr_max = max(lr, hyper.lr_max)
+    weight = ((k + 1) ** hyper.r) * (lr_max**hyper.weight_lr_power)
+    weight_sum = hyper.weight_sum + weight
+    ckp1 = weight / weight_sum if weight_sum != 0 else 0.0
+    return lr, lr_max, weight_sum, ckp1
+
+
+_SF_Z = StateSpec("z")  # the base sequence z (schedulefree's name); set to p at t = 1
+
+register(
+    RuleSpec(
+        "sgd_schedule_free",
+        "dp-sgd-schedulefree",
+        "Schedule-free DP-SGD",
+        SGDScheduleFreeHyper,
+        "DPSGDScheduleFree",
+        (_SF_Z,),
+        lr_grid=(0.25, 0.5, 1.0, 2.0),
+        section="10.8",
+        source=(
+            'Defazio et al. 2024, "The Road Less Scheduled", arXiv 2405.15682, section 2 '
+            "(schedule-free SGD); schedulefree.SGDScheduleFree"
+        ),
+    )
+)
+register(
+    RuleSpec(
+        "adamw_schedule_free",
+        "dp-adamw-schedulefree",
+        "Schedule-free DP-AdamW",
+        AdamWScheduleFreeHyper,
+        "DPAdamWScheduleFree",
+        (
+            _SF_Z,
+            StateSpec("exp_avg_sq", domain="nonnegative"),
+            StateSpec(
+                "noise_var_avg",
+                SCALAR,
+                domain="nonnegative",
+                kernel=False,
+                needed=lambda h: h.noise_bias_correction,
+            ),
+        ),
+        noise_bias_correction=True,
+        second_moment=True,
+        lr_grid=(1e-3, 2.5e-3, 5e-3, 1e-2),
+        section="10.8",
+        source=(
+            'Defazio et al. 2024, "The Road Less Scheduled", arXiv 2405.15682, Algorithm 1 '
+            "(schedule-free AdamW); schedulefree.AdamWScheduleFree; the noise bias "
+            "correction of Tang et al., arXiv 2312.14334"
+        ),
+        noise_var_ema=adam_noise_var_ema,
     )
 )

@@ -1,4 +1,4 @@
-"""An independent float64 model of SPEC.md sections 2, 4, 5 and 7, for tests only.
+"""An independent float64 model of SPEC.md sections 2, 4, 5, 7 and 10.8, for tests only.
 
 Written from the SPEC text, not from ``dpkern/backends/reference.py``: it shares no update
 code with dpkern. Only the noise stream z is taken from ``dpkern.functional.gaussian_noise``
@@ -40,6 +40,13 @@ SPEC_DEFAULTS = {
     "adamw_bc": dict(betas=(0.9, 0.999), gamma=1e-8, weight_decay=1e-2),
     "macadam": dict(betas=(0.9, 0.999), gamma=1e-8, h1=1e-9, h2=1e-6, variance_estimate="unbiased"),
 }
+# SPEC 10.8 (schedulefree's defaults).
+_SF_DEFAULTS = dict(weight_decay=0.0, warmup_steps=0, r=0.0, weight_lr_power=2.0)
+SPEC_DEFAULTS["sgd_schedule_free"] = dict(momentum=0.9, **_SF_DEFAULTS)
+SPEC_DEFAULTS["adamw_schedule_free"] = dict(
+    betas=(0.9, 0.999), eps=1e-8, noise_bias_correction=False, gamma=1e-8, **_SF_DEFAULTS
+)
+SCHEDULE_FREE = ("sgd_schedule_free", "adamw_schedule_free")
 RULES = tuple(SPEC_DEFAULTS)
 
 
@@ -110,6 +117,9 @@ class SpecOptimizer:
         self.m, self.v, self.buf, self.S = z(), z(), z(), z()
         self.b = torch.full((self.d,), b_init if b_init is not None else 1.0 / self.d, dtype=F64)
         self.phi = [0.0 for _ in self.groups]  # DP-AdamBC's noise-variance EMA per group
+        self.zs = z()  # schedule-free's z (SPEC 10.8)
+        self.sf = [dict(k=0, weight_sum=0.0, lr_max=-1.0) for _ in self.groups]
+        self.train_mode = False
         self.acc = z()
         self._gen = None if perturb is None else torch.Generator().manual_seed(perturb)
         self.shadows = (
@@ -153,6 +163,7 @@ class SpecOptimizer:
             "exp_avg_sq": self.v[sl].reshape(shape),
             "exp_var": self.S[sl].reshape(shape),
             "scale": self.b[sl].reshape(shape),
+            "z": self.zs[sl].reshape(shape),
         }
 
     def slacks(self) -> list[torch.Tensor]:
@@ -238,6 +249,9 @@ class SpecOptimizer:
         noise_std = self.sigma * (1.0 if self.rule == "macadam" else self.C)
         g_hat = r(r(S + r(noise_std * z)) / self.B_e)  # SPEC 4 (whitened w~ for MacAdam)
         update = {"sgd": self._sgd, "macadam": self._macadam}.get(self.rule, self._adam)
+        if self.rule in SCHEDULE_FREE:
+            assert self.train_mode, "SPEC 10.8: a step in eval mode is refused"
+            update = self._schedule_free
         for gi, (hyper, sl) in enumerate(self.groups):
             if sl.stop > sl.start:
                 update(gi, hyper, sl, g_hat[sl])
@@ -310,3 +324,65 @@ class SpecOptimizer:
             S_hat[sl] = torch.clamp(raw, min=hyper["h1"], max=hyper["h2"])
         total = r(float(r(S_hat.sqrt()).sum()))
         self.b = r(r(S_hat.sqrt().sqrt()) * math.sqrt(total))
+
+    # -- SPEC 10.8: schedule-free SGD and AdamW ------------------------------------------
+    def _sf_beta(self, h) -> float:
+        return h["momentum"] if self.rule == "sgd_schedule_free" else h["betas"][0]
+
+    def _schedule_free(self, gi, h, sl, g_hat):
+        """y <- (1 - c) y + c z + gamma_t (beta (1 - c) - 1) u;  z <- z - gamma_t u."""
+        r, sf = self._r, self.sf[gi]
+        t = sf["k"] + 1
+        warm = h["warmup_steps"]
+        lr = h["lr"] * (t / warm if t - 1 < warm else 1.0)
+        sf["lr_max"] = max(lr, sf["lr_max"])
+        w = t ** h["r"] * sf["lr_max"] ** h["weight_lr_power"]
+        sf["weight_sum"] += w
+        c = w / sf["weight_sum"] if sf["weight_sum"] != 0 else 0.0
+        sf["k"] = t
+        y = self.p[sl]
+        if t == 1:
+            self.zs[sl] = y.clone()  # z starts at the parameter
+        z = self.zs[sl]
+        if self.rule == "sgd_schedule_free":
+            u = r(g_hat + r(h["weight_decay"] * y))
+        else:
+            beta2 = h["betas"][1]
+            self.v[sl] = r(r(beta2 * self.v[sl]) + r(r((1 - beta2) * g_hat) * g_hat))
+            v_hat = r(self.v[sl] / (1 - beta2**t))
+            if h["noise_bias_correction"]:
+                Phi = (self.sigma * self.C / self.B_e) ** 2
+                self.phi[gi] = r(beta2 * self.phi[gi] + (1 - beta2) * Phi)
+                phi_hat = r(self.phi[gi] / (1 - beta2**t))
+                denom = r(torch.sqrt(torch.clamp(r(v_hat - phi_hat), min=h["gamma"])))
+            else:
+                denom = r(r(v_hat.sqrt()) + h["eps"])
+            u = r(r(g_hat / denom) + r(h["weight_decay"] * y))
+        beta = self._sf_beta(h)
+        x = r(r(y - r((1 - beta) * z)) / beta)  # the average, from y = (1 - beta) z + beta x
+        z = r(z - r(lr * u))
+        x = r(r((1 - c) * x) + r(c * z))
+        self.zs[sl] = z
+        self.p[sl] = r(r((1 - beta) * z) + r(beta * x))
+
+    def eval(self) -> None:
+        """Parameters to x = (y - (1 - beta) z) / beta (SPEC 10.8), rounded to their dtype."""
+        self._swap(False)
+
+    def train(self) -> None:
+        """Parameters to y = (1 - beta) z + beta x."""
+        self._swap(True)
+
+    def _swap(self, to_train: bool) -> None:
+        for sh in self.shadows:
+            sh._swap(to_train)
+        if self.train_mode != to_train and self.t > 0:
+            for gi, (h, sl) in enumerate(self.groups):
+                beta, z = self._sf_beta(h), self.zs[sl]
+                if to_train:
+                    self.p[sl] = self._r(self._r((1 - beta) * z) + self._r(beta * self.p[sl]))
+                else:
+                    self.p[sl] = self._r(self._r(self.p[sl] - self._r((1 - beta) * z)) / beta)
+            for _, sl, _, dtype in self.entries:
+                self.p[sl] = self.p[sl].to(dtype).to(F64)
+        self.train_mode = to_train

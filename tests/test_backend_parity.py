@@ -24,6 +24,7 @@ from dpkern.hyper import (
     MacAdamHyper,
     SGDHyper,
 )
+from dpkern.hyper import AdamWScheduleFreeHyper, SGDScheduleFreeHyper
 
 from conftest import backend_device, case_seed, load_vectors, random_states, run_step
 
@@ -42,6 +43,30 @@ HYPERS = {
     "macadam_paper": MacAdamHyper(lr=1e-2, h1=1e-2, h2=10.0, variance_estimate="paper"),
     "macadam_code": MacAdamHyper(lr=1e-2, h1=1e-2, h2=10.0, variance_estimate="code"),
 }
+# Schedule-free: weight_sum / lr_max chosen so that c_t is below and above 1/2 (the two
+# forms of torch.lerp), with warmup, polynomial weights and the noise bias correction.
+HYPERS.update(
+    {
+        "sgd_schedule_free": SGDScheduleFreeHyper(
+            lr=0.1, weight_decay=0.01, warmup_steps=5, weight_sum=0.02, lr_max=0.05
+        ),
+        "sgd_schedule_free_late": SGDScheduleFreeHyper(
+            lr=0.1, momentum=0.8, r=0.5, weight_sum=0.001, lr_max=0.05
+        ),
+        "adamw_schedule_free": AdamWScheduleFreeHyper(
+            lr=1e-2, weight_decay=0.1, r=1.0, weight_sum=1e-4, lr_max=5e-3
+        ),
+        "adamw_schedule_free_bc": AdamWScheduleFreeHyper(
+            lr=1e-2,
+            weight_decay=0.05,
+            warmup_steps=4,
+            weight_sum=2e-3,
+            lr_max=1e-2,
+            noise_bias_correction=True,
+            gamma=1e-2,
+        ),
+    }
+)
 for _name, _spec in rules.RULES.items():  # every registered rule is a parity case
     HYPERS.setdefault(_name, _spec.hyper_class(lr=1e-2))
 KEY = 0xDEADBEEF12345678

@@ -18,6 +18,8 @@ CLASSES = [
     dpkern.DPAdamW,
     dpkern.DPAdamWBC,
     dpkern.DPMacAdam,
+    dpkern.DPSGDScheduleFree,
+    dpkern.DPAdamWScheduleFree,
 ]
 
 
@@ -25,7 +27,10 @@ def _make(cls, params, **kw):
     kw = {**PRIVACY, "backend": "torch", "seed": 1, "lr": 0.01, **kw}
     if cls is dpkern.DPMacAdam:
         kw.pop("max_grad_norm", None)
-    return cls(params, **kw)
+    opt = cls(params, **kw)
+    if hasattr(opt, "train"):  # schedule-free (SPEC 10.8): train mode before stepping
+        opt.train()
+    return opt
 
 
 def _model():

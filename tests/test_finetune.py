@@ -130,7 +130,9 @@ def test_empty_poisson_batches_are_handled(text_file, tmp_path):
     assert m["step"] == 6 and m["finished"]
 
 
-@pytest.mark.parametrize("optimizer", ["dp-adambc", "dp-macadam"])
+@pytest.mark.parametrize(
+    "optimizer", ["dp-adambc", "dp-macadam", "dp-sgd-schedulefree", "dp-adamw-schedulefree"]
+)
 def test_other_optimizers_run(text_file, tmp_path, optimizer):
     out = tmp_path / "run"
     assert (

@@ -24,6 +24,22 @@ CLASSES = {
     "adamw_bc": (dpkern.DPAdamWBC, dict(weight_decay=0.1, gamma=1e-2)),
     "macadam": (dpkern.DPMacAdam, dict(h1=1e-2, h2=10.0)),
 }
+CLASSES.update(
+    {
+        "sgd_schedule_free": (
+            dpkern.DPSGDScheduleFree,
+            dict(weight_decay=0.01, warmup_steps=2, r=0.5),
+        ),
+        "adamw_schedule_free": (
+            dpkern.DPAdamWScheduleFree,
+            dict(weight_decay=0.05, warmup_steps=2),
+        ),
+        "adamw_schedule_free_bc": (
+            dpkern.DPAdamWScheduleFree,
+            dict(noise_bias_correction=True, gamma=1e-2, weight_decay=0.05),
+        ),
+    }
+)
 for _name, _spec in rules.RULES.items():  # every registered rule's class is a case
     CLASSES.setdefault(_name, (_spec.optimizer_class(), {}))
 SHAPES = [(9, 7), (7,), (1,), (), (130,), (3, 4, 5)]
@@ -40,7 +56,10 @@ def _setup(name, backend, dtype, device):
     )
     if not cls.rule.whitening:  # whitening rules have no max_grad_norm
         kw["max_grad_norm"] = 2.0
-    return params, cls(groups, **kw)
+    opt = cls(groups, **kw)
+    if hasattr(opt, "train"):  # schedule-free (SPEC 10.8): train mode before stepping
+        opt.train()
+    return params, opt
 
 
 def _trajectory(name, backend, dtype, device):

@@ -49,6 +49,24 @@ CONFIGS = {
         {},
     ),
     "macadam_b_init": ("macadam", dict(h1=1e-10, h2=1e2), dict(b_init=0.05)),
+    # SPEC 10.8
+    "sgd_schedule_free": ("sgd_schedule_free", {}, {}),
+    "sgd_schedule_free_wd_warmup": (
+        "sgd_schedule_free",
+        dict(momentum=0.8, weight_decay=0.05, warmup_steps=3, r=0.5, weight_lr_power=1.0),
+        {},
+    ),
+    "adamw_schedule_free": ("adamw_schedule_free", {}, {}),
+    "adamw_schedule_free_wd_warmup": (
+        "adamw_schedule_free",
+        dict(betas=(0.85, 0.99), eps=1e-6, weight_decay=0.05, warmup_steps=2, r=1.0),
+        {},
+    ),
+    "adamw_schedule_free_bc": (
+        "adamw_schedule_free",
+        dict(noise_bias_correction=True, gamma=1e-4, weight_decay=0.02, warmup_steps=2),
+        {},
+    ),
 }
 LRS = (0.05, 0.02, 0.1)  # one per parameter group
 SGD_LRS = (0.2, 0.1, 0.3)
@@ -123,6 +141,8 @@ def build(config, dtype, sigma, seed, *, layout=LAYOUT, B_e=4.0, lrs=None):
     if rule != "macadam":
         privacy["max_grad_norm"] = C
     opt = CLASSES[rule](pgroups, seed=seed, backend="torch", **privacy, **cls_kwargs)
+    if hasattr(opt, "train"):  # schedule-free (SPEC 10.8): train mode before stepping
+        opt.train()
     model = SpecOptimizer(
         rule,
         [dict(g) for g in pgroups],
@@ -132,6 +152,8 @@ def build(config, dtype, sigma, seed, *, layout=LAYOUT, B_e=4.0, lrs=None):
         key=seed,
         b_init=cls_kwargs.get("b_init"),
     )
+    if hasattr(opt, "train"):
+        model.train()
     return opt, model, trainable, nogs, gen
 
 
@@ -142,6 +164,8 @@ STATE_CHECKS = {
     "adamw": ("exp_avg", "exp_avg_sq"),
     "adamw_bc": ("exp_avg", "exp_avg_sq"),
     "macadam": ("exp_avg", "exp_avg_sq", "exp_var", "scale"),
+    "sgd_schedule_free": ("z",),
+    "adamw_schedule_free": ("z", "exp_avg_sq"),
 }
 
 
@@ -222,6 +246,8 @@ def test_optimizer_matches_spec(config, sigma, dtype):
         "adamw_bc",
         "macadam_unbiased",
         "macadam_code",
+        "sgd_schedule_free_wd_warmup",
+        "adamw_schedule_free_bc",
     ],
 )
 def test_gradient_accumulation_equals_concatenated_batch(config):
@@ -529,3 +555,43 @@ def test_macadam_clipped_row_norm_at_most_one_with_per_group_betas():
     g_tilde = (opt.state[b]["exp_avg"] - 0.99 * m1) / (1 - 0.99)
     summed_row = (g_tilde - m1 / (1 - 0.99)) / scale  # = c_1 w_1 (B = B_e = 1, sigma = 0)
     assert float(summed_row.norm()) <= 1.0 + 1e-5
+
+
+# --------------------------------------------------------------------------------------
+# Schedule-free (SPEC 10.8): train / eval swaps against the model, and the noise schedule
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("config", ["sgd_schedule_free_wd_warmup", "adamw_schedule_free_wd_warmup"])
+def test_schedule_free_eval_train_swaps_match_spec(config):
+    """x = (y - (1 - beta) z) / beta in eval mode, y back in train mode, between steps."""
+    seed = fresh_seed()
+    opt, model, trainable, nogs, gen = build(config, torch.float32, 1.1, seed)
+    for t, B in enumerate(BATCHES, start=1):
+        grads = make_grads(trainable, nogs, B, gen, torch.float32)
+        set_grad_samples(trainable, grads)
+        opt.step()
+        model.step(grads)
+        opt.eval()
+        model.eval()
+        compare(opt, model, trainable, torch.float32, f"{config} eval seed={seed} t={t}")
+        opt.train()
+        model.train()
+        compare(opt, model, trainable, torch.float32, f"{config} train seed={seed} t={t}")
+
+
+def test_schedule_free_bc_noise_schedule_uses_the_ema():
+    """With sigma, C, B_e changing between steps, phi follows the EMA of Phi_t (SPEC 10.8)."""
+    seed = fresh_seed()
+    opt, model, trainable, nogs, gen = build("adamw_schedule_free_bc", torch.float32, 1.0, seed)
+    for t, (sigma, Cn, B_e) in enumerate(
+        [(1.0, 1.0, 4.0), (2.0, 0.5, 3.0), (0.5, 2.0, 6.0), (0.0, 1.0, 4.0)], start=1
+    ):
+        opt.noise_multiplier, opt.max_grad_norm, opt.expected_batch_size = sigma, Cn, B_e
+        model.set_privacy(noise_multiplier=sigma, max_grad_norm=Cn, expected_batch_size=B_e)
+        grads = make_grads(trainable, nogs, 3, gen, torch.float32)
+        set_grad_samples(trainable, grads)
+        opt.step()
+        model.step(grads)
+        compare(opt, model, trainable, torch.float32, f"sf schedule seed={seed} t={t}")
+        for gi, group in enumerate(opt.param_groups):
+            p = next(p for p in group["params"] if p.requires_grad)
+            assert float(opt.state[p]["noise_var_avg"]) == pytest.approx(model.phi[gi], rel=1e-6)

@@ -17,6 +17,8 @@ CLASSES = [
     dpkern.DPAdamW,
     dpkern.DPAdamWBC,
     dpkern.DPMacAdam,
+    dpkern.DPSGDScheduleFree,
+    dpkern.DPAdamWScheduleFree,
 ]
 
 
@@ -26,7 +28,10 @@ def _opt(cls, params, **kw):
         kw["momentum"] = 0.9
     if cls is not dpkern.DPMacAdam:
         kw["max_grad_norm"] = 1.5
-    return cls(params, **kw)
+    opt = cls(params, **kw)
+    if hasattr(opt, "train"):  # schedule-free (SPEC 10.8): train mode before stepping
+        opt.train()
+    return opt
 
 
 def _params(dtype=torch.float32):

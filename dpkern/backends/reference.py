@@ -381,6 +381,50 @@ def macadam_update_scale(
         b.copy_(S_hat.sqrt().sqrt() * math.sqrt(sqrt_sum))
 
 
+# Schedule-free DP-SGD and DP-AdamW (SPEC 10.8). The parameter holds y (train mode); z is
+# the base sequence, set to p at the parameter's first step (schedulefree clones it then).
+# The host scalars lr_t and c_t come from rules.schedule_free_scalars.
+def _schedule_free_y_z(h: Hyper, lr: float, ckp1: float, beta: float, p, z, g) -> None:
+    """y <- lerp(y, z, c_t) + lr_t (beta (1 - c_t) - 1) g;  z <- z - lr_t g (in place)."""
+    p.lerp_(z, ckp1)
+    p.add_(g, alpha=lr * (beta * (1 - ckp1) - 1))
+    z.sub_(g, alpha=lr)
+
+
+def update_sgd_schedule_free(h: Hyper, dp: DPStep, p: Tensor, g: Tensor, state) -> float:
+    """Schedule-free DP-SGD (SPEC 10.8): schedulefree.SGDScheduleFree on g_hat, the weight
+    decay coupled at y."""
+    lr, _, _, ckp1 = rules.schedule_free_scalars(h, dp.step)
+    z = state["z"]
+    if dp.step == 1:
+        z.copy_(p)
+    if h.weight_decay != 0:
+        g = g.add(p, alpha=h.weight_decay)
+    _schedule_free_y_z(h, lr, ckp1, h.momentum, p, z, g)
+    return 0.0
+
+
+def update_adamw_schedule_free(h: Hyper, dp: DPStep, p: Tensor, g: Tensor, state) -> float:
+    """Schedule-free DP-AdamW (SPEC 10.8): schedulefree.AdamWScheduleFree on g_hat; the
+    denominator sqrt(v_hat) + eps, or sqrt(max(v_hat - phi_hat, gamma)) with the noise
+    bias correction; the weight decay at y, added to the normalised gradient."""
+    lr, _, _, ckp1 = rules.schedule_free_scalars(h, dp.step)
+    z, v = state["z"], state["exp_avg_sq"]
+    if dp.step == 1:
+        z.copy_(p)
+    v.mul_(h.beta2).addcmul_(g, g, value=1 - h.beta2)
+    v_hat = v / (1 - h.beta2**dp.step)
+    if h.noise_bias_correction:
+        denom = _bc_denominator(h, dp, v_hat)
+    else:
+        denom = v_hat.sqrt() + h.eps
+    g = g / denom
+    if h.weight_decay != 0:
+        g = g.add(p, alpha=h.weight_decay)
+    _schedule_free_y_z(h, lr, ckp1, h.beta1, p, z, g)
+    return 0.0
+
+
 def _updates() -> dict:
     """name -> update_<name> for every registered rule (the reference implements all)."""
     out = {}

@@ -20,6 +20,7 @@ entry here is refused by the backend (``supports``).
 from __future__ import annotations
 
 import dataclasses
+import struct
 
 import triton
 import triton.language as tl
@@ -34,6 +35,8 @@ ADAM_BC = tl.constexpr(2)
 ADAMW = tl.constexpr(3)
 ADAMW_BC = tl.constexpr(4)
 MACADAM = tl.constexpr(5)
+SGD_SCHEDULE_FREE = tl.constexpr(13)
+ADAMW_SCHEDULE_FREE = tl.constexpr(14)
 # DP-MacAdam's variance term u (constexpr), by name.
 UNBIASED, PAPER, CODE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 VARIANCE_CODES = {"unbiased": UNBIASED.value, "paper": PAPER.value, "code": CODE.value}
@@ -46,6 +49,8 @@ STATES = {
     "adamw": ("exp_avg", "exp_avg_sq"),
     "adamw_bc": ("exp_avg", "exp_avg_sq"),
     "macadam": ("exp_avg", "exp_avg_sq", "exp_var", "scale"),
+    "sgd_schedule_free": ("z",),
+    "adamw_schedule_free": ("z", "exp_avg_sq"),
 }
 # The slots the update functions use, by state name.
 MOMENTUM_BUFFER = tl.constexpr(STATES["sgd"].index("momentum_buffer"))
@@ -339,6 +344,115 @@ def _host_macadam(h, dp) -> KernelArgs:
 
 
 # --------------------------------------------------------------------------------------
+# Schedule-free DP-SGD and DP-AdamW (SPEC 10.8): p is y; z (the first state, m_prev when
+# loaded) is the base sequence, p itself at the parameter's first step. The host computes
+# lr_t, c_t and the y coefficient lr_t (beta (1 - c_t) - 1) (rules.schedule_free_scalars).
+# --------------------------------------------------------------------------------------
+SF_Z = tl.constexpr(STATES["sgd_schedule_free"].index("z"))
+SF_EXP_AVG_SQ = tl.constexpr(STATES["adamw_schedule_free"].index("exp_avg_sq"))
+
+
+@triton.jit
+def _schedule_free_y_z(row, offs, inb, p, z, u, lr, y_coef, ckp1, LERP_SMALL, ALIGNED):
+    """y <- lerp(y, z, c_t) + y_coef u (torch.lerp's two forms); z <- z - lr u (stored)."""
+    if LERP_SMALL:
+        y = p + ckp1 * (z - p)
+    else:
+        y = z - (z - p) * (1.0 - ckp1)
+    y = y + y_coef * u
+    tl.store(C.typed_ptr(row, C.COL_S0 + SF_Z, tl.float32, ALIGNED) + offs, z - lr * u, mask=inb)
+    return y
+
+
+@triton.jit
+def update_sgd_schedule_free(
+    row,
+    offs,
+    inb,
+    p,
+    g,
+    m_prev,
+    lr,
+    wd,
+    y_coef,
+    ckp1,
+    COUPLED_WD: tl.constexpr,
+    FIRST: tl.constexpr,
+    LERP_SMALL: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    if FIRST:
+        z = p
+    else:
+        z = m_prev
+    if COUPLED_WD:
+        g = g + wd * p
+    return _schedule_free_y_z(row, offs, inb, p, z, g, lr, y_coef, ckp1, LERP_SMALL, ALIGNED)
+
+
+@triton.jit
+def update_adamw_schedule_free(
+    row,
+    offs,
+    inb,
+    p,
+    g,
+    m_prev,
+    lr,
+    wd,
+    y_coef,
+    ckp1,
+    beta2,
+    one_m_b2,
+    bc2,
+    eps,
+    gamma,
+    phi_hat,
+    COUPLED_WD: tl.constexpr,
+    FIRST: tl.constexpr,
+    LERP_SMALL: tl.constexpr,
+    BC: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    if FIRST:
+        z = p
+    else:
+        z = m_prev
+    v_ptr = C.typed_ptr(row, C.COL_S0 + SF_EXP_AVG_SQ, tl.float32, ALIGNED)
+    v = tl.load(v_ptr + offs, mask=inb, other=0.0) * beta2 + one_m_b2 * g * g
+    tl.store(v_ptr + offs, v, mask=inb)
+    v_hat = v / bc2
+    if BC:
+        u = g / tl.math.sqrt_rn(tl.maximum(v_hat - phi_hat, gamma))
+    else:
+        u = g / (tl.math.sqrt_rn(v_hat) + eps)
+    if COUPLED_WD:
+        u = u + wd * p
+    return _schedule_free_y_z(row, offs, inb, p, z, u, lr, y_coef, ckp1, LERP_SMALL, ALIGNED)
+
+
+def _schedule_free_host(h, dp, beta) -> tuple:
+    """(lr_t, y coefficient, c_t) and the flags (decay, first step, c_t < 0.5)."""
+    lr, _, _, ckp1 = rules.schedule_free_scalars(h, dp.step)
+    scalars = (lr, h.weight_decay, lr * (beta * (1 - ckp1) - 1), ckp1)
+    small = abs(struct.unpack("f", struct.pack("f", ckp1))[0]) < 0.5  # torch.lerp's test, fp32
+    return scalars, (h.weight_decay != 0, dp.step == 1, small)
+
+
+def _host_sgd_schedule_free(h, dp) -> KernelArgs:
+    scalars, flags = _schedule_free_host(h, dp, h.momentum)
+    return KernelArgs(SGD_SCHEDULE_FREE.value, scalars, flags, dp.step > 1, False)
+
+
+def _host_adamw_schedule_free(h, dp) -> KernelArgs:
+    scalars, flags = _schedule_free_host(h, dp, h.beta1)
+    bc = rules.of(h).corrects(h)
+    phi_hat = _phi_hat(h, dp) if bc else 0.0
+    scalars += (h.beta2, 1 - h.beta2, 1 - h.beta2**dp.step, h.eps, h.gamma, phi_hat)
+    return KernelArgs(ADAMW_SCHEDULE_FREE.value, scalars, (*flags, bc), dp.step > 1, False)
+
+
+# --------------------------------------------------------------------------------------
 # The dispatch
 # --------------------------------------------------------------------------------------
 @triton.jit
@@ -417,6 +531,34 @@ def update(
             F1,
             ALIGNED,
         )
+    elif RULE == SGD_SCHEDULE_FREE:
+        p = update_sgd_schedule_free(
+            row, offs, inb, p, g, m_prev, s0, s1, s2, s3, F0, F1, F2, ALIGNED
+        )
+    elif RULE == ADAMW_SCHEDULE_FREE:
+        p = update_adamw_schedule_free(
+            row,
+            offs,
+            inb,
+            p,
+            g,
+            m_prev,
+            s0,
+            s1,
+            s2,
+            s3,
+            s4,
+            s5,
+            s6,
+            s7,
+            s8,
+            s9,
+            F0,
+            F1,
+            F2,
+            F3,
+            ALIGNED,
+        )
     else:
         tl.static_assert(False, "dpkern: unknown update rule code")
     return p
@@ -430,6 +572,8 @@ RULES = {
     "adamw": _host_adamw,
     "adamw_bc": _host_adamw_bc,
     "macadam": _host_macadam,
+    "sgd_schedule_free": _host_sgd_schedule_free,
+    "adamw_schedule_free": _host_adamw_schedule_free,
 }
 
 

@@ -91,6 +91,8 @@ def _train_one(cfg: RunConfig) -> dict:
     opt = make_optimizer(
         cfg.optimizer, [p for p in model.parameters() if p.requires_grad], cfg, cfg.sample_rate * n
     )
+    if hasattr(opt, "train"):  # schedule-free (SPEC 10.8): train at y, evaluate at x
+        opt.train()
     accountant = PrivacyAccountant(cfg.accountant)
     sampler = PoissonBatchSampler(n, cfg.sample_rate, cfg.steps, seed=cfg.seed)
     for batch in sampler:
@@ -101,6 +103,8 @@ def _train_one(cfg: RunConfig) -> dict:
         opt.step()
         opt.zero_grad()
         accountant.step(cfg.noise_multiplier, cfg.sample_rate)
+    if hasattr(opt, "eval"):
+        opt.eval()
     spent = accountant.get_epsilon(cfg.delta)
     if spent > cfg.epsilon:
         raise RuntimeError(

@@ -232,9 +232,12 @@ def make_optimizer(plan: Plan, params, backend: str, sigma: float):
     if "max_grad_norm" in options:  # not for whitening rules (their bound adapts)
         kw["max_grad_norm"] = plan.max_grad_norm
     try:
-        return cls(params, **kw)
+        opt = cls(params, **kw)
     except ValueError as exc:
         raise UsageError("--optimizer", f"{plan.optimizer}: {exc}") from None
+    if hasattr(opt, "train"):  # schedule-free (SPEC 10.8): the parameters hold y
+        opt.train()
+    return opt
 
 
 def check_nproc(args, device: torch.device) -> None:
