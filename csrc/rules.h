@@ -27,6 +27,8 @@ enum Rule : int {
   ADAMW = 3,
   ADAMW_BC = 4,
   MACADAM = 5,
+  RMSPROP = 6,
+  ADAGRAD = 7,
 };
 // DP-MacAdam's variance term u (variance_estimate).
 enum Variance : int { UNBIASED = 0, PAPER = 1, CODE = 2 };
@@ -43,6 +45,8 @@ inline constexpr Named RULE_NAMES[] = {
     {"adamw", ADAMW},
     {"adamw_bc", ADAMW_BC},
     {"macadam", MACADAM},
+    {"rmsprop", RMSPROP},
+    {"adagrad", ADAGRAD},
 };
 inline constexpr Named VARIANCE_NAMES[] = {{"unbiased", UNBIASED}, {"paper", PAPER}, {"code", CODE}};
 
@@ -54,6 +58,10 @@ enum Slot : int {
   EXP_AVG_SQ = 1,
   EXP_VAR = 2,
   SCALE = 3,
+  SQUARE_AVG = 0,           // DP-RMSprop
+  RMS_MOMENTUM_BUFFER = 1,  // DP-RMSprop
+  GRAD_AVG = 2,             // DP-RMSprop
+  SUM = 0,                  // DP-Adagrad
 };
 struct RuleStates {
   int rule;
@@ -66,6 +74,8 @@ inline constexpr RuleStates RULE_STATES[] = {
     {ADAMW, {"exp_avg", "exp_avg_sq"}},
     {ADAMW_BC, {"exp_avg", "exp_avg_sq"}},
     {MACADAM, {"exp_avg", "exp_avg_sq", "exp_var", "scale"}},
+    {RMSPROP, {"square_avg", "momentum_buffer", "grad_avg"}},
+    {ADAGRAD, {"sum"}},
 };
 
 // The float and bool fields of the dpkern.hyper dataclasses (name, default), read from the
@@ -82,7 +92,12 @@ inline constexpr RuleStates RULE_STATES[] = {
   X(eps, 1e-8)              \
   X(gamma, 1e-8)            \
   X(h1, 1e-9)               \
-  X(h2, 1e-6)
+  X(h2, 1e-6)               \
+  X(alpha, 0.99)            \
+  X(centered, false)        \
+  X(noise_bias_correction, false) \
+  X(lr_decay, 0.0)          \
+  X(initial_accumulator_value, 0.0)
 
 // The hyper-parameters of one update rule (dpkern.hyper), as Python doubles.
 struct Hyper {
@@ -105,6 +120,9 @@ struct Consts {
   bool has_m_hat_prev;                                      // MacAdam
   float bias_correction1_prev, kappa, noise_var, h1, h2;
   bool want_sqrt_sum;
+  float alpha, one_minus_alpha, phi;                        // RMSprop, Adagrad
+  bool centered, noise_bias_correction;
+  float clr;                                                // Adagrad
 };
 
 inline Consts make_consts(const Hyper& h, const DP& dp) {
@@ -140,6 +158,12 @@ inline Consts make_consts(const Hyper& h, const DP& dp) {
   c.h1 = float(h.h1);
   c.h2 = float(h.h2);
   c.want_sqrt_sum = h.rule == MACADAM && dp.step >= 2;
+  c.alpha = float(h.alpha);
+  c.one_minus_alpha = float(1 - h.alpha);
+  c.centered = h.centered;
+  c.noise_bias_correction = h.noise_bias_correction;
+  c.phi = h.noise_bias_correction ? float(dp.noise_var_avg) : 0.0f;  // phi_t (not bias-corrected)
+  c.clr = float(h.lr / (1 + (t - 1) * h.lr_decay));
   return c;
 }
 
@@ -270,6 +294,67 @@ DPK_INLINE void update_macadam(const Consts c, const float* __restrict S, float*
   if (c.want_sqrt_sum) sqrt_sum = ordered_sum(z, len);
 }
 
+// DP-RMSprop (SPEC 10.1): torch.optim.RMSprop on g_hat; avg = sqrt(v) + eps, or
+// sqrt(v - grad_avg^2) + eps (centered), or sqrt(max(v - phi, gamma)) + eps (noise bias
+// correction); momentum: buf = momentum buf + g / avg, p -= lr buf.
+template <int PT>
+DPK_INLINE void update_rmsprop(const Consts c, const float* __restrict S, float* __restrict z,
+                               const Param& prm, int64_t begin, int64_t len, double&) {
+  auto* __restrict p = static_cast<typename Storage<PT>::type*>(prm.data) + begin;
+  float* __restrict v = prm.state[SQUARE_AVG] + begin;
+  float* __restrict buf = c.momentum > 0 ? prm.state[RMS_MOMENTUM_BUFFER] + begin : nullptr;
+  float* __restrict ga = c.centered ? prm.state[GRAD_AVG] + begin : nullptr;
+  for (int64_t j = 0; j < len; ++j) {
+    float g = (S[j] + c.noise_std * z[j]) / c.batch;
+    const float pj = load<PT>(p, j);
+    if (c.coupled_wd) g = g + c.weight_decay * pj;
+    const float vj = v[j] * c.alpha + (c.one_minus_alpha * g) * g;
+    v[j] = vj;
+    float avg;
+    if (c.centered) {
+      const float gaj = ga[j] + c.one_minus_alpha * (g - ga[j]);
+      ga[j] = gaj;
+      avg = __builtin_sqrtf(vj - gaj * gaj) + c.eps;
+    } else if (c.noise_bias_correction) {
+      const float d = vj - c.phi;
+      avg = __builtin_sqrtf(d < c.gamma ? c.gamma : d) + c.eps;  // clamp(min=gamma); NaN stays NaN
+    } else {
+      avg = __builtin_sqrtf(vj) + c.eps;
+    }
+    if (c.momentum > 0) {
+      const float b = buf[j] * c.momentum + g / avg;
+      buf[j] = b;
+      store<PT>(p, j, pj - c.lr * b);
+    } else {
+      store<PT>(p, j, pj - c.lr * (g / avg));
+    }
+  }
+}
+
+// DP-Adagrad (SPEC 10.2): torch.optim.Adagrad on g_hat; sum += g^2,
+// p -= clr g / (sqrt(sum) + eps), or sqrt(max(sum - phi, gamma)) + eps.
+template <int PT>
+DPK_INLINE void update_adagrad(const Consts c, const float* __restrict S, float* __restrict z,
+                               const Param& prm, int64_t begin, int64_t len, double&) {
+  auto* __restrict p = static_cast<typename Storage<PT>::type*>(prm.data) + begin;
+  float* __restrict acc = prm.state[SUM] + begin;
+  for (int64_t j = 0; j < len; ++j) {
+    float g = (S[j] + c.noise_std * z[j]) / c.batch;
+    const float pj = load<PT>(p, j);
+    if (c.coupled_wd) g = g + c.weight_decay * pj;
+    const float a = acc[j] + g * g;
+    acc[j] = a;
+    float std_;
+    if (c.noise_bias_correction) {
+      const float d = a - c.phi;
+      std_ = __builtin_sqrtf(d < c.gamma ? c.gamma : d) + c.eps;  // clamp(min=gamma)
+    } else {
+      std_ = __builtin_sqrtf(a) + c.eps;
+    }
+    store<PT>(p, j, pj - c.clr * (g / std_));
+  }
+}
+
 // ---------------------------------------------------------------------------------------
 // The dispatch: every rule by name of its case; to_hyper (bindings.cpp) has refused any
 // other code before a kernel runs. Returns the block's partial sum (0 for most rules).
@@ -286,6 +371,10 @@ DPK_INLINE double update(const Consts& c, const float* __restrict S, float* __re
       DPK_DISPATCH_DTYPE(p.dtype, update_adamw_bc, c, S, z, p, begin, len, sqrt_sum) break;
     case MACADAM:
       DPK_DISPATCH_DTYPE(p.dtype, update_macadam, c, S, z, p, begin, len, sqrt_sum) break;
+    case RMSPROP:
+      DPK_DISPATCH_DTYPE(p.dtype, update_rmsprop, c, S, z, p, begin, len, sqrt_sum) break;
+    case ADAGRAD:
+      DPK_DISPATCH_DTYPE(p.dtype, update_adagrad, c, S, z, p, begin, len, sqrt_sum) break;
     default: break;  // unreachable: unknown codes are refused at the binding
   }
   return sqrt_sum;

@@ -18,6 +18,8 @@ CLASSES = [
     dpkern.DPAdamW,
     dpkern.DPAdamWBC,
     dpkern.DPMacAdam,
+    dpkern.DPRMSprop,
+    dpkern.DPAdagrad,
 ]
 
 

@@ -49,6 +49,25 @@ CONFIGS = {
         {},
     ),
     "macadam_b_init": ("macadam", dict(h1=1e-10, h2=1e2), dict(b_init=0.05)),
+    "rmsprop": ("rmsprop", {}, {}),
+    "rmsprop_wd_momentum": (
+        "rmsprop",
+        dict(alpha=0.9, eps=1e-6, weight_decay=0.05, momentum=0.8),
+        {},
+    ),
+    "rmsprop_centered": ("rmsprop", dict(centered=True, momentum=0.5, alpha=0.95), {}),
+    "rmsprop_bc": ("rmsprop", dict(noise_bias_correction=True, gamma=1e-4, alpha=0.9), {}),
+    "adagrad": ("adagrad", {}, {}),
+    "adagrad_decay_wd_init": (
+        "adagrad",
+        dict(lr_decay=0.1, weight_decay=0.05, initial_accumulator_value=0.3),
+        {},
+    ),
+    "adagrad_bc": (
+        "adagrad",
+        dict(noise_bias_correction=True, gamma=1e-4, initial_accumulator_value=0.1),
+        {},
+    ),
 }
 LRS = (0.05, 0.02, 0.1)  # one per parameter group
 SGD_LRS = (0.2, 0.1, 0.3)
@@ -142,6 +161,8 @@ STATE_CHECKS = {
     "adamw": ("exp_avg", "exp_avg_sq"),
     "adamw_bc": ("exp_avg", "exp_avg_sq"),
     "macadam": ("exp_avg", "exp_avg_sq", "exp_var", "scale"),
+    "rmsprop": ("square_avg", "momentum_buffer", "grad_avg"),
+    "adagrad": ("sum",),
 }
 
 
@@ -172,6 +193,11 @@ def compare(opt, model, trainable, dtype, msg, states=True):
         names = STATE_CHECKS[model.rule]
         if model.rule == "sgd" and all(g["momentum"] == 0 for g in opt.param_groups):
             names = ()
+        if model.rule == "rmsprop":  # momentum_buffer / grad_avg only where used (SPEC 10.1)
+            h = opt.param_groups[0]
+            names = tuple(
+                n for n, used in zip(names, (True, h["momentum"] > 0, h["centered"])) if used
+            )
         for name in names:
             assert st[name].dtype == torch.float32, (msg, name)
             assert st[name].shape == p.shape, (msg, name)
@@ -222,6 +248,8 @@ def test_optimizer_matches_spec(config, sigma, dtype):
         "adamw_bc",
         "macadam_unbiased",
         "macadam_code",
+        "rmsprop_wd_momentum",
+        "adagrad_bc",
     ],
 )
 def test_gradient_accumulation_equals_concatenated_batch(config):
