@@ -29,6 +29,8 @@ enum Rule : int {
   MACADAM = 5,
   SGD_SCHEDULE_FREE = 13,
   ADAMW_SCHEDULE_FREE = 14,
+  RMSPROP = 6,
+  ADAGRAD = 7,
 };
 // DP-MacAdam's variance term u (variance_estimate).
 enum Variance : int { UNBIASED = 0, PAPER = 1, CODE = 2 };
@@ -47,6 +49,8 @@ inline constexpr Named RULE_NAMES[] = {
     {"macadam", MACADAM},
     {"sgd_schedule_free", SGD_SCHEDULE_FREE},
     {"adamw_schedule_free", ADAMW_SCHEDULE_FREE},
+    {"rmsprop", RMSPROP},
+    {"adagrad", ADAGRAD},
 };
 inline constexpr Named VARIANCE_NAMES[] = {{"unbiased", UNBIASED}, {"paper", PAPER}, {"code", CODE}};
 
@@ -60,6 +64,10 @@ enum Slot : int {
   SCALE = 3,
   SF_Z = 0,
   SF_EXP_AVG_SQ = 1,
+  SQUARE_AVG = 0,           // DP-RMSprop
+  RMS_MOMENTUM_BUFFER = 1,  // DP-RMSprop
+  GRAD_AVG = 2,             // DP-RMSprop
+  SUM = 0,                  // DP-Adagrad
 };
 struct RuleStates {
   int rule;
@@ -74,6 +82,8 @@ inline constexpr RuleStates RULE_STATES[] = {
     {MACADAM, {"exp_avg", "exp_avg_sq", "exp_var", "scale"}},
     {SGD_SCHEDULE_FREE, {"z"}},
     {ADAMW_SCHEDULE_FREE, {"z", "exp_avg_sq"}},
+    {RMSPROP, {"square_avg", "momentum_buffer", "grad_avg"}},
+    {ADAGRAD, {"sum"}},
 };
 
 // The float and bool fields of the dpkern.hyper dataclasses (name, default), read from the
@@ -96,7 +106,11 @@ inline constexpr RuleStates RULE_STATES[] = {
   X(weight_lr_power, 2.0)   \
   X(noise_bias_correction, false) \
   X(weight_sum, 0.0)        \
-  X(lr_max, -1.0)
+  X(lr_max, -1.0)           \
+  X(alpha, 0.99)            \
+  X(centered, false)        \
+  X(lr_decay, 0.0)          \
+  X(initial_accumulator_value, 0.0)
 
 // The hyper-parameters of one update rule (dpkern.hyper), as Python doubles.
 struct Hyper {
@@ -121,6 +135,9 @@ struct Consts {
   bool want_sqrt_sum;
   float sf_lr, sf_y_coef, sf_ckp1;                          // schedule-free
   bool sf_lerp_small, sf_correct;
+  float alpha, one_minus_alpha, phi;                        // RMSprop, Adagrad
+  bool centered, noise_bias_correction;
+  float clr;                                                // Adagrad
 };
 
 inline Consts make_consts(const Hyper& h, const DP& dp) {
@@ -172,6 +189,12 @@ inline Consts make_consts(const Hyper& h, const DP& dp) {
     c.sf_lerp_small = std::fabs(c.sf_ckp1) < 0.5f;  // torch.lerp's test, in float32
     c.sf_correct = h.rule == ADAMW_SCHEDULE_FREE && h.noise_bias_correction;
   }
+  c.alpha = float(h.alpha);
+  c.one_minus_alpha = float(1 - h.alpha);
+  c.centered = h.centered;
+  c.noise_bias_correction = h.noise_bias_correction;
+  c.phi = h.noise_bias_correction ? float(dp.noise_var_avg) : 0.0f;  // phi_t (not bias-corrected)
+  c.clr = float(h.lr / (1 + (t - 1) * h.lr_decay));
   return c;
 }
 
@@ -353,6 +376,67 @@ DPK_INLINE void update_adamw_schedule_free(const Consts c, const float* __restri
   schedule_free<PT, true>(c, S, z, prm, begin, len);
 }
 
+// DP-RMSprop (SPEC 10.1): torch.optim.RMSprop on g_hat; avg = sqrt(v) + eps, or
+// sqrt(v - grad_avg^2) + eps (centered), or sqrt(max(v - phi, gamma)) + eps (noise bias
+// correction); momentum: buf = momentum buf + g / avg, p -= lr buf.
+template <int PT>
+DPK_INLINE void update_rmsprop(const Consts c, const float* __restrict S, float* __restrict z,
+                               const Param& prm, int64_t begin, int64_t len, double&) {
+  auto* __restrict p = static_cast<typename Storage<PT>::type*>(prm.data) + begin;
+  float* __restrict v = prm.state[SQUARE_AVG] + begin;
+  float* __restrict buf = c.momentum > 0 ? prm.state[RMS_MOMENTUM_BUFFER] + begin : nullptr;
+  float* __restrict ga = c.centered ? prm.state[GRAD_AVG] + begin : nullptr;
+  for (int64_t j = 0; j < len; ++j) {
+    float g = (S[j] + c.noise_std * z[j]) / c.batch;
+    const float pj = load<PT>(p, j);
+    if (c.coupled_wd) g = g + c.weight_decay * pj;
+    const float vj = v[j] * c.alpha + (c.one_minus_alpha * g) * g;
+    v[j] = vj;
+    float avg;
+    if (c.centered) {
+      const float gaj = ga[j] + c.one_minus_alpha * (g - ga[j]);
+      ga[j] = gaj;
+      avg = __builtin_sqrtf(vj - gaj * gaj) + c.eps;
+    } else if (c.noise_bias_correction) {
+      const float d = vj - c.phi;
+      avg = __builtin_sqrtf(d < c.gamma ? c.gamma : d) + c.eps;  // clamp(min=gamma); NaN stays NaN
+    } else {
+      avg = __builtin_sqrtf(vj) + c.eps;
+    }
+    if (c.momentum > 0) {
+      const float b = buf[j] * c.momentum + g / avg;
+      buf[j] = b;
+      store<PT>(p, j, pj - c.lr * b);
+    } else {
+      store<PT>(p, j, pj - c.lr * (g / avg));
+    }
+  }
+}
+
+// DP-Adagrad (SPEC 10.2): torch.optim.Adagrad on g_hat; sum += g^2,
+// p -= clr g / (sqrt(sum) + eps), or sqrt(max(sum - phi, gamma)) + eps.
+template <int PT>
+DPK_INLINE void update_adagrad(const Consts c, const float* __restrict S, float* __restrict z,
+                               const Param& prm, int64_t begin, int64_t len, double&) {
+  auto* __restrict p = static_cast<typename Storage<PT>::type*>(prm.data) + begin;
+  float* __restrict acc = prm.state[SUM] + begin;
+  for (int64_t j = 0; j < len; ++j) {
+    float g = (S[j] + c.noise_std * z[j]) / c.batch;
+    const float pj = load<PT>(p, j);
+    if (c.coupled_wd) g = g + c.weight_decay * pj;
+    const float a = acc[j] + g * g;
+    acc[j] = a;
+    float std_;
+    if (c.noise_bias_correction) {
+      const float d = a - c.phi;
+      std_ = __builtin_sqrtf(d < c.gamma ? c.gamma : d) + c.eps;  // clamp(min=gamma)
+    } else {
+      std_ = __builtin_sqrtf(a) + c.eps;
+    }
+    store<PT>(p, j, pj - c.clr * (g / std_));
+  }
+}
+
 // ---------------------------------------------------------------------------------------
 // The dispatch: every rule by name of its case; to_hyper (bindings.cpp) has refused any
 // other code before a kernel runs. Returns the block's partial sum (0 for most rules).
@@ -375,6 +459,10 @@ DPK_INLINE double update(const Consts& c, const float* __restrict S, float* __re
     case ADAMW_SCHEDULE_FREE:
       DPK_DISPATCH_DTYPE(p.dtype, update_adamw_schedule_free, c, S, z, p, begin, len, sqrt_sum)
       break;
+    case RMSPROP:
+      DPK_DISPATCH_DTYPE(p.dtype, update_rmsprop, c, S, z, p, begin, len, sqrt_sum) break;
+    case ADAGRAD:
+      DPK_DISPATCH_DTYPE(p.dtype, update_adagrad, c, S, z, p, begin, len, sqrt_sum) break;
     default: break;  // unreachable: unknown codes are refused at the binding
   }
   return sqrt_sum;

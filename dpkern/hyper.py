@@ -236,6 +236,63 @@ class AdamWScheduleFreeHyper(_ScheduleFreeBase):
         check_positive("gamma", self.gamma)
 
 
+@dataclass(frozen=True)
+class RMSpropHyper(_Base):
+    """DP-RMSprop (SPEC 10.1): torch.optim.RMSprop on g_hat (coupled L2, eps outside the
+    sqrt), optionally with the noise bias correction sqrt(max(v - phi, gamma)) + eps."""
+
+    rule: ClassVar[str] = "rmsprop"
+    alpha: float = 0.99
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    momentum: float = 0.0
+    centered: bool = False
+    noise_bias_correction: bool = False
+    gamma: float = 1e-8
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_beta("alpha", self.alpha)
+        check_positive("eps", self.eps)
+        check_nonnegative("weight_decay", self.weight_decay)
+        check_nonnegative("momentum", self.momentum)
+        check_positive("gamma", self.gamma)
+        for name in ("centered", "noise_bias_correction"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad(name, getattr(self, name), "expected a bool")
+        if self.centered and self.noise_bias_correction:
+            raise _bad(
+                "centered",
+                self.centered,
+                "centered=True with noise_bias_correction=True is not supported: the noise "
+                "in the centred second moment has no exact known correction (SPEC 10.1)",
+            )
+
+
+@dataclass(frozen=True)
+class AdagradHyper(_Base):
+    """DP-Adagrad (SPEC 10.2): torch.optim.Adagrad on g_hat (coupled L2, lr decay, eps
+    outside the sqrt), optionally with sqrt(max(sum - phi, gamma)) + eps, phi cumulative."""
+
+    rule: ClassVar[str] = "adagrad"
+    lr_decay: float = 0.0
+    weight_decay: float = 0.0
+    initial_accumulator_value: float = 0.0
+    eps: float = 1e-10
+    noise_bias_correction: bool = False
+    gamma: float = 1e-8
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_nonnegative("lr_decay", self.lr_decay)
+        check_nonnegative("weight_decay", self.weight_decay)
+        check_nonnegative("initial_accumulator_value", self.initial_accumulator_value)
+        check_positive("eps", self.eps)
+        check_positive("gamma", self.gamma)
+        if not isinstance(self.noise_bias_correction, bool):
+            raise _bad("noise_bias_correction", self.noise_bias_correction, "expected a bool")
+
+
 Hyper = Union[  # noqa: UP007 (one member per line)
     SGDHyper,
     AdamHyper,
@@ -245,6 +302,8 @@ Hyper = Union[  # noqa: UP007 (one member per line)
     MacAdamHyper,
     SGDScheduleFreeHyper,
     AdamWScheduleFreeHyper,
+    RMSpropHyper,
+    AdagradHyper,
 ]
 
 

@@ -39,15 +39,18 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from .hyper import (
+    AdagradHyper,
     AdamBCHyper,
     AdamHyper,
     AdamWBCHyper,
     AdamWHyper,
     Hyper,
     MacAdamHyper,
+    RMSpropHyper,
     SGDHyper,
 )
 from .hyper import AdamWScheduleFreeHyper, SGDScheduleFreeHyper
+
 
 __all__ = [
     "PARAM",
@@ -58,6 +61,8 @@ __all__ = [
     "RuleSpec",
     "StateSpec",
     "adam_noise_var_ema",
+    "rmsprop_noise_var_ema",
+    "adagrad_noise_var_sum",
     "by_cli_name",
     "get",
     "macadam_kappa",
@@ -113,6 +118,8 @@ class StateSpec:
         needed: ``hyper -> bool``; None means always. A state not needed for a group's
             hyper-parameters is never allocated and reaches the backends as None
             (DP-SGD's momentum buffer with momentum 0).
+        init: ``hyper -> float``, the value a fresh state is filled with; None means 0
+            (DP-Adagrad's ``sum`` starts at ``initial_accumulator_value``).
     """
 
     name: str
@@ -120,6 +127,7 @@ class StateSpec:
     domain: str = "real"
     kernel: bool = True
     needed: Callable[[Hyper], bool] | None = field(default=None, compare=False)
+    init: Callable[[Hyper], float] | None = field(default=None, compare=False)
 
     def __post_init__(self):
         if not self.name.isidentifier():
@@ -134,6 +142,10 @@ class StateSpec:
 
     def is_needed(self, hyper: Hyper) -> bool:
         return self.needed is None or bool(self.needed(hyper))
+
+    def initial_value(self, hyper: Hyper) -> float:
+        """The value a fresh state starts at for these hyper-parameters (0.0 by default)."""
+        return 0.0 if self.init is None else float(self.init(hyper))
 
 
 @dataclass(frozen=True)
@@ -503,5 +515,81 @@ register(
             "correction of Tang et al., arXiv 2312.14334"
         ),
         noise_var_ema=adam_noise_var_ema,
+    )
+)
+
+
+# --------------------------------------------------------------------------------------
+# DP-RMSprop (SPEC 10.1)
+# --------------------------------------------------------------------------------------
+def rmsprop_noise_var_ema(hyper: Hyper, prev: float, noise_var: float, t: int) -> float:
+    """phi_t = alpha phi_{t-1} + (1 - alpha) Phi_t (SPEC 10.1): the noise part of E[v_t]
+    under RMSprop's EMA (no bias correction, like v). Python floats (double)."""
+    return hyper.alpha * prev + (1 - hyper.alpha) * noise_var
+
+
+register(
+    RuleSpec(
+        "rmsprop",
+        "dp-rmsprop",
+        "DP-RMSprop",
+        RMSpropHyper,
+        "DPRMSprop",
+        (
+            StateSpec("square_avg", domain="nonnegative"),
+            StateSpec("momentum_buffer", needed=lambda h: h.momentum > 0),
+            StateSpec("grad_avg", needed=lambda h: h.centered),
+            StateSpec(
+                "noise_var_avg",
+                SCALAR,
+                domain="nonnegative",
+                kernel=False,
+                needed=lambda h: h.noise_bias_correction,
+            ),
+        ),
+        noise_bias_correction=True,
+        second_moment=True,
+        lr_grid=(1e-4, 3e-4, 1e-3, 3e-3),
+        section="10.1",
+        source="Tieleman & Hinton 2012, Lecture 6.5 (RMSprop); Graves 2013, arXiv "
+        "1308.0850, eqs. 38-41 (centered); torch.optim.RMSprop",
+        noise_var_ema=rmsprop_noise_var_ema,
+    )
+)
+
+
+# --------------------------------------------------------------------------------------
+# DP-Adagrad (SPEC 10.2)
+# --------------------------------------------------------------------------------------
+def adagrad_noise_var_sum(hyper: Hyper, prev: float, noise_var: float, t: int) -> float:
+    """phi_t = phi_{t-1} + Phi_t (SPEC 10.2): the noise part of E[sum_t], cumulative like
+    Adagrad's accumulator. Python floats (double)."""
+    return prev + noise_var
+
+
+register(
+    RuleSpec(
+        "adagrad",
+        "dp-adagrad",
+        "DP-Adagrad",
+        AdagradHyper,
+        "DPAdagrad",
+        (
+            StateSpec("sum", domain="nonnegative", init=lambda h: h.initial_accumulator_value),
+            StateSpec(
+                "noise_var_avg",
+                SCALAR,
+                domain="nonnegative",
+                kernel=False,
+                needed=lambda h: h.noise_bias_correction,
+            ),
+        ),
+        noise_bias_correction=True,
+        second_moment=True,
+        lr_grid=(3e-3, 1e-2, 3e-2, 1e-1),
+        section="10.2",
+        source="Duchi, Hazan & Singer 2011, JMLR 12, Figure 1 (diagonal AdaGrad); "
+        "torch.optim.Adagrad",
+        noise_var_ema=adagrad_noise_var_sum,
     )
 )

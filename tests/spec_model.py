@@ -39,6 +39,23 @@ SPEC_DEFAULTS = {
     "adam_bc": dict(betas=(0.9, 0.999), gamma=1e-8, weight_decay=0.0),
     "adamw_bc": dict(betas=(0.9, 0.999), gamma=1e-8, weight_decay=1e-2),
     "macadam": dict(betas=(0.9, 0.999), gamma=1e-8, h1=1e-9, h2=1e-6, variance_estimate="unbiased"),
+    "rmsprop": dict(
+        alpha=0.99,
+        eps=1e-8,
+        weight_decay=0.0,
+        momentum=0.0,
+        centered=False,
+        noise_bias_correction=False,
+        gamma=1e-8,
+    ),
+    "adagrad": dict(
+        lr_decay=0.0,
+        weight_decay=0.0,
+        initial_accumulator_value=0.0,
+        eps=1e-10,
+        noise_bias_correction=False,
+        gamma=1e-8,
+    ),
 }
 # SPEC 10.8 (schedulefree's defaults).
 _SF_DEFAULTS = dict(weight_decay=0.0, warmup_steps=0, r=0.0, weight_lr_power=2.0)
@@ -121,6 +138,9 @@ class SpecOptimizer:
         self.sf = [dict(k=0, weight_sum=0.0, lr_max=-1.0) for _ in self.groups]
         self.train_mode = False
         self.acc = z()
+        if rule == "adagrad":  # SPEC 10.2: sum starts at initial_accumulator_value
+            for hyper, sl in self.groups:
+                self.v[sl] = float(hyper["initial_accumulator_value"])
         self._gen = None if perturb is None else torch.Generator().manual_seed(perturb)
         self.shadows = (
             []
@@ -164,6 +184,9 @@ class SpecOptimizer:
             "exp_var": self.S[sl].reshape(shape),
             "scale": self.b[sl].reshape(shape),
             "z": self.zs[sl].reshape(shape),
+            "square_avg": self.v[sl].reshape(shape),  # RMSprop's v (SPEC 10.1)
+            "grad_avg": self.m[sl].reshape(shape),
+            "sum": self.v[sl].reshape(shape),  # Adagrad's s (SPEC 10.2)
         }
 
     def slacks(self) -> list[torch.Tensor]:
@@ -248,7 +271,7 @@ class SpecOptimizer:
         z = gaussian_noise(self.d, key=self.key, step=t, backend="torch").to(F64)
         noise_std = self.sigma * (1.0 if self.rule == "macadam" else self.C)
         g_hat = r(r(S + r(noise_std * z)) / self.B_e)  # SPEC 4 (whitened w~ for MacAdam)
-        update = {"sgd": self._sgd, "macadam": self._macadam}.get(self.rule, self._adam)
+        update = getattr(self, f"_{self.rule}", self._adam)  # _sgd, _macadam, ...; else Adam
         if self.rule in SCHEDULE_FREE:
             assert self.train_mode, "SPEC 10.8: a step in eval mode is refused"
             update = self._schedule_free
@@ -386,3 +409,40 @@ class SpecOptimizer:
             for _, sl, _, dtype in self.entries:
                 self.p[sl] = self.p[sl].to(dtype).to(F64)
         self.train_mode = to_train
+
+    # -- section 10 ------------------------------------------------------------------------
+    def _noise_var(self) -> float:
+        """Phi_t = (sigma_t C / B_e)^2 with the privacy arguments in force at this step."""
+        return (self.sigma * self.C / self.B_e) ** 2
+
+    def _rmsprop(self, gi, h, sl, g_hat):  # SPEC 10.1, torch.optim.RMSprop semantics
+        r, p, alpha, eps = self._r, self.p[sl], h["alpha"], h["eps"]
+        g = r(g_hat + r(h["weight_decay"] * p))  # coupled L2
+        self.v[sl] = r(r(alpha * self.v[sl]) + r(r((1 - alpha) * g) * g))
+        v = self.v[sl]
+        if h["centered"]:
+            self.m[sl] = r(self.m[sl] + r((1 - alpha) * r(g - self.m[sl])))
+            a = r(r(torch.sqrt(r(v - r(self.m[sl] * self.m[sl])))) + eps)
+        elif h["noise_bias_correction"]:
+            self.phi[gi] = alpha * self.phi[gi] + (1 - alpha) * self._noise_var()
+            a = r(r(torch.sqrt(torch.clamp(r(v - self.phi[gi]), min=h["gamma"]))) + eps)
+        else:
+            a = r(r(torch.sqrt(v)) + eps)
+        if h["momentum"] > 0:
+            self.buf[sl] = r(r(h["momentum"] * self.buf[sl]) + r(g / a))
+            self.p[sl] = r(p - r(h["lr"] * self.buf[sl]))
+        else:
+            self.p[sl] = r(p - r(h["lr"] * r(g / a)))
+
+    def _adagrad(self, gi, h, sl, g_hat):  # SPEC 10.2, torch.optim.Adagrad semantics
+        r, p, eps = self._r, self.p[sl], h["eps"]
+        g = r(g_hat + r(h["weight_decay"] * p))  # coupled L2
+        clr = h["lr"] / (1 + (self.t - 1) * h["lr_decay"])
+        self.v[sl] = r(self.v[sl] + r(g * g))
+        s = self.v[sl]
+        if h["noise_bias_correction"]:
+            self.phi[gi] = self.phi[gi] + self._noise_var()  # cumulative
+            d = r(r(torch.sqrt(torch.clamp(r(s - self.phi[gi]), min=h["gamma"]))) + eps)
+        else:
+            d = r(r(torch.sqrt(s)) + eps)
+        self.p[sl] = r(p - r(clr * r(g / d)))

@@ -16,12 +16,14 @@ from dpkern import rules
 from dpkern.backends import reference as ref
 from dpkern.backends import resolve
 from dpkern.hyper import (
+    AdagradHyper,
     AdamBCHyper,
     AdamHyper,
     AdamWBCHyper,
     AdamWHyper,
     DPStep,
     MacAdamHyper,
+    RMSpropHyper,
     SGDHyper,
 )
 from dpkern.hyper import AdamWScheduleFreeHyper, SGDScheduleFreeHyper
@@ -42,6 +44,11 @@ HYPERS = {
     "macadam": MacAdamHyper(lr=1e-2, h1=1e-2, h2=10.0),
     "macadam_paper": MacAdamHyper(lr=1e-2, h1=1e-2, h2=10.0, variance_estimate="paper"),
     "macadam_code": MacAdamHyper(lr=1e-2, h1=1e-2, h2=10.0, variance_estimate="code"),
+    # centered RMSprop needs square_avg >= grad_avg^2: tests/test_rule_rmsprop.py
+    "rmsprop": RMSpropHyper(lr=1e-2, alpha=0.9, weight_decay=0.01, momentum=0.9),
+    "rmsprop_bc": RMSpropHyper(lr=1e-2, alpha=0.9, noise_bias_correction=True, gamma=1e-2),
+    "adagrad": AdagradHyper(lr=1e-2, lr_decay=0.1, weight_decay=0.01),
+    "adagrad_bc": AdagradHyper(lr=1e-2, noise_bias_correction=True, gamma=1e-2),
 }
 # Schedule-free: weight_sum / lr_max chosen so that c_t is below and above 1/2 (the two
 # forms of torch.lerp), with warmup, polynomial weights and the noise bias correction.

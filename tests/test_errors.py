@@ -20,6 +20,8 @@ CLASSES = [
     dpkern.DPMacAdam,
     dpkern.DPSGDScheduleFree,
     dpkern.DPAdamWScheduleFree,
+    dpkern.DPRMSprop,
+    dpkern.DPAdagrad,
 ]
 
 

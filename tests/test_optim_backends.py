@@ -23,6 +23,14 @@ CLASSES = {
     "adamw": (dpkern.DPAdamW, dict(weight_decay=0.1)),
     "adamw_bc": (dpkern.DPAdamWBC, dict(weight_decay=0.1, gamma=1e-2)),
     "macadam": (dpkern.DPMacAdam, dict(h1=1e-2, h2=10.0)),
+    "rmsprop": (dpkern.DPRMSprop, dict(alpha=0.9, weight_decay=0.01, momentum=0.9)),
+    "rmsprop_centered": (dpkern.DPRMSprop, dict(alpha=0.9, centered=True)),
+    "rmsprop_bc": (dpkern.DPRMSprop, dict(noise_bias_correction=True, gamma=1e-2)),
+    "adagrad": (
+        dpkern.DPAdagrad,
+        dict(lr_decay=0.1, weight_decay=0.01, initial_accumulator_value=0.1),
+    ),
+    "adagrad_bc": (dpkern.DPAdagrad, dict(noise_bias_correction=True, gamma=1e-2)),
 }
 CLASSES.update(
     {
@@ -98,7 +106,8 @@ def test_same_trajectory_as_reference(fused_backend, name, dtype):
             assert q not in got_o.state and p not in want_o.state
             continue
         assert got_o.state[q].keys() == want_o.state[p].keys()
-        assert ("momentum_buffer" in want_o.state[p]) == (name == "sgd")
+        momentum = CLASSES[name][1].get("momentum", 0) > 0  # a buffer only where used
+        assert ("momentum_buffer" in want_o.state[p]) == momentum
         for sname, val in want_o.state[p].items():
             torch.testing.assert_close(
                 got_o.state[q][sname].float(),

@@ -67,6 +67,25 @@ CONFIGS = {
         dict(noise_bias_correction=True, gamma=1e-4, weight_decay=0.02, warmup_steps=2),
         {},
     ),
+    "rmsprop": ("rmsprop", {}, {}),
+    "rmsprop_wd_momentum": (
+        "rmsprop",
+        dict(alpha=0.9, eps=1e-6, weight_decay=0.05, momentum=0.8),
+        {},
+    ),
+    "rmsprop_centered": ("rmsprop", dict(centered=True, momentum=0.5, alpha=0.95), {}),
+    "rmsprop_bc": ("rmsprop", dict(noise_bias_correction=True, gamma=1e-4, alpha=0.9), {}),
+    "adagrad": ("adagrad", {}, {}),
+    "adagrad_decay_wd_init": (
+        "adagrad",
+        dict(lr_decay=0.1, weight_decay=0.05, initial_accumulator_value=0.3),
+        {},
+    ),
+    "adagrad_bc": (
+        "adagrad",
+        dict(noise_bias_correction=True, gamma=1e-4, initial_accumulator_value=0.1),
+        {},
+    ),
 }
 LRS = (0.05, 0.02, 0.1)  # one per parameter group
 SGD_LRS = (0.2, 0.1, 0.3)
@@ -166,6 +185,8 @@ STATE_CHECKS = {
     "macadam": ("exp_avg", "exp_avg_sq", "exp_var", "scale"),
     "sgd_schedule_free": ("z",),
     "adamw_schedule_free": ("z", "exp_avg_sq"),
+    "rmsprop": ("square_avg", "momentum_buffer", "grad_avg"),
+    "adagrad": ("sum",),
 }
 
 
@@ -196,6 +217,11 @@ def compare(opt, model, trainable, dtype, msg, states=True):
         names = STATE_CHECKS[model.rule]
         if model.rule == "sgd" and all(g["momentum"] == 0 for g in opt.param_groups):
             names = ()
+        if model.rule == "rmsprop":  # momentum_buffer / grad_avg only where used (SPEC 10.1)
+            h = opt.param_groups[0]
+            names = tuple(
+                n for n, used in zip(names, (True, h["momentum"] > 0, h["centered"])) if used
+            )
         for name in names:
             assert st[name].dtype == torch.float32, (msg, name)
             assert st[name].shape == p.shape, (msg, name)
@@ -248,6 +274,8 @@ def test_optimizer_matches_spec(config, sigma, dtype):
         "macadam_code",
         "sgd_schedule_free_wd_warmup",
         "adamw_schedule_free_bc",
+        "rmsprop_wd_momentum",
+        "adagrad_bc",
     ],
 )
 def test_gradient_accumulation_equals_concatenated_batch(config):

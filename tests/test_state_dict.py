@@ -19,6 +19,8 @@ CLASSES = [
     dpkern.DPMacAdam,
     dpkern.DPSGDScheduleFree,
     dpkern.DPAdamWScheduleFree,
+    dpkern.DPRMSprop,
+    dpkern.DPAdagrad,
 ]
 
 

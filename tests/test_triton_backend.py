@@ -378,6 +378,9 @@ ptx(S._step_kernel, **{**base, **macadam, "F1": 1, "ALIGNED": False,  # F1: RET_
                        "P_DTYPE": tl.bfloat16, "G_DTYPE": tl.bfloat16})
 ptx(S._step_kernel, **{**base, "RULE": R.SGD.value, "HAS_GS": False, "F1": 1, "F2": 1})
 ptx(S._step_kernel, **{**base, **macadam, "ACCUMULATE": True, "HAS_NOISE": False})
+ptx(S._step_kernel, **{**base, "RULE": R.RMSPROP.value, "F0": 1, "F1": 1, "F2": 1})
+ptx(S._step_kernel, **{**base, "RULE": R.RMSPROP.value, "F3": 1, "P_DTYPE": tl.bfloat16})
+ptx(S._step_kernel, **{**base, "RULE": R.ADAGRAD.value, "F0": 1, "F1": 1})
 assert v4(ptx(N._sq_partial_kernel, G_DTYPE=tl.bfloat16, WHITEN=True, HAS_PREV=True,
               ALIGNED=True, BLOCK=1024, ITERS=2, ROWS=4)) >= 8, "aligned norms: no 16-byte loads"
 ptx(Z._gaussian_noise_kernel, BLOCK=1024, LIBDEVICE=True)

@@ -425,6 +425,50 @@ def update_adamw_schedule_free(h: Hyper, dp: DPStep, p: Tensor, g: Tensor, state
     return 0.0
 
 
+def update_rmsprop(h: Hyper, dp: DPStep, p: Tensor, g: Tensor, state) -> float:
+    """DP-RMSprop (SPEC 10.1): torch.optim.RMSprop on g_hat, coupled L2;
+    p <- p - lr g / (sqrt(v) + eps), or sqrt(v - grad_avg^2) + eps (centered), or
+    sqrt(max(v - phi_t, gamma)) + eps (noise bias correction); momentum on g / avg."""
+    g = _coupled_decay(h, p, g)
+    v = state["square_avg"]
+    v.mul_(h.alpha).add_((1 - h.alpha) * g * g)
+    if h.centered:
+        ga = state["grad_avg"]
+        ga.add_((1 - h.alpha) * (g - ga))  # lerp towards g with weight 1 - alpha
+        avg = (v - ga * ga).sqrt() + h.eps
+    elif h.noise_bias_correction:
+        avg = torch.sqrt(torch.clamp(v - dp.noise_var_avg, min=h.gamma)) + h.eps
+    else:
+        avg = v.sqrt() + h.eps
+    if h.momentum > 0:
+        buf = state["momentum_buffer"]
+        buf.mul_(h.momentum).add_(g / avg)
+        p.sub_(h.lr * buf)
+    else:
+        p.sub_(h.lr * (g / avg))
+    return 0.0
+
+
+def adagrad_lr(h: Hyper, t: int) -> float:
+    """clr = lr / (1 + (t - 1) lr_decay) (SPEC 10.2, torch.optim.Adagrad). Python float."""
+    return h.lr / (1 + (t - 1) * h.lr_decay)
+
+
+def update_adagrad(h: Hyper, dp: DPStep, p: Tensor, g: Tensor, state) -> float:
+    """DP-Adagrad (SPEC 10.2): torch.optim.Adagrad on g_hat, coupled L2;
+    sum <- sum + g^2, p <- p - clr g / (sqrt(sum) + eps), or with the noise bias correction
+    sqrt(max(sum - phi_t, gamma)) + eps (phi_t the cumulative noise variance)."""
+    g = _coupled_decay(h, p, g)
+    acc = state["sum"]
+    acc.add_(g * g)
+    if h.noise_bias_correction:
+        std = torch.sqrt(torch.clamp(acc - dp.noise_var_avg, min=h.gamma)) + h.eps
+    else:
+        std = acc.sqrt() + h.eps
+    p.sub_(adagrad_lr(h, dp.step) * (g / std))
+    return 0.0
+
+
 def _updates() -> dict:
     """name -> update_<name> for every registered rule (the reference implements all)."""
     out = {}

@@ -254,6 +254,12 @@ class DPOptimizer(torch.optim.Optimizer):
         st["step"] = torch.tensor(0.0, dtype=torch.float32)  # torch.optim's convention
         return st
 
+    def _init_states(self, hyper: Hyper, new: dict[str, Tensor]) -> None:
+        """Fill freshly allocated states whose StateSpec has an ``init`` (in place)."""
+        for name, value in new.items():
+            if name in self.rule.state_names and self.rule.state(name).init is not None:
+                value.fill_(self.rule.state(name).initial_value(hyper))
+
     def _rule_step(self, hyper: Hyper, state: dict, new: dict) -> int:
         """The update rule's t for a parameter: its own step count + 1."""
         return _step_of(state) + 1
@@ -327,6 +333,7 @@ class DPOptimizer(torch.optim.Optimizer):
                     }
                     state = {**state, **new}
                 if new:
+                    self._init_states(hyper, new)
                     new_states[p] = new
                 t_p = self._rule_step(hyper, state, new)
                 key = (t_p, self._param_noise_var(state))

@@ -37,6 +37,8 @@ ADAMW_BC = tl.constexpr(4)
 MACADAM = tl.constexpr(5)
 SGD_SCHEDULE_FREE = tl.constexpr(13)
 ADAMW_SCHEDULE_FREE = tl.constexpr(14)
+RMSPROP = tl.constexpr(6)
+ADAGRAD = tl.constexpr(7)
 # DP-MacAdam's variance term u (constexpr), by name.
 UNBIASED, PAPER, CODE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 VARIANCE_CODES = {"unbiased": UNBIASED.value, "paper": PAPER.value, "code": CODE.value}
@@ -51,6 +53,8 @@ STATES = {
     "macadam": ("exp_avg", "exp_avg_sq", "exp_var", "scale"),
     "sgd_schedule_free": ("z",),
     "adamw_schedule_free": ("z", "exp_avg_sq"),
+    "rmsprop": ("square_avg", "momentum_buffer", "grad_avg"),
+    "adagrad": ("sum",),
 }
 # The slots the update functions use, by state name.
 MOMENTUM_BUFFER = tl.constexpr(STATES["sgd"].index("momentum_buffer"))
@@ -58,6 +62,10 @@ EXP_AVG = tl.constexpr(STATES["adam"].index("exp_avg"))  # the first state (m_pr
 EXP_AVG_SQ = tl.constexpr(STATES["adam"].index("exp_avg_sq"))
 EXP_VAR = tl.constexpr(STATES["macadam"].index("exp_var"))
 SCALE = tl.constexpr(STATES["macadam"].index("scale"))
+SQUARE_AVG = tl.constexpr(STATES["rmsprop"].index("square_avg"))  # the first state (m_prev)
+RMS_MOMENTUM_BUFFER = tl.constexpr(STATES["rmsprop"].index("momentum_buffer"))
+GRAD_AVG = tl.constexpr(STATES["rmsprop"].index("grad_avg"))
+SUM = tl.constexpr(STATES["adagrad"].index("sum"))  # the first state (m_prev)
 N_SCALARS = 12  # float scalars s0 .. s11 of the kernel, meaning set by each rule
 N_FLAGS = 4  # constexpr ints F0 .. F3, meaning set by each rule
 
@@ -453,6 +461,101 @@ def _host_adamw_schedule_free(h, dp) -> KernelArgs:
 
 
 # --------------------------------------------------------------------------------------
+# DP-RMSprop (SPEC 10.1): m_prev is square_avg's block
+# --------------------------------------------------------------------------------------
+@triton.jit
+def update_rmsprop(
+    row,
+    offs,
+    inb,
+    p,
+    g,
+    m_prev,
+    lr,
+    wd,
+    alpha,
+    one_m_alpha,
+    momentum,
+    eps,
+    gamma,
+    phi,
+    COUPLED_WD: tl.constexpr,
+    MOMENTUM: tl.constexpr,
+    CENTERED: tl.constexpr,
+    BC: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    if COUPLED_WD:
+        g = g + wd * p
+    v = m_prev * alpha + one_m_alpha * g * g
+    tl.store(C.typed_ptr(row, C.COL_S0 + SQUARE_AVG, tl.float32, ALIGNED) + offs, v, mask=inb)
+    if CENTERED:
+        ga_ptr = C.typed_ptr(row, C.COL_S0 + GRAD_AVG, tl.float32, ALIGNED)
+        ga = tl.load(ga_ptr + offs, mask=inb, other=0.0)
+        ga = ga + one_m_alpha * (g - ga)
+        tl.store(ga_ptr + offs, ga, mask=inb)
+        avg = tl.math.sqrt_rn(v - ga * ga) + eps
+    elif BC:
+        avg = tl.math.sqrt_rn(tl.maximum(v - phi, gamma)) + eps
+    else:
+        avg = tl.math.sqrt_rn(v) + eps
+    if MOMENTUM:
+        buf_ptr = C.typed_ptr(row, C.COL_S0 + RMS_MOMENTUM_BUFFER, tl.float32, ALIGNED)
+        buf = tl.load(buf_ptr + offs, mask=inb, other=0.0) * momentum + g / avg
+        tl.store(buf_ptr + offs, buf, mask=inb)
+        p = p - lr * buf
+    else:
+        p = p - lr * (g / avg)
+    return p
+
+
+def _host_rmsprop(h, dp) -> KernelArgs:
+    bc = h.noise_bias_correction
+    s = (h.lr, h.weight_decay, h.alpha, 1 - h.alpha, h.momentum, h.eps, h.gamma)
+    s += (dp.noise_var_avg if bc else 0.0,)
+    flags = (h.weight_decay != 0, h.momentum > 0, h.centered, bc)
+    return KernelArgs(RMSPROP.value, s, flags, True, False)
+
+
+# --------------------------------------------------------------------------------------
+# DP-Adagrad (SPEC 10.2): m_prev is sum's block; clr = lr / (1 + (t - 1) lr_decay)
+# --------------------------------------------------------------------------------------
+@triton.jit
+def update_adagrad(
+    row,
+    offs,
+    inb,
+    p,
+    g,
+    m_prev,
+    clr,
+    wd,
+    eps,
+    gamma,
+    phi,
+    COUPLED_WD: tl.constexpr,
+    BC: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    if COUPLED_WD:
+        g = g + wd * p
+    acc = m_prev + g * g
+    tl.store(C.typed_ptr(row, C.COL_S0 + SUM, tl.float32, ALIGNED) + offs, acc, mask=inb)
+    if BC:
+        std = tl.math.sqrt_rn(tl.maximum(acc - phi, gamma)) + eps
+    else:
+        std = tl.math.sqrt_rn(acc) + eps
+    return p - clr * (g / std)
+
+
+def _host_adagrad(h, dp) -> KernelArgs:
+    bc = h.noise_bias_correction
+    clr = h.lr / (1 + (dp.step - 1) * h.lr_decay)
+    s = (clr, h.weight_decay, h.eps, h.gamma, dp.noise_var_avg if bc else 0.0)
+    return KernelArgs(ADAGRAD.value, s, (h.weight_decay != 0, bc), True, False)
+
+
+# --------------------------------------------------------------------------------------
 # The dispatch
 # --------------------------------------------------------------------------------------
 @triton.jit
@@ -559,6 +662,12 @@ def update(
             F3,
             ALIGNED,
         )
+    elif RULE == RMSPROP:
+        p = update_rmsprop(
+            row, offs, inb, p, g, m_prev, s0, s1, s2, s3, s4, s5, s6, s7, F0, F1, F2, F3, ALIGNED
+        )
+    elif RULE == ADAGRAD:
+        p = update_adagrad(row, offs, inb, p, g, m_prev, s0, s1, s2, s3, s4, F0, F1, ALIGNED)
     else:
         tl.static_assert(False, "dpkern: unknown update rule code")
     return p
@@ -574,6 +683,8 @@ RULES = {
     "macadam": _host_macadam,
     "sgd_schedule_free": _host_sgd_schedule_free,
     "adamw_schedule_free": _host_adamw_schedule_free,
+    "rmsprop": _host_rmsprop,
+    "adagrad": _host_adagrad,
 }
 
 
