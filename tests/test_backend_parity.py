@@ -16,10 +16,12 @@ from dpkern import rules
 from dpkern.backends import reference as ref
 from dpkern.backends import resolve
 from dpkern.hyper import (
+    AdadeltaHyper,
     AdamBCHyper,
     AdamHyper,
     AdamWBCHyper,
     AdamWHyper,
+    AdEMAMixHyper,
     DPStep,
     MacAdamHyper,
     SGDHyper,
@@ -41,6 +43,12 @@ HYPERS = {
     "macadam": MacAdamHyper(lr=1e-2, h1=1e-2, h2=10.0),
     "macadam_paper": MacAdamHyper(lr=1e-2, h1=1e-2, h2=10.0, variance_estimate="paper"),
     "macadam_code": MacAdamHyper(lr=1e-2, h1=1e-2, h2=10.0, variance_estimate="code"),
+    "adadelta": AdadeltaHyper(lr=1.0, weight_decay=0.01),
+    "adadelta_bc": AdadeltaHyper(lr=0.5, weight_decay=0.01, noise_bias_correction=True, gamma=1e-2),
+    "ademamix": AdEMAMixHyper(lr=1e-2, weight_decay=0.1),
+    "ademamix_bc_warmup": AdEMAMixHyper(
+        lr=1e-2, weight_decay=0.1, noise_bias_correction=True, gamma=1e-2, t_alpha_beta3=5
+    ),
 }
 for _name, _spec in rules.RULES.items():  # every registered rule is a parity case
     HYPERS.setdefault(_name, _spec.hyper_class(lr=1e-2))

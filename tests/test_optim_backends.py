@@ -23,6 +23,13 @@ CLASSES = {
     "adamw": (dpkern.DPAdamW, dict(weight_decay=0.1)),
     "adamw_bc": (dpkern.DPAdamWBC, dict(weight_decay=0.1, gamma=1e-2)),
     "macadam": (dpkern.DPMacAdam, dict(h1=1e-2, h2=10.0)),
+    "adadelta": (dpkern.DPAdadelta, dict(weight_decay=0.01)),
+    "adadelta_bc": (dpkern.DPAdadelta, dict(noise_bias_correction=True, gamma=1e-2)),
+    "ademamix": (dpkern.DPAdEMAMix, dict(weight_decay=0.1)),
+    "ademamix_bc_warmup": (
+        dpkern.DPAdEMAMix,
+        dict(weight_decay=0.1, noise_bias_correction=True, gamma=1e-2, t_alpha_beta3=3),
+    ),
 }
 for _name, _spec in rules.RULES.items():  # every registered rule's class is a case
     CLASSES.setdefault(_name, (_spec.optimizer_class(), {}))
