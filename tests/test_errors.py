@@ -18,6 +18,8 @@ CLASSES = [
     dpkern.DPAdamW,
     dpkern.DPAdamWBC,
     dpkern.DPMacAdam,
+    dpkern.DPAdadelta,
+    dpkern.DPAdEMAMix,
 ]
 
 

@@ -17,6 +17,8 @@ CLASSES = [
     dpkern.DPAdamW,
     dpkern.DPAdamWBC,
     dpkern.DPMacAdam,
+    dpkern.DPAdadelta,
+    dpkern.DPAdEMAMix,
 ]
 
 
