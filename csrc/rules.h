@@ -31,6 +31,8 @@ enum Rule : int {
   ADAMW_SCHEDULE_FREE = 14,
   RMSPROP = 6,
   ADAGRAD = 7,
+  ADADELTA = 10,
+  ADEMAMIX = 11,
 };
 // DP-MacAdam's variance term u (variance_estimate).
 enum Variance : int { UNBIASED = 0, PAPER = 1, CODE = 2 };
@@ -51,6 +53,8 @@ inline constexpr Named RULE_NAMES[] = {
     {"adamw_schedule_free", ADAMW_SCHEDULE_FREE},
     {"rmsprop", RMSPROP},
     {"adagrad", ADAGRAD},
+    {"adadelta", ADADELTA},
+    {"ademamix", ADEMAMIX},
 };
 inline constexpr Named VARIANCE_NAMES[] = {{"unbiased", UNBIASED}, {"paper", PAPER}, {"code", CODE}};
 
@@ -64,10 +68,13 @@ enum Slot : int {
   SCALE = 3,
   SF_Z = 0,
   SF_EXP_AVG_SQ = 1,
-  SQUARE_AVG = 0,           // DP-RMSprop
+  SQUARE_AVG = 0,           // DP-RMSprop, DP-Adadelta
   RMS_MOMENTUM_BUFFER = 1,  // DP-RMSprop
   GRAD_AVG = 2,             // DP-RMSprop
   SUM = 0,                  // DP-Adagrad
+  ACC_DELTA = 1,
+  ACC_DELTA_NOISE_VAR = 2,
+  EXP_AVG_SLOW = 2,         // DP-AdEMAMix (exp_avg, exp_avg_sq as the Adam family's)
 };
 struct RuleStates {
   int rule;
@@ -84,6 +91,8 @@ inline constexpr RuleStates RULE_STATES[] = {
     {ADAMW_SCHEDULE_FREE, {"z", "exp_avg_sq"}},
     {RMSPROP, {"square_avg", "momentum_buffer", "grad_avg"}},
     {ADAGRAD, {"sum"}},
+    {ADADELTA, {"square_avg", "acc_delta", "acc_delta_noise_var"}},
+    {ADEMAMIX, {"exp_avg", "exp_avg_sq", "exp_avg_slow"}},
 };
 
 // The float and bool fields of the dpkern.hyper dataclasses (name, default), read from the
@@ -110,7 +119,10 @@ inline constexpr RuleStates RULE_STATES[] = {
   X(alpha, 0.99)            \
   X(centered, false)        \
   X(lr_decay, 0.0)          \
-  X(initial_accumulator_value, 0.0)
+  X(initial_accumulator_value, 0.0) \
+  X(rho, 0.9)               \
+  X(beta3, 0.9999)          \
+  X(t_alpha_beta3, 0.0)
 
 // The hyper-parameters of one update rule (dpkern.hyper), as Python doubles.
 struct Hyper {
@@ -138,7 +150,24 @@ struct Consts {
   float alpha, one_minus_alpha, phi;                        // RMSprop, Adagrad
   bool centered, noise_bias_correction;
   float clr;                                                // Adagrad
+  bool bc;                                                  // noise_bias_correction
+  float rho, one_minus_rho;                                 // DP-Adadelta
+  float beta3, one_minus_beta3, ade_a, ade_b, ade_e, ade_g;  // DP-AdEMAMix (SPEC 10.6)
 };
+
+// (alpha_t, beta3_t) of DP-AdEMAMix at step t (dpkern.rules.ademamix_schedule, in double).
+inline void ademamix_schedule(const Hyper& h, double t, double& alpha_t, double& beta3_t) {
+  const double T = h.t_alpha_beta3;
+  if (T == 0 || t >= T) {
+    alpha_t = h.alpha;
+    beta3_t = h.beta3;
+    return;
+  }
+  const double a = t / T;
+  alpha_t = std::fmin(t * h.alpha / T, h.alpha);
+  const double l1 = std::log(h.beta1), l3 = std::log(h.beta3);
+  beta3_t = std::fmin(std::exp(l1 * l3 / ((1 - a) * l3 + a * l1)), h.beta3);
+}
 
 inline Consts make_consts(const Hyper& h, const DP& dp) {
   Consts c{};
@@ -195,6 +224,21 @@ inline Consts make_consts(const Hyper& h, const DP& dp) {
   c.noise_bias_correction = h.noise_bias_correction;
   c.phi = h.noise_bias_correction ? float(dp.noise_var_avg) : 0.0f;  // phi_t (not bias-corrected)
   c.clr = float(h.lr / (1 + (t - 1) * h.lr_decay));
+  c.bc = h.noise_bias_correction;
+  c.rho = float(h.rho);
+  c.one_minus_rho = float(1 - h.rho);
+  if (h.rule == ADEMAMIX) {  // dpkern.rules.ademamix_scalars
+    double alpha_t, beta3_t;
+    ademamix_schedule(h, t, alpha_t, beta3_t);
+    const double bc1 = 1 - std::pow(h.beta1, t), bc2 = 1 - std::pow(h.beta2, t);
+    const double s = std::sqrt(bc2);
+    c.beta3 = float(beta3_t);
+    c.one_minus_beta3 = float(1 - beta3_t);
+    c.ade_a = float(h.lr * s / bc1);
+    c.ade_b = float(h.lr * alpha_t * s);
+    c.ade_e = float(h.eps * s);
+    c.ade_g = float(h.noise_bias_correction ? h.gamma * bc2 : 0.0);
+  }
   return c;
 }
 
@@ -438,6 +482,68 @@ DPK_INLINE void update_adagrad(const Consts c, const float* __restrict S, float*
 }
 
 // ---------------------------------------------------------------------------------------
+// DP-Adadelta (SPEC 10.5): torch.optim.Adadelta on g_hat; with the correction, v - phi_t
+// (floored at gamma) and u - psi (floored at 0) under the square roots, and psi's EMA.
+template <int PT>
+DPK_INLINE void update_adadelta(const Consts c, const float* __restrict S, float* __restrict z,
+                                const Param& prm, int64_t begin, int64_t len, double&) {
+  auto* __restrict p = static_cast<typename Storage<PT>::type*>(prm.data) + begin;
+  float* __restrict v = prm.state[SQUARE_AVG] + begin;
+  float* __restrict u = prm.state[ACC_DELTA] + begin;
+  float* __restrict psi = c.bc ? prm.state[ACC_DELTA_NOISE_VAR] + begin : nullptr;
+  for (int64_t j = 0; j < len; ++j) {
+    float g = (S[j] + c.noise_std * z[j]) / c.batch;
+    const float pj = load<PT>(p, j);
+    if (c.coupled_wd) g = g + c.weight_decay * pj;
+    const float vj = v[j] * c.rho + (c.one_minus_rho * g) * g;
+    v[j] = vj;
+    float den, num;
+    if (c.bc) {
+      const float d = vj - c.phi;
+      den = __builtin_sqrtf((d < c.gamma ? c.gamma : d) + c.eps);  // clamp(min=gamma)
+      const float e = u[j] - psi[j];
+      num = __builtin_sqrtf((e < 0.0f ? 0.0f : e) + c.eps);  // clamp(min=0); NaN stays
+    } else {
+      den = __builtin_sqrtf(vj + c.eps);
+      num = __builtin_sqrtf(u[j] + c.eps);
+    }
+    const float coef = num / den;
+    const float delta = coef * g;
+    u[j] = u[j] * c.rho + (c.one_minus_rho * delta) * delta;
+    if (c.bc) psi[j] = psi[j] * c.rho + ((c.one_minus_rho * coef) * coef) * c.noise_var;
+    store<PT>(p, j, pj - c.lr * delta);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// DP-AdEMAMix (SPEC 10.6), in its computed form p (1 - lr wd) - (A m1 + B m2) / (sqrt(vc)
+// + E), vc = v or max(v - phi_t, G) (reference.update_ademamix).
+template <int PT>
+DPK_INLINE void update_ademamix(const Consts c, const float* __restrict S, float* __restrict z,
+                                const Param& prm, int64_t begin, int64_t len, double&) {
+  auto* __restrict p = static_cast<typename Storage<PT>::type*>(prm.data) + begin;
+  float* __restrict m1 = prm.state[EXP_AVG] + begin;
+  float* __restrict v = prm.state[EXP_AVG_SQ] + begin;
+  float* __restrict m2 = prm.state[EXP_AVG_SLOW] + begin;
+  for (int64_t j = 0; j < len; ++j) {
+    const float g = (S[j] + c.noise_std * z[j]) / c.batch;
+    const float pj = load<PT>(p, j) * c.decay;
+    const float m1j = m1[j] * c.beta1 + c.one_minus_beta1 * g;
+    const float m2j = m2[j] * c.beta3 + c.one_minus_beta3 * g;
+    const float vj = v[j] * c.beta2 + (c.one_minus_beta2 * g) * g;
+    m1[j] = m1j;
+    m2[j] = m2j;
+    v[j] = vj;
+    float vc = vj;
+    if (c.bc) {
+      const float d = vj - c.phi;
+      vc = d < c.ade_g ? c.ade_g : d;
+    }
+    store<PT>(p, j, pj - (c.ade_a * m1j + c.ade_b * m2j) / (__builtin_sqrtf(vc) + c.ade_e));
+  }
+}
+
+// ---------------------------------------------------------------------------------------
 // The dispatch: every rule by name of its case; to_hyper (bindings.cpp) has refused any
 // other code before a kernel runs. Returns the block's partial sum (0 for most rules).
 DPK_INLINE double update(const Consts& c, const float* __restrict S, float* __restrict z,
@@ -463,6 +569,10 @@ DPK_INLINE double update(const Consts& c, const float* __restrict S, float* __re
       DPK_DISPATCH_DTYPE(p.dtype, update_rmsprop, c, S, z, p, begin, len, sqrt_sum) break;
     case ADAGRAD:
       DPK_DISPATCH_DTYPE(p.dtype, update_adagrad, c, S, z, p, begin, len, sqrt_sum) break;
+    case ADADELTA:
+      DPK_DISPATCH_DTYPE(p.dtype, update_adadelta, c, S, z, p, begin, len, sqrt_sum) break;
+    case ADEMAMIX:
+      DPK_DISPATCH_DTYPE(p.dtype, update_ademamix, c, S, z, p, begin, len, sqrt_sum) break;
     default: break;  // unreachable: unknown codes are refused at the binding
   }
   return sqrt_sum;

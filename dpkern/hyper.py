@@ -293,6 +293,85 @@ class AdagradHyper(_Base):
             raise _bad("noise_bias_correction", self.noise_bias_correction, "expected a bool")
 
 
+# --------------------------------------------------------------------------------------
+# DP-Adadelta (SPEC 10.5)
+# --------------------------------------------------------------------------------------
+def check_bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise _bad(name, value, "expected a bool")
+    return value
+
+
+@dataclass(frozen=True)
+class AdadeltaHyper(_Base):
+    """DP-Adadelta (SPEC 10.5): torch.optim.Adadelta on g_hat (coupled L2), optionally with
+    the noise variance removed from both EMAs (``noise_bias_correction``)."""
+
+    rule: ClassVar[str] = "adadelta"
+    lr: float = 1.0
+    rho: float = 0.9
+    eps: float = 1e-6
+    weight_decay: float = 0.0
+    noise_bias_correction: bool = False
+    gamma: float = 1e-8
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0.0 <= _finite("rho", self.rho) <= 1.0:  # torch.optim.Adadelta's range
+            raise _bad("rho", self.rho, "must be in [0, 1]")
+        check_positive("eps", self.eps)
+        check_nonnegative("weight_decay", self.weight_decay)
+        check_bool("noise_bias_correction", self.noise_bias_correction)
+        check_positive("gamma", self.gamma)
+
+
+# --------------------------------------------------------------------------------------
+# DP-AdEMAMix (SPEC 10.6)
+# --------------------------------------------------------------------------------------
+def check_betas3(betas) -> tuple[float, float, float]:
+    """AdEMAMix's ``betas`` triple (beta1, beta2, beta3), each in [0, 1)."""
+    if not isinstance(betas, (tuple, list)) or len(betas) != 3:
+        raise _bad("betas", betas, "expected a triple (beta1, beta2, beta3)")
+    return tuple(check_beta(f"betas[{i}]", b) for i, b in enumerate(betas))
+
+
+@dataclass(frozen=True)
+class AdEMAMixHyper(_AdamBase):
+    """DP-AdEMAMix (SPEC 10.6): Pagliardini et al. 2024, Algorithm 1 on g_hat, decoupled
+    weight decay; ``t_alpha_beta3`` steps of warm-up for alpha and beta3 (None or 0: none,
+    stored as 0); optionally DP-AdamBC's correction of the second moment."""
+
+    rule: ClassVar[str] = "ademamix"
+    beta3: float = 0.9999
+    alpha: float = 5.0
+    eps: float = 1e-8
+    t_alpha_beta3: int | None = None
+    noise_bias_correction: bool = False
+    gamma: float = 1e-8
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_beta("betas[2]", self.beta3)
+        check_nonnegative("alpha", self.alpha)
+        check_positive("eps", self.eps)
+        check_bool("noise_bias_correction", self.noise_bias_correction)
+        check_positive("gamma", self.gamma)
+        T = self.t_alpha_beta3
+        if T is None:
+            T = 0
+        if isinstance(T, bool) or not isinstance(T, int) or not 0 <= T < 2**48:
+            raise _bad("t_alpha_beta3", self.t_alpha_beta3, "expected None or an int >= 0")
+        if T and (self.beta1 == 0 or self.beta3 == 0):
+            # the beta3 scheduler interpolates log(beta1) and log(beta3)
+            raise _bad(
+                "t_alpha_beta3",
+                T,
+                f"the beta3 warm-up needs betas[0] > 0 and betas[2] > 0, got "
+                f"({self.beta1!r}, {self.beta2!r}, {self.beta3!r})",
+            )
+        object.__setattr__(self, "t_alpha_beta3", T)  # None and 0 both mean no warm-up
+
+
 Hyper = Union[  # noqa: UP007 (one member per line)
     SGDHyper,
     AdamHyper,
@@ -304,6 +383,8 @@ Hyper = Union[  # noqa: UP007 (one member per line)
     AdamWScheduleFreeHyper,
     RMSpropHyper,
     AdagradHyper,
+    AdadeltaHyper,
+    AdEMAMixHyper,
 ]
 
 

@@ -40,10 +40,12 @@ from types import MappingProxyType
 
 from .hyper import (
     AdagradHyper,
+    AdadeltaHyper,
     AdamBCHyper,
     AdamHyper,
     AdamWBCHyper,
     AdamWHyper,
+    AdEMAMixHyper,
     Hyper,
     MacAdamHyper,
     RMSpropHyper,
@@ -60,9 +62,12 @@ __all__ = [
     "RULES",
     "RuleSpec",
     "StateSpec",
+    "adadelta_noise_var_ema",
     "adam_noise_var_ema",
     "rmsprop_noise_var_ema",
     "adagrad_noise_var_sum",
+    "ademamix_scalars",
+    "ademamix_schedule",
     "by_cli_name",
     "get",
     "macadam_kappa",
@@ -591,5 +596,102 @@ register(
         source="Duchi, Hazan & Singer 2011, JMLR 12, Figure 1 (diagonal AdaGrad); "
         "torch.optim.Adagrad",
         noise_var_ema=adagrad_noise_var_sum,
+    )
+)
+
+
+# --------------------------------------------------------------------------------------
+# DP-Adadelta (SPEC 10.5)
+# --------------------------------------------------------------------------------------
+def adadelta_noise_var_ema(hyper: Hyper, prev: float, noise_var: float, t: int) -> float:
+    """SPEC 10.5: phi_t = rho phi_{t-1} + (1 - rho) Phi_t, the noise part of square_avg
+    (no bias correction: Adadelta's EMAs start at 0 and are used as they are)."""
+    return hyper.rho * prev + (1 - hyper.rho) * noise_var
+
+
+def _corrects(h) -> bool:
+    return h.noise_bias_correction
+
+
+register(
+    RuleSpec(
+        "adadelta",
+        "dp-adadelta",
+        "DP-Adadelta",
+        AdadeltaHyper,
+        "DPAdadelta",
+        (
+            StateSpec("square_avg", domain="nonnegative"),
+            StateSpec("acc_delta", domain="nonnegative"),
+            StateSpec("acc_delta_noise_var", domain="nonnegative", needed=_corrects),
+            StateSpec(
+                "noise_var_avg", SCALAR, domain="nonnegative", kernel=False, needed=_corrects
+            ),
+        ),
+        noise_bias_correction=True,
+        second_moment=True,
+        lr_grid=(0.25, 0.5, 1.0, 2.0),
+        section="10.5",
+        source='Zeiler 2012, "ADADELTA: An Adaptive Learning Rate Method", arXiv 1212.5701, '
+        "Algorithm 1; torch.optim.Adadelta",
+        noise_var_ema=adadelta_noise_var_ema,
+    )
+)
+
+
+# --------------------------------------------------------------------------------------
+# DP-AdEMAMix (SPEC 10.6)
+# --------------------------------------------------------------------------------------
+def ademamix_schedule(hyper: Hyper, t: int) -> tuple[float, float]:
+    """(alpha_t, beta3_t) at the rule's step t (SPEC 10.6; Pagliardini et al. 2024, Section
+    3): with T = t_alpha_beta3 > 0, alpha_t = min(t alpha / T, alpha) and
+    beta3_t = min(exp(ln b1 ln b3 / ((1 - t/T) ln b3 + (t/T) ln b1)), b3); (alpha, beta3)
+    for T = 0 and t >= T. A host-side pair (Python floats, double) every backend computes
+    this way."""
+    T = hyper.t_alpha_beta3
+    if not T or t >= T:
+        return float(hyper.alpha), float(hyper.beta3)
+    a = t / T
+    alpha_t = min(t * hyper.alpha / T, hyper.alpha)
+    l1, l3 = math.log(hyper.beta1), math.log(hyper.beta3)
+    beta3_t = min(math.exp(l1 * l3 / ((1 - a) * l3 + a * l1)), hyper.beta3)
+    return float(alpha_t), float(beta3_t)
+
+
+def ademamix_scalars(hyper: Hyper, t: int) -> tuple[float, float, float, float, float]:
+    """(beta3_t, A, B, E, G) of SPEC 10.6's computed form p (1 - lr wd) - (A m1 + B m2) /
+    (sqrt(vc) + E): with s = sqrt(1 - beta2^t), A = lr s / (1 - beta1^t),
+    B = lr alpha_t s, E = eps s and G = gamma (1 - beta2^t) (0 without the correction).
+    Host-side doubles that every backend computes this way (csrc/rules.h, make_consts)."""
+    alpha_t, beta3_t = ademamix_schedule(hyper, t)
+    bc1, bc2 = 1 - hyper.beta1**t, 1 - hyper.beta2**t
+    s = math.sqrt(bc2)
+    G = hyper.gamma * bc2 if hyper.noise_bias_correction else 0.0
+    return beta3_t, hyper.lr * s / bc1, hyper.lr * alpha_t * s, hyper.eps * s, G
+
+
+register(
+    RuleSpec(
+        "ademamix",
+        "dp-ademamix",
+        "DP-AdEMAMix",
+        AdEMAMixHyper,
+        "DPAdEMAMix",
+        (
+            StateSpec("exp_avg"),
+            StateSpec("exp_avg_slow"),
+            StateSpec("exp_avg_sq", domain="nonnegative"),
+            StateSpec(
+                "noise_var_avg", SCALAR, domain="nonnegative", kernel=False, needed=_corrects
+            ),
+        ),
+        decoupled_decay=True,
+        noise_bias_correction=True,
+        second_moment=True,
+        lr_grid=(3e-4, 1e-3, 3e-3, 1e-2),
+        section="10.6",
+        source='Pagliardini, Ablin, Grangier 2024, "The AdEMAMix Optimizer: Better, Faster, '
+        'Older", arXiv 2409.03137, Algorithm 1 and Section 3 (schedulers)',
+        noise_var_ema=adam_noise_var_ema,
     )
 )

@@ -56,6 +56,17 @@ SPEC_DEFAULTS = {
         noise_bias_correction=False,
         gamma=1e-8,
     ),
+    # SPEC 10.5, 10.6
+    "adadelta": dict(rho=0.9, eps=1e-6, weight_decay=0.0, noise_bias_correction=False, gamma=1e-8),
+    "ademamix": dict(
+        betas=(0.9, 0.999, 0.9999),
+        alpha=5.0,
+        eps=1e-8,
+        weight_decay=0.0,
+        t_alpha_beta3=None,
+        noise_bias_correction=False,
+        gamma=1e-8,
+    ),
 }
 # SPEC 10.8 (schedulefree's defaults).
 _SF_DEFAULTS = dict(weight_decay=0.0, warmup_steps=0, r=0.0, weight_lr_power=2.0)
@@ -141,6 +152,7 @@ class SpecOptimizer:
         if rule == "adagrad":  # SPEC 10.2: sum starts at initial_accumulator_value
             for hyper, sl in self.groups:
                 self.v[sl] = float(hyper["initial_accumulator_value"])
+        self.u, self.psi, self.m2 = z(), z(), z()  # DP-Adadelta's u, psi; AdEMAMix's m2
         self._gen = None if perturb is None else torch.Generator().manual_seed(perturb)
         self.shadows = (
             []
@@ -184,9 +196,12 @@ class SpecOptimizer:
             "exp_var": self.S[sl].reshape(shape),
             "scale": self.b[sl].reshape(shape),
             "z": self.zs[sl].reshape(shape),
-            "square_avg": self.v[sl].reshape(shape),  # RMSprop's v (SPEC 10.1)
+            "square_avg": self.v[sl].reshape(shape),  # RMSprop's, Adadelta's v (SPEC 10.1, 10.5)
             "grad_avg": self.m[sl].reshape(shape),
             "sum": self.v[sl].reshape(shape),  # Adagrad's s (SPEC 10.2)
+            "acc_delta": self.u[sl].reshape(shape),
+            "acc_delta_noise_var": self.psi[sl].reshape(shape),
+            "exp_avg_slow": self.m2[sl].reshape(shape),
         }
 
     def slacks(self) -> list[torch.Tensor]:
@@ -446,3 +461,49 @@ class SpecOptimizer:
         else:
             d = r(r(torch.sqrt(s)) + eps)
         self.p[sl] = r(p - r(clr * r(g / d)))
+
+    # -- section 10 ------------------------------------------------------------------------
+    def _adadelta(self, gi, h, sl, g_hat):  # SPEC 10.5, torch.optim.Adadelta on g_hat
+        r, rho, eps, lr = self._r, h["rho"], h["eps"], h["lr"]
+        p = self.p[sl]
+        g = r(g_hat + r(h["weight_decay"] * p))  # coupled L2
+        self.v[sl] = v = r(r(rho * self.v[sl]) + r(r((1 - rho) * g) * g))
+        u, psi = self.u[sl], self.psi[sl]
+        if h["noise_bias_correction"]:
+            Phi = (self.sigma * self.C / self.B_e) ** 2
+            self.phi[gi] = phi = r(rho * self.phi[gi] + (1 - rho) * Phi)
+            num = r(torch.sqrt(r(torch.clamp(r(u - psi), min=0.0) + eps)))
+            den = r(torch.sqrt(r(torch.clamp(r(v - phi), min=h["gamma"]) + eps)))
+        else:
+            num, den = r(torch.sqrt(r(u + eps))), r(torch.sqrt(r(v + eps)))
+        c = r(num / den)
+        delta = r(c * g)
+        self.u[sl] = r(r(rho * u) + r(r((1 - rho) * delta) * delta))
+        if h["noise_bias_correction"]:
+            self.psi[sl] = r(r(rho * psi) + r(r(r((1 - rho) * c) * c) * Phi))
+        self.p[sl] = r(p - r(lr * delta))
+
+    def _ademamix(self, gi, h, sl, g):  # SPEC 10.6, the paper's form (not the computed one)
+        r, t, lr, eps, wd = self._r, self.t, h["lr"], h["eps"], h["weight_decay"]
+        b1, b2, b3 = h["betas"]
+        alpha, T = h["alpha"], h["t_alpha_beta3"]
+        if T and t < T:
+            alpha_t = min(t * alpha / T, alpha)
+            ln1, ln3 = math.log(b1), math.log(b3)
+            beta3_t = min(math.exp(ln1 * ln3 / ((1 - t / T) * ln3 + (t / T) * ln1)), b3)
+        else:
+            alpha_t, beta3_t = alpha, b3
+        p = self.p[sl]
+        self.m[sl] = m1 = r(r(b1 * self.m[sl]) + r((1 - b1) * g))
+        self.m2[sl] = m2 = r(r(beta3_t * self.m2[sl]) + r((1 - beta3_t) * g))
+        self.v[sl] = nu = r(r(b2 * self.v[sl]) + r(r((1 - b2) * g) * g))
+        m1_hat, nu_hat = r(m1 / (1 - b1**t)), r(nu / (1 - b2**t))
+        if h["noise_bias_correction"]:
+            Phi = (self.sigma * self.C / self.B_e) ** 2
+            self.phi[gi] = r(b2 * self.phi[gi] + (1 - b2) * Phi)
+            phi_hat = r(self.phi[gi] / (1 - b2**t))
+            root = r(torch.sqrt(torch.clamp(r(nu_hat - phi_hat), min=h["gamma"])))
+        else:
+            root = r(nu_hat.sqrt())
+        update = r(r(m1_hat + r(alpha_t * m2)) / r(root + eps))
+        self.p[sl] = r(p - r(lr * r(update + r(wd * p))))

@@ -17,10 +17,12 @@ from dpkern.backends import reference as ref
 from dpkern.backends import resolve
 from dpkern.hyper import (
     AdagradHyper,
+    AdadeltaHyper,
     AdamBCHyper,
     AdamHyper,
     AdamWBCHyper,
     AdamWHyper,
+    AdEMAMixHyper,
     DPStep,
     MacAdamHyper,
     RMSpropHyper,
@@ -49,6 +51,12 @@ HYPERS = {
     "rmsprop_bc": RMSpropHyper(lr=1e-2, alpha=0.9, noise_bias_correction=True, gamma=1e-2),
     "adagrad": AdagradHyper(lr=1e-2, lr_decay=0.1, weight_decay=0.01),
     "adagrad_bc": AdagradHyper(lr=1e-2, noise_bias_correction=True, gamma=1e-2),
+    "adadelta": AdadeltaHyper(lr=1.0, weight_decay=0.01),
+    "adadelta_bc": AdadeltaHyper(lr=0.5, weight_decay=0.01, noise_bias_correction=True, gamma=1e-2),
+    "ademamix": AdEMAMixHyper(lr=1e-2, weight_decay=0.1),
+    "ademamix_bc_warmup": AdEMAMixHyper(
+        lr=1e-2, weight_decay=0.1, noise_bias_correction=True, gamma=1e-2, t_alpha_beta3=5
+    ),
 }
 # Schedule-free: weight_sum / lr_max chosen so that c_t is below and above 1/2 (the two
 # forms of torch.lerp), with warmup, polynomial weights and the noise bias correction.

@@ -22,6 +22,8 @@ CLASSES = [
     dpkern.DPAdamWScheduleFree,
     dpkern.DPRMSprop,
     dpkern.DPAdagrad,
+    dpkern.DPAdadelta,
+    dpkern.DPAdEMAMix,
 ]
 
 

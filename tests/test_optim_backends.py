@@ -31,6 +31,13 @@ CLASSES = {
         dict(lr_decay=0.1, weight_decay=0.01, initial_accumulator_value=0.1),
     ),
     "adagrad_bc": (dpkern.DPAdagrad, dict(noise_bias_correction=True, gamma=1e-2)),
+    "adadelta": (dpkern.DPAdadelta, dict(weight_decay=0.01)),
+    "adadelta_bc": (dpkern.DPAdadelta, dict(noise_bias_correction=True, gamma=1e-2)),
+    "ademamix": (dpkern.DPAdEMAMix, dict(weight_decay=0.1)),
+    "ademamix_bc_warmup": (
+        dpkern.DPAdEMAMix,
+        dict(weight_decay=0.1, noise_bias_correction=True, gamma=1e-2, t_alpha_beta3=3),
+    ),
 }
 CLASSES.update(
     {

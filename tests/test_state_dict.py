@@ -21,6 +21,8 @@ CLASSES = [
     dpkern.DPAdamWScheduleFree,
     dpkern.DPRMSprop,
     dpkern.DPAdagrad,
+    dpkern.DPAdadelta,
+    dpkern.DPAdEMAMix,
 ]
 
 

@@ -469,6 +469,56 @@ def update_adagrad(h: Hyper, dp: DPStep, p: Tensor, g: Tensor, state) -> float:
     return 0.0
 
 
+# --------------------------------------------------------------------------------------
+# DP-Adadelta (SPEC 10.5)
+# --------------------------------------------------------------------------------------
+def update_adadelta(h: Hyper, dp: DPStep, p: Tensor, g: Tensor, state) -> float:
+    """torch.optim.Adadelta on g_hat (SPEC 10.5): coupled L2; v = rho v + (1 - rho) g^2;
+    coef = sqrt(u + eps) / sqrt(v + eps); delta = coef g; u = rho u + (1 - rho) delta^2;
+    p <- p - lr delta. With noise_bias_correction: v - phi_t (floored at gamma) and
+    u - psi (floored at 0) in place of v and u, and psi = rho psi + (1 - rho) coef^2 Phi_t."""
+    g = _coupled_decay(h, p, g)
+    v, u = state["square_avg"], state["acc_delta"]
+    v.mul_(h.rho).add_((1 - h.rho) * g * g)
+    if h.noise_bias_correction:
+        psi = state["acc_delta_noise_var"]
+        std = torch.sqrt(torch.clamp(v - dp.noise_var_avg, min=h.gamma) + h.eps)
+        num = torch.sqrt(torch.clamp(u - psi, min=0.0) + h.eps)
+    else:
+        std = torch.sqrt(v + h.eps)
+        num = torch.sqrt(u + h.eps)
+    coef = num / std
+    delta = coef * g
+    u.mul_(h.rho).add_((1 - h.rho) * delta * delta)
+    if h.noise_bias_correction:  # the noise part of u: Var[delta] = coef^2 Phi_t
+        noise_var = (dp.noise_std / dp.expected_batch_size) ** 2
+        psi.mul_(h.rho).add_((1 - h.rho) * coef * coef * noise_var)
+    p.sub_(h.lr * delta)
+    return 0.0
+
+
+# --------------------------------------------------------------------------------------
+# DP-AdEMAMix (SPEC 10.6)
+# --------------------------------------------------------------------------------------
+def update_ademamix(h: Hyper, dp: DPStep, p: Tensor, g: Tensor, state) -> float:
+    """AdEMAMix (Algorithm 1 of arXiv 2409.03137) on g_hat (SPEC 10.6): p <- p (1 - lr wd);
+    m1 = b1 m1 + (1 - b1) g; m2 = b3_t m2 + (1 - b3_t) g; v = b2 v + (1 - b2) g^2;
+    p <- p - lr (m1_hat + alpha_t m2) / (sqrt(v_hat) + eps), computed as
+    p - (A m1 + B m2) / (sqrt(v) + E); with the correction v -> max(v - phi_t, G)."""
+    beta3, A, B, E, G = rules.ademamix_scalars(h, dp.step)
+    m1, m2, v = state["exp_avg"], state["exp_avg_slow"], state["exp_avg_sq"]
+    p.mul_(1 - h.lr * h.weight_decay)
+    m1.mul_(h.beta1).add_((1 - h.beta1) * g)
+    m2.mul_(beta3).add_((1 - beta3) * g)
+    v.mul_(h.beta2).add_((1 - h.beta2) * g * g)
+    if h.noise_bias_correction:  # max(v_hat - phi_hat, gamma) times (1 - beta2^t)
+        vc = torch.clamp(v - dp.noise_var_avg, min=G)
+    else:
+        vc = v
+    p.sub_((A * m1 + B * m2) / (vc.sqrt() + E))
+    return 0.0
+
+
 def _updates() -> dict:
     """name -> update_<name> for every registered rule (the reference implements all)."""
     out = {}

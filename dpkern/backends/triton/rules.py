@@ -39,6 +39,8 @@ SGD_SCHEDULE_FREE = tl.constexpr(13)
 ADAMW_SCHEDULE_FREE = tl.constexpr(14)
 RMSPROP = tl.constexpr(6)
 ADAGRAD = tl.constexpr(7)
+ADADELTA = tl.constexpr(10)
+ADEMAMIX = tl.constexpr(11)
 # DP-MacAdam's variance term u (constexpr), by name.
 UNBIASED, PAPER, CODE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 VARIANCE_CODES = {"unbiased": UNBIASED.value, "paper": PAPER.value, "code": CODE.value}
@@ -55,6 +57,8 @@ STATES = {
     "adamw_schedule_free": ("z", "exp_avg_sq"),
     "rmsprop": ("square_avg", "momentum_buffer", "grad_avg"),
     "adagrad": ("sum",),
+    "adadelta": ("square_avg", "acc_delta", "acc_delta_noise_var"),
+    "ademamix": ("exp_avg", "exp_avg_sq", "exp_avg_slow"),
 }
 # The slots the update functions use, by state name.
 MOMENTUM_BUFFER = tl.constexpr(STATES["sgd"].index("momentum_buffer"))
@@ -66,6 +70,10 @@ SQUARE_AVG = tl.constexpr(STATES["rmsprop"].index("square_avg"))  # the first st
 RMS_MOMENTUM_BUFFER = tl.constexpr(STATES["rmsprop"].index("momentum_buffer"))
 GRAD_AVG = tl.constexpr(STATES["rmsprop"].index("grad_avg"))
 SUM = tl.constexpr(STATES["adagrad"].index("sum"))  # the first state (m_prev)
+SQUARE_AVG = tl.constexpr(STATES["adadelta"].index("square_avg"))  # the first state (m_prev)
+ACC_DELTA = tl.constexpr(STATES["adadelta"].index("acc_delta"))
+ACC_DELTA_NOISE_VAR = tl.constexpr(STATES["adadelta"].index("acc_delta_noise_var"))
+EXP_AVG_SLOW = tl.constexpr(STATES["ademamix"].index("exp_avg_slow"))
 N_SCALARS = 12  # float scalars s0 .. s11 of the kernel, meaning set by each rule
 N_FLAGS = 4  # constexpr ints F0 .. F3, meaning set by each rule
 
@@ -556,6 +564,108 @@ def _host_adagrad(h, dp) -> KernelArgs:
 
 
 # --------------------------------------------------------------------------------------
+# DP-Adadelta (SPEC 10.5): m_prev is square_avg's block.
+# --------------------------------------------------------------------------------------
+@triton.jit
+def update_adadelta(
+    row,
+    offs,
+    inb,
+    p,
+    g,
+    m_prev,
+    lr,
+    wd,
+    rho,
+    one_m_rho,
+    eps,
+    gamma,
+    phi,
+    noise_var,
+    COUPLED_WD: tl.constexpr,
+    BC: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    if COUPLED_WD:
+        g = g + wd * p
+    v = m_prev * rho + one_m_rho * g * g
+    tl.store(C.typed_ptr(row, C.COL_S0 + SQUARE_AVG, tl.float32, ALIGNED) + offs, v, mask=inb)
+    u_ptr = C.typed_ptr(row, C.COL_S0 + ACC_DELTA, tl.float32, ALIGNED)
+    u = tl.load(u_ptr + offs, mask=inb, other=0.0)
+    if BC:
+        psi_ptr = C.typed_ptr(row, C.COL_S0 + ACC_DELTA_NOISE_VAR, tl.float32, ALIGNED)
+        psi = tl.load(psi_ptr + offs, mask=inb, other=0.0)
+        den = tl.math.sqrt_rn(tl.maximum(v - phi, gamma) + eps)
+        num = tl.math.sqrt_rn(tl.maximum(u - psi, 0.0) + eps)
+    else:
+        den = tl.math.sqrt_rn(v + eps)
+        num = tl.math.sqrt_rn(u + eps)
+    coef = num / den
+    delta = coef * g
+    tl.store(u_ptr + offs, u * rho + one_m_rho * delta * delta, mask=inb)
+    if BC:
+        tl.store(psi_ptr + offs, psi * rho + one_m_rho * coef * coef * noise_var, mask=inb)
+    return p - lr * delta
+
+
+def _host_adadelta(h, dp) -> KernelArgs:
+    noise_var = (dp.noise_std / dp.expected_batch_size) ** 2  # Phi_t
+    s = (h.lr, h.weight_decay, h.rho, 1 - h.rho, h.eps, h.gamma, dp.noise_var_avg, noise_var)
+    flags = (h.weight_decay != 0, h.noise_bias_correction)
+    return KernelArgs(ADADELTA.value, s, flags, True, False)
+
+
+# --------------------------------------------------------------------------------------
+# DP-AdEMAMix (SPEC 10.6), in reference.update_ademamix's computed form: m_prev is
+# exp_avg's block.
+# --------------------------------------------------------------------------------------
+@triton.jit
+def update_ademamix(
+    row,
+    offs,
+    inb,
+    p,
+    g,
+    m_prev,
+    decay,
+    beta1,
+    beta2,
+    beta3,
+    one_m_b1,
+    one_m_b2,
+    one_m_b3,
+    A,
+    B,
+    E,
+    G,
+    phi,
+    BC: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    p = p * decay
+    v_ptr = C.typed_ptr(row, C.COL_S0 + EXP_AVG_SQ, tl.float32, ALIGNED)
+    m2_ptr = C.typed_ptr(row, C.COL_S0 + EXP_AVG_SLOW, tl.float32, ALIGNED)
+    m1 = m_prev * beta1 + one_m_b1 * g
+    m2 = tl.load(m2_ptr + offs, mask=inb, other=0.0) * beta3 + one_m_b3 * g
+    v = tl.load(v_ptr + offs, mask=inb, other=0.0) * beta2 + one_m_b2 * g * g
+    tl.store(C.typed_ptr(row, C.COL_S0 + EXP_AVG, tl.float32, ALIGNED) + offs, m1, mask=inb)
+    tl.store(m2_ptr + offs, m2, mask=inb)
+    tl.store(v_ptr + offs, v, mask=inb)
+    if BC:
+        vc = tl.maximum(v - phi, G)
+    else:
+        vc = v
+    return p - (A * m1 + B * m2) / (tl.math.sqrt_rn(vc) + E)
+
+
+def _host_ademamix(h, dp) -> KernelArgs:
+    beta3, A, B, E, G = rules.ademamix_scalars(h, dp.step)
+    s = (1 - h.lr * h.weight_decay, h.beta1, h.beta2, beta3)
+    s += (1 - h.beta1, 1 - h.beta2, 1 - beta3, A, B, E, G, dp.noise_var_avg)
+    return KernelArgs(ADEMAMIX.value, s, (h.noise_bias_correction,), True, False)
+
+
+# --------------------------------------------------------------------------------------
 # The dispatch
 # --------------------------------------------------------------------------------------
 @triton.jit
@@ -668,6 +778,33 @@ def update(
         )
     elif RULE == ADAGRAD:
         p = update_adagrad(row, offs, inb, p, g, m_prev, s0, s1, s2, s3, s4, F0, F1, ALIGNED)
+    elif RULE == ADADELTA:
+        p = update_adadelta(
+            row, offs, inb, p, g, m_prev, s0, s1, s2, s3, s4, s5, s6, s7, F0, F1, ALIGNED
+        )
+    elif RULE == ADEMAMIX:
+        p = update_ademamix(
+            row,
+            offs,
+            inb,
+            p,
+            g,
+            m_prev,
+            s0,
+            s1,
+            s2,
+            s3,
+            s4,
+            s5,
+            s6,
+            s7,
+            s8,
+            s9,
+            s10,
+            s11,
+            F0,
+            ALIGNED,
+        )
     else:
         tl.static_assert(False, "dpkern: unknown update rule code")
     return p
@@ -685,6 +822,8 @@ RULES = {
     "adamw_schedule_free": _host_adamw_schedule_free,
     "rmsprop": _host_rmsprop,
     "adagrad": _host_adagrad,
+    "adadelta": _host_adadelta,
+    "ademamix": _host_ademamix,
 }
 
 
