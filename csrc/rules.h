@@ -27,6 +27,7 @@ enum Rule : int {
   ADAMW = 3,
   ADAMW_BC = 4,
   MACADAM = 5,
+  RADAM = 8,
 };
 // DP-MacAdam's variance term u (variance_estimate).
 enum Variance : int { UNBIASED = 0, PAPER = 1, CODE = 2 };
@@ -43,6 +44,7 @@ inline constexpr Named RULE_NAMES[] = {
     {"adamw", ADAMW},
     {"adamw_bc", ADAMW_BC},
     {"macadam", MACADAM},
+    {"radam", RADAM},
 };
 inline constexpr Named VARIANCE_NAMES[] = {{"unbiased", UNBIASED}, {"paper", PAPER}, {"code", CODE}};
 
@@ -66,6 +68,7 @@ inline constexpr RuleStates RULE_STATES[] = {
     {ADAMW, {"exp_avg", "exp_avg_sq"}},
     {ADAMW_BC, {"exp_avg", "exp_avg_sq"}},
     {MACADAM, {"exp_avg", "exp_avg_sq", "exp_var", "scale"}},
+    {RADAM, {"exp_avg", "exp_avg_sq"}},
 };
 
 // The float and bool fields of the dpkern.hyper dataclasses (name, default), read from the
@@ -82,7 +85,9 @@ inline constexpr RuleStates RULE_STATES[] = {
   X(eps, 1e-8)              \
   X(gamma, 1e-8)            \
   X(h1, 1e-9)               \
-  X(h2, 1e-6)
+  X(h2, 1e-6)               \
+  X(decoupled_weight_decay, false) \
+  X(noise_bias_correction, false)
 
 // The hyper-parameters of one update rule (dpkern.hyper), as Python doubles.
 struct Hyper {
@@ -105,6 +110,9 @@ struct Consts {
   bool has_m_hat_prev;                                      // MacAdam
   float bias_correction1_prev, kappa, noise_var, h1, h2;
   bool want_sqrt_sum;
+  // DP-RAdam (SPEC 10.3): host-side functions of (beta2, t)
+  bool radam_decoupled, radam_adaptive, radam_bc;
+  float radam_sqrt_bc2, radam_rect;
 };
 
 inline Consts make_consts(const Hyper& h, const DP& dp) {
@@ -140,6 +148,19 @@ inline Consts make_consts(const Hyper& h, const DP& dp) {
   c.h1 = float(h.h1);
   c.h2 = float(h.h2);
   c.want_sqrt_sum = h.rule == MACADAM && dp.step >= 2;
+  if (h.rule == RADAM) {  // reference.update_radam / rules.radam_rectification, in double
+    const double rho_inf = 2 / (1 - h.beta2) - 1;
+    const double bc2 = 1 - std::pow(h.beta2, t);
+    const double rho_t = rho_inf - 2 * t * std::pow(h.beta2, t) / bc2;
+    c.radam_decoupled = h.decoupled_weight_decay;
+    c.radam_adaptive = rho_t > 5.0;
+    c.radam_bc = h.noise_bias_correction;
+    c.radam_sqrt_bc2 = float(std::pow(bc2, 0.5));
+    c.radam_rect = c.radam_adaptive ? float(std::pow((rho_t - 4) * (rho_t - 2) * rho_inf /
+                                                         ((rho_inf - 4) * (rho_inf - 2) * rho_t),
+                                                     0.5))
+                                    : 1.0f;
+  }
   return c;
 }
 
@@ -271,6 +292,57 @@ DPK_INLINE void update_macadam(const Consts c, const float* __restrict S, float*
 }
 
 // ---------------------------------------------------------------------------------------
+// DP-RAdam (SPEC 10.3): torch.optim.RAdam on g_hat. ADAPTIVE: rho_t > 5 (the rectified
+// step), else the warm-up step lr m_hat; BC: denominator sqrt(max(v_hat - phi_hat, gamma)),
+// else torch's (1 / (sqrt(v) + eps)) sqrt(1 - beta2^t).
+template <int PT, bool ADAPTIVE, bool BC>
+DPK_INLINE void radam_loop(const Consts c, const float* __restrict S, float* __restrict z,
+                           const Param& prm, int64_t begin, int64_t len) {
+  auto* __restrict p = static_cast<typename Storage<PT>::type*>(prm.data) + begin;
+  float* __restrict m = prm.state[EXP_AVG] + begin;
+  float* __restrict v = prm.state[EXP_AVG_SQ] + begin;
+  for (int64_t j = 0; j < len; ++j) {
+    float g = (S[j] + c.noise_std * z[j]) / c.batch;
+    float pj = load<PT>(p, j);
+    if (c.coupled_wd) {  // weight_decay != 0
+      if (c.radam_decoupled) {
+        pj = pj * c.decay;
+      } else {
+        g = g + c.weight_decay * pj;
+      }
+    }
+    const float mj = m[j] * c.beta1 + c.one_minus_beta1 * g;
+    const float vj = v[j] * c.beta2 + (c.one_minus_beta2 * g) * g;
+    m[j] = mj;
+    v[j] = vj;
+    const float m_hat = mj / c.bias_correction1;
+    float step;
+    if (!ADAPTIVE) {
+      step = m_hat * c.lr;
+    } else if (BC) {
+      const float d = vj / c.bias_correction2 - c.phi_hat;
+      step = ((m_hat * c.lr) * c.radam_rect) / __builtin_sqrtf(d < c.gamma ? c.gamma : d);
+    } else {
+      const float adaptive = (1.0f / (__builtin_sqrtf(vj) + c.eps)) * c.radam_sqrt_bc2;
+      step = ((m_hat * c.lr) * adaptive) * c.radam_rect;
+    }
+    store<PT>(p, j, pj - step);
+  }
+}
+
+template <int PT>
+DPK_INLINE void update_radam(const Consts c, const float* __restrict S, float* __restrict z,
+                             const Param& prm, int64_t begin, int64_t len, double&) {
+  if (!c.radam_adaptive) {
+    radam_loop<PT, false, false>(c, S, z, prm, begin, len);
+  } else if (c.radam_bc) {
+    radam_loop<PT, true, true>(c, S, z, prm, begin, len);
+  } else {
+    radam_loop<PT, true, false>(c, S, z, prm, begin, len);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
 // The dispatch: every rule by name of its case; to_hyper (bindings.cpp) has refused any
 // other code before a kernel runs. Returns the block's partial sum (0 for most rules).
 DPK_INLINE double update(const Consts& c, const float* __restrict S, float* __restrict z,
@@ -286,6 +358,8 @@ DPK_INLINE double update(const Consts& c, const float* __restrict S, float* __re
       DPK_DISPATCH_DTYPE(p.dtype, update_adamw_bc, c, S, z, p, begin, len, sqrt_sum) break;
     case MACADAM:
       DPK_DISPATCH_DTYPE(p.dtype, update_macadam, c, S, z, p, begin, len, sqrt_sum) break;
+    case RADAM:
+      DPK_DISPATCH_DTYPE(p.dtype, update_radam, c, S, z, p, begin, len, sqrt_sum) break;
     default: break;  // unreachable: unknown codes are refused at the binding
   }
   return sqrt_sum;

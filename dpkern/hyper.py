@@ -160,6 +160,30 @@ class MacAdamHyper(_AdamBase):
             )
 
 
+# --------------------------------------------------------------------------------------
+# DP-RAdam (SPEC 10.3)
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RAdamHyper(_AdamBase):
+    """DP-RAdam (SPEC 10.3): torch.optim.RAdam's rectified Adam (coupled L2, or decoupled
+    decay with ``decoupled_weight_decay``); with ``noise_bias_correction`` the adaptive
+    step's denominator is sqrt(max(v_hat - phi_hat, gamma)) (no eps)."""
+
+    rule: ClassVar[str] = "radam"
+    eps: float = 1e-8
+    decoupled_weight_decay: bool = False
+    noise_bias_correction: bool = False
+    gamma: float = 1e-8
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_positive("eps", self.eps)
+        check_positive("gamma", self.gamma)
+        for name in ("decoupled_weight_decay", "noise_bias_correction"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad(name, getattr(self, name), "expected a bool")
+
+
 Hyper = Union[  # noqa: UP007 (one member per line)
     SGDHyper,
     AdamHyper,
@@ -167,6 +191,7 @@ Hyper = Union[  # noqa: UP007 (one member per line)
     AdamWHyper,
     AdamWBCHyper,
     MacAdamHyper,
+    RAdamHyper,
 ]
 
 

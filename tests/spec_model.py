@@ -39,6 +39,14 @@ SPEC_DEFAULTS = {
     "adam_bc": dict(betas=(0.9, 0.999), gamma=1e-8, weight_decay=0.0),
     "adamw_bc": dict(betas=(0.9, 0.999), gamma=1e-8, weight_decay=1e-2),
     "macadam": dict(betas=(0.9, 0.999), gamma=1e-8, h1=1e-9, h2=1e-6, variance_estimate="unbiased"),
+    "radam": dict(
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.0,
+        decoupled_weight_decay=False,
+        noise_bias_correction=False,
+        gamma=1e-8,
+    ),
 }
 RULES = tuple(SPEC_DEFAULTS)
 
@@ -237,7 +245,11 @@ class SpecOptimizer:
         z = gaussian_noise(self.d, key=self.key, step=t, backend="torch").to(F64)
         noise_std = self.sigma * (1.0 if self.rule == "macadam" else self.C)
         g_hat = r(r(S + r(noise_std * z)) / self.B_e)  # SPEC 4 (whitened w~ for MacAdam)
-        update = {"sgd": self._sgd, "macadam": self._macadam}.get(self.rule, self._adam)
+        update = {
+            "sgd": self._sgd,
+            "macadam": self._macadam,
+            "radam": self._radam,
+        }.get(self.rule, self._adam)
         for gi, (hyper, sl) in enumerate(self.groups):
             if sl.stop > sl.start:
                 update(gi, hyper, sl, g_hat[sl])
@@ -310,3 +322,32 @@ class SpecOptimizer:
             S_hat[sl] = torch.clamp(raw, min=hyper["h1"], max=hyper["h2"])
         total = r(float(r(S_hat.sqrt()).sum()))
         self.b = r(r(S_hat.sqrt().sqrt()) * math.sqrt(total))
+
+    # -- section 10.3 ------------------------------------------------------------------
+    def _radam(self, gi, h, sl, g_hat):  # SPEC 10.3, torch.optim.RAdam semantics
+        r, t, beta2 = self._r, self.t, h["betas"][1]
+        lr, wd = h["lr"], h["weight_decay"]
+        p = self.p[sl]
+        if wd != 0 and h["decoupled_weight_decay"]:
+            p = r(p * (1.0 - lr * wd))  # decoupled, first
+            g = g_hat
+        else:
+            g = r(g_hat + r(wd * p))  # coupled L2
+        m_hat, v_hat = self._moments(h, sl, g)
+        if h["noise_bias_correction"]:  # phi advances at every step, warm-up included
+            Phi = (self.sigma * self.C / self.B_e) ** 2
+            self.phi[gi] = r(beta2 * self.phi[gi] + (1 - beta2) * Phi)
+        rho_inf = 2.0 / (1.0 - beta2) - 1.0
+        rho_t = rho_inf - 2.0 * t * beta2**t / (1.0 - beta2**t)
+        if rho_t <= 5.0:  # warm-up: v is not read
+            self.p[sl] = r(p - r(lr * m_hat))
+            return
+        rect = math.sqrt(
+            (rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)
+        )
+        if h["noise_bias_correction"]:
+            phi_hat = r(self.phi[gi] / (1 - beta2**t))
+            scale = r(1.0 / r(torch.sqrt(torch.clamp(r(v_hat - phi_hat), min=h["gamma"]))))
+        else:  # eps on sqrt(v) (not on sqrt(v_hat)), times sqrt(1 - beta2^t)
+            scale = r(math.sqrt(1 - beta2**t) / r(r(self.v[sl].sqrt()) + h["eps"]))
+        self.p[sl] = r(p - r(r(r(lr * m_hat) * scale) * rect))

@@ -22,6 +22,7 @@ from dpkern.hyper import (
     AdamWHyper,
     DPStep,
     MacAdamHyper,
+    RAdamHyper,
     SGDHyper,
 )
 
@@ -41,6 +42,14 @@ HYPERS = {
     "macadam": MacAdamHyper(lr=1e-2, h1=1e-2, h2=10.0),
     "macadam_paper": MacAdamHyper(lr=1e-2, h1=1e-2, h2=10.0, variance_estimate="paper"),
     "macadam_code": MacAdamHyper(lr=1e-2, h1=1e-2, h2=10.0, variance_estimate="code"),
+    "radam": RAdamHyper(lr=1e-2, weight_decay=0.01),
+    "radam_bc_decoupled": RAdamHyper(
+        lr=1e-2,
+        weight_decay=0.1,
+        decoupled_weight_decay=True,
+        noise_bias_correction=True,
+        gamma=1e-2,
+    ),
 }
 for _name, _spec in rules.RULES.items():  # every registered rule is a parity case
     HYPERS.setdefault(_name, _spec.hyper_class(lr=1e-2))

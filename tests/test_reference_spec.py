@@ -49,6 +49,13 @@ CONFIGS = {
         {},
     ),
     "macadam_b_init": ("macadam", dict(h1=1e-10, h2=1e2), dict(b_init=0.05)),
+    "radam": ("radam", {}, {}),
+    "radam_wd_betas_eps": ("radam", dict(betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1), {}),
+    "radam_decoupled_bc": (
+        "radam",
+        dict(weight_decay=0.1, decoupled_weight_decay=True, noise_bias_correction=True, gamma=1e-6),
+        {},
+    ),
 }
 LRS = (0.05, 0.02, 0.1)  # one per parameter group
 SGD_LRS = (0.2, 0.1, 0.3)
@@ -142,6 +149,7 @@ STATE_CHECKS = {
     "adamw": ("exp_avg", "exp_avg_sq"),
     "adamw_bc": ("exp_avg", "exp_avg_sq"),
     "macadam": ("exp_avg", "exp_avg_sq", "exp_var", "scale"),
+    "radam": ("exp_avg", "exp_avg_sq"),
 }
 
 
@@ -529,3 +537,34 @@ def test_macadam_clipped_row_norm_at_most_one_with_per_group_betas():
     g_tilde = (opt.state[b]["exp_avg"] - 0.99 * m1) / (1 - 0.99)
     summed_row = (g_tilde - m1 / (1 - 0.99)) / scale  # = c_1 w_1 (B = B_e = 1, sigma = 0)
     assert float(summed_row.norm()) <= 1.0 + 1e-5
+
+
+# --------------------------------------------------------------------------------------
+# DP-RAdam (SPEC 10.3): past the warm-up (rho_t > 5 from t = 6), with a noise schedule
+# --------------------------------------------------------------------------------------
+RADAM_SCHEDULE = [(1.3, 0.7, 4.0), (2.0, 0.5, 3.0), (0.7, 1.0, 5.0), (1.3, 0.7, 4.0)]
+
+
+@pytest.mark.parametrize("config", ["radam", "radam_wd_betas_eps", "radam_decoupled_bc"])
+def test_radam_matches_spec_through_the_rectified_steps(config):
+    """10 steps (warm-up t <= 5, rectified after), sigma, C and B_e changing between steps
+    (phi follows Phi_t); 3 groups, frozen and unused parameters, B = 0 and 1 included."""
+    seed = fresh_seed()
+    opt, model, trainable, nogs, gen = build(config, torch.float32, 1.3, seed)
+    for t in range(1, 11):
+        sigma, Cn, B_e = RADAM_SCHEDULE[t % len(RADAM_SCHEDULE)]
+        opt.noise_multiplier, opt.max_grad_norm, opt.expected_batch_size = sigma, Cn, B_e
+        model.set_privacy(noise_multiplier=sigma, max_grad_norm=Cn, expected_batch_size=B_e)
+        grads = make_grads(trainable, nogs, BATCHES[t % len(BATCHES)], gen, torch.float32)
+        set_grad_samples(trainable, grads)
+        opt.step()
+        model.step(grads)
+        compare(opt, model, trainable, torch.float32, f"{config} seed={seed} t={t}")
+        for gi, group in enumerate(opt.param_groups):
+            p = next(p for p in group["params"] if p.requires_grad)
+            if group["noise_bias_correction"]:
+                assert float(opt.state[p]["noise_var_avg"]) == pytest.approx(
+                    model.phi[gi], rel=1e-6
+                )
+            else:
+                assert "noise_var_avg" not in opt.state[p]

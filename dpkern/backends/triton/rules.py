@@ -34,6 +34,7 @@ ADAM_BC = tl.constexpr(2)
 ADAMW = tl.constexpr(3)
 ADAMW_BC = tl.constexpr(4)
 MACADAM = tl.constexpr(5)
+RADAM = tl.constexpr(8)
 # DP-MacAdam's variance term u (constexpr), by name.
 UNBIASED, PAPER, CODE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 VARIANCE_CODES = {"unbiased": UNBIASED.value, "paper": PAPER.value, "code": CODE.value}
@@ -46,6 +47,7 @@ STATES = {
     "adamw": ("exp_avg", "exp_avg_sq"),
     "adamw_bc": ("exp_avg", "exp_avg_sq"),
     "macadam": ("exp_avg", "exp_avg_sq", "exp_var", "scale"),
+    "radam": ("exp_avg", "exp_avg_sq"),
 }
 # The slots the update functions use, by state name.
 MOMENTUM_BUFFER = tl.constexpr(STATES["sgd"].index("momentum_buffer"))
@@ -339,6 +341,84 @@ def _host_macadam(h, dp) -> KernelArgs:
 
 
 # --------------------------------------------------------------------------------------
+# DP-RAdam (SPEC 10.3): the branch (warm-up or rectified), r_t and sqrt(1 - beta2^t) are
+# host-side functions of (beta2, t).
+# --------------------------------------------------------------------------------------
+@triton.jit
+def update_radam(
+    row,
+    offs,
+    inb,
+    p,
+    g,
+    m_prev,
+    lr,
+    wd_or_decay,
+    beta1,
+    beta2,
+    one_m_b1,
+    one_m_b2,
+    bc1,
+    bc2,
+    sqrt_bc2,
+    eps_or_gamma,
+    rect,
+    phi_hat,
+    COUPLED_WD: tl.constexpr,
+    DECOUPLED_WD: tl.constexpr,
+    ADAPTIVE: tl.constexpr,
+    BC: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    if COUPLED_WD:
+        g = g + wd_or_decay * p
+    if DECOUPLED_WD:
+        p = p * wd_or_decay
+    v_ptr = C.typed_ptr(row, C.COL_S0 + EXP_AVG_SQ, tl.float32, ALIGNED)
+    v = tl.load(v_ptr + offs, mask=inb, other=0.0)
+    m = m_prev * beta1 + one_m_b1 * g
+    v = v * beta2 + one_m_b2 * g * g
+    tl.store(C.typed_ptr(row, C.COL_S0 + EXP_AVG, tl.float32, ALIGNED) + offs, m, mask=inb)
+    tl.store(v_ptr + offs, v, mask=inb)
+    m_hat = m / bc1
+    if ADAPTIVE:
+        if BC:
+            denom = tl.math.sqrt_rn(tl.maximum(v / bc2 - phi_hat, eps_or_gamma))
+            p = p - (m_hat * lr) * rect / denom
+        else:
+            adaptive = (1.0 / (tl.math.sqrt_rn(v) + eps_or_gamma)) * sqrt_bc2
+            p = p - (m_hat * lr) * adaptive * rect
+    else:
+        p = p - m_hat * lr
+    return p
+
+
+def _host_radam(h, dp) -> KernelArgs:
+    t = dp.step
+    rect = rules.radam_rectification(h.beta2, t)
+    decoupled = h.decoupled_weight_decay
+    wd = 1 - h.lr * h.weight_decay if decoupled else h.weight_decay
+    floor = h.gamma if h.noise_bias_correction else h.eps
+    s = (
+        h.lr,
+        wd,
+        *_moment_scalars(h, t),
+        (1 - h.beta2**t) ** 0.5,
+        floor,
+        1.0 if rect is None else rect,
+        _phi_hat(h, dp),
+    )
+    has_wd = h.weight_decay != 0
+    flags = (
+        has_wd and not decoupled,
+        has_wd and decoupled,
+        rect is not None,
+        h.noise_bias_correction,
+    )
+    return KernelArgs(RADAM.value, s, flags, True, False)
+
+
+# --------------------------------------------------------------------------------------
 # The dispatch
 # --------------------------------------------------------------------------------------
 @triton.jit
@@ -417,6 +497,32 @@ def update(
             F1,
             ALIGNED,
         )
+    elif RULE == RADAM:
+        p = update_radam(
+            row,
+            offs,
+            inb,
+            p,
+            g,
+            m_prev,
+            s0,
+            s1,
+            s2,
+            s3,
+            s4,
+            s5,
+            s6,
+            s7,
+            s8,
+            s9,
+            s10,
+            s11,
+            F0,
+            F1,
+            F2,
+            F3,
+            ALIGNED,
+        )
     else:
         tl.static_assert(False, "dpkern: unknown update rule code")
     return p
@@ -430,6 +536,7 @@ RULES = {
     "adamw": _host_adamw,
     "adamw_bc": _host_adamw_bc,
     "macadam": _host_macadam,
+    "radam": _host_radam,
 }
 
 
