@@ -28,6 +28,7 @@ enum Rule : int {
   ADAMW_BC = 4,
   MACADAM = 5,
   RADAM = 8,
+  LION = 9,
 };
 // DP-MacAdam's variance term u (variance_estimate).
 enum Variance : int { UNBIASED = 0, PAPER = 1, CODE = 2 };
@@ -45,6 +46,7 @@ inline constexpr Named RULE_NAMES[] = {
     {"adamw_bc", ADAMW_BC},
     {"macadam", MACADAM},
     {"radam", RADAM},
+    {"lion", LION},
 };
 inline constexpr Named VARIANCE_NAMES[] = {{"unbiased", UNBIASED}, {"paper", PAPER}, {"code", CODE}};
 
@@ -69,6 +71,7 @@ inline constexpr RuleStates RULE_STATES[] = {
     {ADAMW_BC, {"exp_avg", "exp_avg_sq"}},
     {MACADAM, {"exp_avg", "exp_avg_sq", "exp_var", "scale"}},
     {RADAM, {"exp_avg", "exp_avg_sq"}},
+    {LION, {"exp_avg"}},
 };
 
 // The float and bool fields of the dpkern.hyper dataclasses (name, default), read from the
@@ -343,6 +346,23 @@ DPK_INLINE void update_radam(const Consts c, const float* __restrict S, float* _
 }
 
 // ---------------------------------------------------------------------------------------
+// DP-Lion (SPEC 10.4): lion_pytorch.Lion on g_hat; sign(0) = sign(NaN) = 0 (torch.sign).
+template <int PT>
+DPK_INLINE void update_lion(const Consts c, const float* __restrict S, float* __restrict z,
+                            const Param& prm, int64_t begin, int64_t len, double&) {
+  auto* __restrict p = static_cast<typename Storage<PT>::type*>(prm.data) + begin;
+  float* __restrict m = prm.state[EXP_AVG] + begin;
+  for (int64_t j = 0; j < len; ++j) {
+    const float g = (S[j] + c.noise_std * z[j]) / c.batch;
+    const float pj = load<PT>(p, j) * c.decay;
+    const float cj = m[j] * c.beta1 + c.one_minus_beta1 * g;
+    const float sign = cj > 0.0f ? 1.0f : (cj < 0.0f ? -1.0f : 0.0f);
+    m[j] = m[j] * c.beta2 + c.one_minus_beta2 * g;
+    store<PT>(p, j, pj - c.lr * sign);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
 // The dispatch: every rule by name of its case; to_hyper (bindings.cpp) has refused any
 // other code before a kernel runs. Returns the block's partial sum (0 for most rules).
 DPK_INLINE double update(const Consts& c, const float* __restrict S, float* __restrict z,
@@ -360,6 +380,7 @@ DPK_INLINE double update(const Consts& c, const float* __restrict S, float* __re
       DPK_DISPATCH_DTYPE(p.dtype, update_macadam, c, S, z, p, begin, len, sqrt_sum) break;
     case RADAM:
       DPK_DISPATCH_DTYPE(p.dtype, update_radam, c, S, z, p, begin, len, sqrt_sum) break;
+    case LION: DPK_DISPATCH_DTYPE(p.dtype, update_lion, c, S, z, p, begin, len, sqrt_sum) break;
     default: break;  // unreachable: unknown codes are refused at the binding
   }
   return sqrt_sum;

@@ -184,6 +184,35 @@ class RAdamHyper(_AdamBase):
                 raise _bad(name, getattr(self, name), "expected a bool")
 
 
+# --------------------------------------------------------------------------------------
+# DP-Lion (SPEC 10.4)
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LionHyper(_Base):
+    """DP-Lion (SPEC 10.4): lion_pytorch.Lion, decoupled decay p <- p (1 - lr wd), the
+    update lr sign(beta1 m + (1 - beta1) g). No second moment, so no noise bias
+    correction: ``noise_bias_correction`` must be False."""
+
+    rule: ClassVar[str] = "lion"
+    beta1: float = 0.9
+    beta2: float = 0.99
+    weight_decay: float = 0.0
+    noise_bias_correction: bool = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_beta("betas[0]", self.beta1)
+        check_beta("betas[1]", self.beta2)
+        check_nonnegative("weight_decay", self.weight_decay)
+        if self.noise_bias_correction is not False:
+            raise _bad(
+                "noise_bias_correction",
+                self.noise_bias_correction,
+                "DP-Lion keeps no second moment, so there is no noise variance to correct "
+                "(only False is accepted)",
+            )
+
+
 Hyper = Union[  # noqa: UP007 (one member per line)
     SGDHyper,
     AdamHyper,
@@ -192,6 +221,7 @@ Hyper = Union[  # noqa: UP007 (one member per line)
     AdamWBCHyper,
     MacAdamHyper,
     RAdamHyper,
+    LionHyper,
 ]
 
 

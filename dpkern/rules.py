@@ -47,6 +47,7 @@ from .hyper import (
     MacAdamHyper,
     SGDHyper,
     RAdamHyper,
+    LionHyper,
 )
 
 __all__ = [
@@ -477,5 +478,27 @@ register(
             "et al., arXiv 2312.14334"
         ),
         noise_var_ema=adam_noise_var_ema,
+    )
+)
+
+
+# --------------------------------------------------------------------------------------
+# DP-Lion (SPEC 10.4)
+# --------------------------------------------------------------------------------------
+register(
+    RuleSpec(
+        "lion",
+        "dp-lion",
+        "DP-Lion",
+        LionHyper,
+        "DPLion",
+        (StateSpec("exp_avg"),),
+        decoupled_decay=True,
+        lr_grid=(1e-4, 3e-4, 1e-3, 3e-3),  # Lion's best lr is 3-10x below AdamW's
+        section="10.4",
+        source=(
+            'Chen et al., "Symbolic Discovery of Optimization Algorithms", NeurIPS 2023, '
+            "arXiv 2302.06675, Algorithm 2; lion_pytorch.Lion"
+        ),
     )
 )

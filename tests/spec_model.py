@@ -47,6 +47,7 @@ SPEC_DEFAULTS = {
         noise_bias_correction=False,
         gamma=1e-8,
     ),
+    "lion": dict(betas=(0.9, 0.99), weight_decay=0.0),
 }
 RULES = tuple(SPEC_DEFAULTS)
 
@@ -249,6 +250,7 @@ class SpecOptimizer:
             "sgd": self._sgd,
             "macadam": self._macadam,
             "radam": self._radam,
+            "lion": self._lion,
         }.get(self.rule, self._adam)
         for gi, (hyper, sl) in enumerate(self.groups):
             if sl.stop > sl.start:
@@ -351,3 +353,11 @@ class SpecOptimizer:
         else:  # eps on sqrt(v) (not on sqrt(v_hat)), times sqrt(1 - beta2^t)
             scale = r(math.sqrt(1 - beta2**t) / r(r(self.v[sl].sqrt()) + h["eps"]))
         self.p[sl] = r(p - r(r(r(lr * m_hat) * scale) * rect))
+
+    # -- section 10.4 ------------------------------------------------------------------
+    def _lion(self, gi, h, sl, g_hat):  # SPEC 10.4, lion_pytorch.Lion semantics
+        r, (beta1, beta2), lr = self._r, h["betas"], h["lr"]
+        p = r(self.p[sl] * (1.0 - lr * h["weight_decay"]))  # decoupled, first
+        c = r(r(beta1 * self.m[sl]) + r((1 - beta1) * g_hat))
+        self.p[sl] = r(p - lr * torch.sign(c))  # sign(0) = 0
+        self.m[sl] = r(r(beta2 * self.m[sl]) + r((1 - beta2) * g_hat))

@@ -21,6 +21,7 @@ from dpkern.hyper import (
     AdamWBCHyper,
     AdamWHyper,
     DPStep,
+    LionHyper,
     MacAdamHyper,
     RAdamHyper,
     SGDHyper,
@@ -50,6 +51,7 @@ HYPERS = {
         noise_bias_correction=True,
         gamma=1e-2,
     ),
+    "lion": LionHyper(lr=1e-2, weight_decay=0.1),
 }
 for _name, _spec in rules.RULES.items():  # every registered rule is a parity case
     HYPERS.setdefault(_name, _spec.hyper_class(lr=1e-2))

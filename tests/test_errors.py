@@ -19,6 +19,7 @@ CLASSES = [
     dpkern.DPAdamWBC,
     dpkern.DPMacAdam,
     dpkern.DPRAdam,
+    dpkern.DPLion,
 ]
 
 

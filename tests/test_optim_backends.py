@@ -28,6 +28,7 @@ CLASSES = {
         dpkern.DPRAdam,
         dict(weight_decay=0.1, decoupled_weight_decay=True, noise_bias_correction=True, gamma=1e-2),
     ),
+    "lion": (dpkern.DPLion, dict(weight_decay=0.1)),
 }
 for _name, _spec in rules.RULES.items():  # every registered rule's class is a case
     CLASSES.setdefault(_name, (_spec.optimizer_class(), {}))

@@ -56,6 +56,8 @@ CONFIGS = {
         dict(weight_decay=0.1, decoupled_weight_decay=True, noise_bias_correction=True, gamma=1e-6),
         {},
     ),
+    "lion": ("lion", {}, {}),
+    "lion_wd_betas": ("lion", dict(betas=(0.95, 0.98), weight_decay=0.3), {}),
 }
 LRS = (0.05, 0.02, 0.1)  # one per parameter group
 SGD_LRS = (0.2, 0.1, 0.3)
@@ -150,6 +152,7 @@ STATE_CHECKS = {
     "adamw_bc": ("exp_avg", "exp_avg_sq"),
     "macadam": ("exp_avg", "exp_avg_sq", "exp_var", "scale"),
     "radam": ("exp_avg", "exp_avg_sq"),
+    "lion": ("exp_avg",),
 }
 
 

@@ -463,3 +463,40 @@ def test_registry_entry():
     assert rules.radam_rectification(0.999, 5) is None
     assert rules.radam_rectification(0.999, 6) == pytest.approx(0.025821, abs=1e-6)
     assert rules.radam_rectification(0.5, 10**6) is None  # rho_inf = 3: never rectified
+
+
+# ---------------------------------------------------------------------------------------
+# Compiled mode without a GPU (what the interpreter never runs): test_triton_backend's
+# ahead-of-time sm_90 compilation, for this rule's kernel variants
+# ---------------------------------------------------------------------------------------
+def _compile_for_sm90(variants: str):
+    import os
+    import subprocess
+    import sys
+
+    from test_triton_backend import _AOT, ROOT
+
+    head = _AOT.split("assert v4(ptx(S._step_kernel, **base))")[0]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    res = subprocess.run(
+        [sys.executable, "-c", head + variants + "\nprint('ok')\n"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    if res.returncode == 77:
+        pytest.skip(res.stdout.strip())
+    assert res.returncode == 0 and "ok" in res.stdout, res.stdout + res.stderr[-3000:]
+
+
+@pytest.mark.triton
+def test_kernels_compile_for_sm90_without_a_gpu():
+    """Warm-up, rectified, corrected, coupled and decoupled variants; aligned groups keep
+    their 16-byte loads."""
+    _compile_for_sm90(
+        """
+for flags in (dict(F0=1), dict(F0=1, F2=1), dict(F1=1, F2=1, F3=1)):
+    assert v4(ptx(S._step_kernel, **{**base, "RULE": R.RADAM.value, **flags})) >= 8, flags
+ptx(S._step_kernel, **{**base, "RULE": R.RADAM.value, "F2": 1, "F3": 1, "ALIGNED": False,
+                       "P_DTYPE": tl.bfloat16, "G_DTYPE": tl.bfloat16})
+"""
+    )

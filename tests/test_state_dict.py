@@ -18,6 +18,7 @@ CLASSES = [
     dpkern.DPAdamWBC,
     dpkern.DPMacAdam,
     dpkern.DPRAdam,
+    dpkern.DPLion,
 ]
 
 

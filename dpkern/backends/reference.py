@@ -408,6 +408,19 @@ def update_radam(h: Hyper, dp: DPStep, p: Tensor, g: Tensor, state) -> float:
     return 0.0
 
 
+# DP-Lion (SPEC 10.4) -------------------------------------------------------------------
+def update_lion(h: Hyper, dp: DPStep, p: Tensor, g: Tensor, state) -> float:
+    """DP-Lion (SPEC 10.4): lion_pytorch.Lion on g_hat. p <- p (1 - lr wd) (decoupled),
+    p <- p - lr sign(beta1 m + (1 - beta1) g), m <- beta2 m + (1 - beta2) g; sign(0) = 0
+    (torch.sign: also 0 for NaN)."""
+    m = state["exp_avg"]
+    p.mul_(1 - h.lr * h.weight_decay)
+    c = m * h.beta1 + (1 - h.beta1) * g
+    p.sub_(h.lr * torch.sign(c))
+    m.mul_(h.beta2).add_((1 - h.beta2) * g)
+    return 0.0
+
+
 def _updates() -> dict:
     """name -> update_<name> for every registered rule (the reference implements all)."""
     out = {}

@@ -35,6 +35,7 @@ ADAMW = tl.constexpr(3)
 ADAMW_BC = tl.constexpr(4)
 MACADAM = tl.constexpr(5)
 RADAM = tl.constexpr(8)
+LION = tl.constexpr(9)
 # DP-MacAdam's variance term u (constexpr), by name.
 UNBIASED, PAPER, CODE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 VARIANCE_CODES = {"unbiased": UNBIASED.value, "paper": PAPER.value, "code": CODE.value}
@@ -48,6 +49,7 @@ STATES = {
     "adamw_bc": ("exp_avg", "exp_avg_sq"),
     "macadam": ("exp_avg", "exp_avg_sq", "exp_var", "scale"),
     "radam": ("exp_avg", "exp_avg_sq"),
+    "lion": ("exp_avg",),
 }
 # The slots the update functions use, by state name.
 MOMENTUM_BUFFER = tl.constexpr(STATES["sgd"].index("momentum_buffer"))
@@ -419,6 +421,38 @@ def _host_radam(h, dp) -> KernelArgs:
 
 
 # --------------------------------------------------------------------------------------
+# DP-Lion (SPEC 10.4)
+# --------------------------------------------------------------------------------------
+@triton.jit
+def update_lion(
+    row,
+    offs,
+    inb,
+    p,
+    g,
+    m_prev,
+    lr,
+    decay,
+    beta1,
+    beta2,
+    one_m_b1,
+    one_m_b2,
+    ALIGNED: tl.constexpr,
+):
+    p = p * decay
+    c = m_prev * beta1 + one_m_b1 * g
+    sign = tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0))  # torch.sign: 0 for 0 and NaN
+    m = m_prev * beta2 + one_m_b2 * g
+    tl.store(C.typed_ptr(row, C.COL_S0 + EXP_AVG, tl.float32, ALIGNED) + offs, m, mask=inb)
+    return p - lr * sign
+
+
+def _host_lion(h, dp) -> KernelArgs:
+    s = (h.lr, 1 - h.lr * h.weight_decay, h.beta1, h.beta2, 1 - h.beta1, 1 - h.beta2)
+    return KernelArgs(LION.value, s, (), True, False)
+
+
+# --------------------------------------------------------------------------------------
 # The dispatch
 # --------------------------------------------------------------------------------------
 @triton.jit
@@ -523,6 +557,8 @@ def update(
             F3,
             ALIGNED,
         )
+    elif RULE == LION:
+        p = update_lion(row, offs, inb, p, g, m_prev, s0, s1, s2, s3, s4, s5, ALIGNED)
     else:
         tl.static_assert(False, "dpkern: unknown update rule code")
     return p
@@ -537,6 +573,7 @@ RULES = {
     "adamw_bc": _host_adamw_bc,
     "macadam": _host_macadam,
     "radam": _host_radam,
+    "lion": _host_lion,
 }
 
 
