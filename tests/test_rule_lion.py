@@ -233,7 +233,7 @@ def test_registry_entry():
     spec = rules.get("lion")
     assert spec.cli_name == "dp-lion" and spec.optimizer == "DPLion" and spec.section == "10.4"
     assert dpkern.DPLion is dpkern.optim.DPLion and spec.fsdp and spec.decoupled_decay
-    assert spec.lr_grid == (1e-4, 3e-4, 1e-3, 3e-3)
+    assert spec.lr_grid == (3e-4, 1e-3, 3e-3, 1e-2)
 
 
 # ---------------------------------------------------------------------------------------
