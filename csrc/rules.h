@@ -33,6 +33,8 @@ enum Rule : int {
   ADAGRAD = 7,
   ADADELTA = 10,
   ADEMAMIX = 11,
+  RADAM = 8,
+  LION = 9,
 };
 // DP-MacAdam's variance term u (variance_estimate).
 enum Variance : int { UNBIASED = 0, PAPER = 1, CODE = 2 };
@@ -55,6 +57,8 @@ inline constexpr Named RULE_NAMES[] = {
     {"adagrad", ADAGRAD},
     {"adadelta", ADADELTA},
     {"ademamix", ADEMAMIX},
+    {"radam", RADAM},
+    {"lion", LION},
 };
 inline constexpr Named VARIANCE_NAMES[] = {{"unbiased", UNBIASED}, {"paper", PAPER}, {"code", CODE}};
 
@@ -93,6 +97,8 @@ inline constexpr RuleStates RULE_STATES[] = {
     {ADAGRAD, {"sum"}},
     {ADADELTA, {"square_avg", "acc_delta", "acc_delta_noise_var"}},
     {ADEMAMIX, {"exp_avg", "exp_avg_sq", "exp_avg_slow"}},
+    {RADAM, {"exp_avg", "exp_avg_sq"}},
+    {LION, {"exp_avg"}},
 };
 
 // The float and bool fields of the dpkern.hyper dataclasses (name, default), read from the
@@ -122,7 +128,8 @@ inline constexpr RuleStates RULE_STATES[] = {
   X(initial_accumulator_value, 0.0) \
   X(rho, 0.9)               \
   X(beta3, 0.9999)          \
-  X(t_alpha_beta3, 0.0)
+  X(t_alpha_beta3, 0.0)     \
+  X(decoupled_weight_decay, false)
 
 // The hyper-parameters of one update rule (dpkern.hyper), as Python doubles.
 struct Hyper {
@@ -153,6 +160,9 @@ struct Consts {
   bool bc;                                                  // noise_bias_correction
   float rho, one_minus_rho;                                 // DP-Adadelta
   float beta3, one_minus_beta3, ade_a, ade_b, ade_e, ade_g;  // DP-AdEMAMix (SPEC 10.6)
+  // DP-RAdam (SPEC 10.3): host-side functions of (beta2, t)
+  bool radam_decoupled, radam_adaptive, radam_bc;
+  float radam_sqrt_bc2, radam_rect;
 };
 
 // (alpha_t, beta3_t) of DP-AdEMAMix at step t (dpkern.rules.ademamix_schedule, in double).
@@ -238,6 +248,19 @@ inline Consts make_consts(const Hyper& h, const DP& dp) {
     c.ade_b = float(h.lr * alpha_t * s);
     c.ade_e = float(h.eps * s);
     c.ade_g = float(h.noise_bias_correction ? h.gamma * bc2 : 0.0);
+  }
+  if (h.rule == RADAM) {  // reference.update_radam / rules.radam_rectification, in double
+    const double rho_inf = 2 / (1 - h.beta2) - 1;
+    const double bc2 = 1 - std::pow(h.beta2, t);
+    const double rho_t = rho_inf - 2 * t * std::pow(h.beta2, t) / bc2;
+    c.radam_decoupled = h.decoupled_weight_decay;
+    c.radam_adaptive = rho_t > 5.0;
+    c.radam_bc = h.noise_bias_correction;
+    c.radam_sqrt_bc2 = float(std::pow(bc2, 0.5));
+    c.radam_rect = c.radam_adaptive ? float(std::pow((rho_t - 4) * (rho_t - 2) * rho_inf /
+                                                         ((rho_inf - 4) * (rho_inf - 2) * rho_t),
+                                                     0.5))
+                                    : 1.0f;
   }
   return c;
 }
@@ -544,6 +567,74 @@ DPK_INLINE void update_ademamix(const Consts c, const float* __restrict S, float
 }
 
 // ---------------------------------------------------------------------------------------
+// DP-RAdam (SPEC 10.3): torch.optim.RAdam on g_hat. ADAPTIVE: rho_t > 5 (the rectified
+// step), else the warm-up step lr m_hat; BC: denominator sqrt(max(v_hat - phi_hat, gamma)),
+// else torch's (1 / (sqrt(v) + eps)) sqrt(1 - beta2^t).
+template <int PT, bool ADAPTIVE, bool BC>
+DPK_INLINE void radam_loop(const Consts c, const float* __restrict S, float* __restrict z,
+                           const Param& prm, int64_t begin, int64_t len) {
+  auto* __restrict p = static_cast<typename Storage<PT>::type*>(prm.data) + begin;
+  float* __restrict m = prm.state[EXP_AVG] + begin;
+  float* __restrict v = prm.state[EXP_AVG_SQ] + begin;
+  for (int64_t j = 0; j < len; ++j) {
+    float g = (S[j] + c.noise_std * z[j]) / c.batch;
+    float pj = load<PT>(p, j);
+    if (c.coupled_wd) {  // weight_decay != 0
+      if (c.radam_decoupled) {
+        pj = pj * c.decay;
+      } else {
+        g = g + c.weight_decay * pj;
+      }
+    }
+    const float mj = m[j] * c.beta1 + c.one_minus_beta1 * g;
+    const float vj = v[j] * c.beta2 + (c.one_minus_beta2 * g) * g;
+    m[j] = mj;
+    v[j] = vj;
+    const float m_hat = mj / c.bias_correction1;
+    float step;
+    if (!ADAPTIVE) {
+      step = m_hat * c.lr;
+    } else if (BC) {
+      const float d = vj / c.bias_correction2 - c.phi_hat;
+      step = ((m_hat * c.lr) * c.radam_rect) / __builtin_sqrtf(d < c.gamma ? c.gamma : d);
+    } else {
+      const float adaptive = (1.0f / (__builtin_sqrtf(vj) + c.eps)) * c.radam_sqrt_bc2;
+      step = ((m_hat * c.lr) * adaptive) * c.radam_rect;
+    }
+    store<PT>(p, j, pj - step);
+  }
+}
+
+template <int PT>
+DPK_INLINE void update_radam(const Consts c, const float* __restrict S, float* __restrict z,
+                             const Param& prm, int64_t begin, int64_t len, double&) {
+  if (!c.radam_adaptive) {
+    radam_loop<PT, false, false>(c, S, z, prm, begin, len);
+  } else if (c.radam_bc) {
+    radam_loop<PT, true, true>(c, S, z, prm, begin, len);
+  } else {
+    radam_loop<PT, true, false>(c, S, z, prm, begin, len);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// DP-Lion (SPEC 10.4): lion_pytorch.Lion on g_hat; sign(0) = sign(NaN) = 0 (torch.sign).
+template <int PT>
+DPK_INLINE void update_lion(const Consts c, const float* __restrict S, float* __restrict z,
+                            const Param& prm, int64_t begin, int64_t len, double&) {
+  auto* __restrict p = static_cast<typename Storage<PT>::type*>(prm.data) + begin;
+  float* __restrict m = prm.state[EXP_AVG] + begin;
+  for (int64_t j = 0; j < len; ++j) {
+    const float g = (S[j] + c.noise_std * z[j]) / c.batch;
+    const float pj = load<PT>(p, j) * c.decay;
+    const float cj = m[j] * c.beta1 + c.one_minus_beta1 * g;
+    const float sign = cj > 0.0f ? 1.0f : (cj < 0.0f ? -1.0f : 0.0f);
+    m[j] = m[j] * c.beta2 + c.one_minus_beta2 * g;
+    store<PT>(p, j, pj - c.lr * sign);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
 // The dispatch: every rule by name of its case; to_hyper (bindings.cpp) has refused any
 // other code before a kernel runs. Returns the block's partial sum (0 for most rules).
 DPK_INLINE double update(const Consts& c, const float* __restrict S, float* __restrict z,
@@ -573,6 +664,9 @@ DPK_INLINE double update(const Consts& c, const float* __restrict S, float* __re
       DPK_DISPATCH_DTYPE(p.dtype, update_adadelta, c, S, z, p, begin, len, sqrt_sum) break;
     case ADEMAMIX:
       DPK_DISPATCH_DTYPE(p.dtype, update_ademamix, c, S, z, p, begin, len, sqrt_sum) break;
+    case RADAM:
+      DPK_DISPATCH_DTYPE(p.dtype, update_radam, c, S, z, p, begin, len, sqrt_sum) break;
+    case LION: DPK_DISPATCH_DTYPE(p.dtype, update_lion, c, S, z, p, begin, len, sqrt_sum) break;
     default: break;  // unreachable: unknown codes are refused at the binding
   }
   return sqrt_sum;

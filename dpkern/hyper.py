@@ -372,6 +372,59 @@ class AdEMAMixHyper(_AdamBase):
         object.__setattr__(self, "t_alpha_beta3", T)  # None and 0 both mean no warm-up
 
 
+# --------------------------------------------------------------------------------------
+# DP-RAdam (SPEC 10.3)
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RAdamHyper(_AdamBase):
+    """DP-RAdam (SPEC 10.3): torch.optim.RAdam's rectified Adam (coupled L2, or decoupled
+    decay with ``decoupled_weight_decay``); with ``noise_bias_correction`` the adaptive
+    step's denominator is sqrt(max(v_hat - phi_hat, gamma)) (no eps)."""
+
+    rule: ClassVar[str] = "radam"
+    eps: float = 1e-8
+    decoupled_weight_decay: bool = False
+    noise_bias_correction: bool = False
+    gamma: float = 1e-8
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_positive("eps", self.eps)
+        check_positive("gamma", self.gamma)
+        for name in ("decoupled_weight_decay", "noise_bias_correction"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad(name, getattr(self, name), "expected a bool")
+
+
+# --------------------------------------------------------------------------------------
+# DP-Lion (SPEC 10.4)
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LionHyper(_Base):
+    """DP-Lion (SPEC 10.4): lion_pytorch.Lion, decoupled decay p <- p (1 - lr wd), the
+    update lr sign(beta1 m + (1 - beta1) g). No second moment, so no noise bias
+    correction: ``noise_bias_correction`` must be False."""
+
+    rule: ClassVar[str] = "lion"
+    beta1: float = 0.9
+    beta2: float = 0.99
+    weight_decay: float = 0.0
+    noise_bias_correction: bool = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_beta("betas[0]", self.beta1)
+        check_beta("betas[1]", self.beta2)
+        check_nonnegative("weight_decay", self.weight_decay)
+        if self.noise_bias_correction is not False:
+            raise _bad(
+                "noise_bias_correction",
+                self.noise_bias_correction,
+                "DP-Lion keeps no second moment, so there is no noise variance to correct "
+                "(only False is accepted)",
+            )
+
+
 Hyper = Union[  # noqa: UP007 (one member per line)
     SGDHyper,
     AdamHyper,
@@ -385,6 +438,8 @@ Hyper = Union[  # noqa: UP007 (one member per line)
     AdagradHyper,
     AdadeltaHyper,
     AdEMAMixHyper,
+    RAdamHyper,
+    LionHyper,
 ]
 
 

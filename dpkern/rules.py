@@ -50,6 +50,8 @@ from .hyper import (
     MacAdamHyper,
     RMSpropHyper,
     SGDHyper,
+    RAdamHyper,
+    LionHyper,
 )
 from .hyper import AdamWScheduleFreeHyper, SGDScheduleFreeHyper
 
@@ -74,6 +76,7 @@ __all__ = [
     "of",
     "register",
     "state_shape",
+    "radam_rectification",
 ]
 __all__ += ["schedule_free_scalars"]
 
@@ -693,5 +696,76 @@ register(
         source='Pagliardini, Ablin, Grangier 2024, "The AdEMAMix Optimizer: Better, Faster, '
         'Older", arXiv 2409.03137, Algorithm 1 and Section 3 (schedulers)',
         noise_var_ema=adam_noise_var_ema,
+    )
+)
+
+
+# --------------------------------------------------------------------------------------
+# DP-RAdam (SPEC 10.3)
+# --------------------------------------------------------------------------------------
+def radam_rectification(beta2: float, t: int) -> float | None:
+    """RAdam's rectification r_t at step t (SPEC 10.3), or None for a warm-up step
+    (rho_t <= 5: the un-adapted step lr m_hat). rho_inf = 2 / (1 - beta2) - 1,
+    rho_t = rho_inf - 2 t beta2^t / (1 - beta2^t), r_t = sqrt((rho_t - 4)(rho_t - 2) rho_inf
+    / ((rho_inf - 4)(rho_inf - 2) rho_t)), evaluated as torch.optim.RAdam does, in double.
+    A host-side scalar: the branch and r_t depend on (beta2, t) only."""
+    rho_inf = 2 / (1 - beta2) - 1
+    bias_correction2 = 1 - beta2**t
+    rho_t = rho_inf - 2 * t * (beta2**t) / bias_correction2
+    if not rho_t > 5.0:
+        return None
+    return ((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)) ** 0.5
+
+
+register(
+    RuleSpec(
+        "radam",
+        "dp-radam",
+        "DP-RAdam",
+        RAdamHyper,
+        "DPRAdam",
+        (
+            *_MOMENTS,
+            StateSpec(
+                "noise_var_avg",
+                SCALAR,
+                domain="nonnegative",
+                kernel=False,
+                needed=lambda h: h.noise_bias_correction,
+            ),
+        ),
+        noise_bias_correction=True,
+        second_moment=True,
+        lr_grid=(3e-3, 1e-2, 3e-2, 1e-1),  # digits, epsilon 7, seed 0: best 3e-2
+        section="10.3",
+        source=(
+            'Liu et al., "On the Variance of the Adaptive Learning Rate and Beyond", ICLR '
+            "2020, arXiv 1908.03265, Algorithm 2; torch.optim.RAdam; the correction of Tang "
+            "et al., arXiv 2312.14334"
+        ),
+        noise_var_ema=adam_noise_var_ema,
+    )
+)
+
+
+# --------------------------------------------------------------------------------------
+# DP-Lion (SPEC 10.4)
+# --------------------------------------------------------------------------------------
+register(
+    RuleSpec(
+        "lion",
+        "dp-lion",
+        "DP-Lion",
+        LionHyper,
+        "DPLion",
+        (StateSpec("exp_avg"),),
+        decoupled_decay=True,
+        # Lion's best lr is 3-10x below AdamW's; digits, epsilon 7, seed 0: best 3e-3
+        lr_grid=(3e-4, 1e-3, 3e-3, 1e-2),
+        section="10.4",
+        source=(
+            'Chen et al., "Symbolic Discovery of Optimization Algorithms", NeurIPS 2023, '
+            "arXiv 2302.06675, Algorithm 2; lion_pytorch.Lion"
+        ),
     )
 )

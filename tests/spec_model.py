@@ -67,6 +67,15 @@ SPEC_DEFAULTS = {
         noise_bias_correction=False,
         gamma=1e-8,
     ),
+    "radam": dict(
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.0,
+        decoupled_weight_decay=False,
+        noise_bias_correction=False,
+        gamma=1e-8,
+    ),
+    "lion": dict(betas=(0.9, 0.99), weight_decay=0.0),
 }
 # SPEC 10.8 (schedulefree's defaults).
 _SF_DEFAULTS = dict(weight_decay=0.0, warmup_steps=0, r=0.0, weight_lr_power=2.0)
@@ -507,3 +516,40 @@ class SpecOptimizer:
             root = r(nu_hat.sqrt())
         update = r(r(m1_hat + r(alpha_t * m2)) / r(root + eps))
         self.p[sl] = r(p - r(lr * r(update + r(wd * p))))
+
+    # -- section 10.3 ------------------------------------------------------------------
+    def _radam(self, gi, h, sl, g_hat):  # SPEC 10.3, torch.optim.RAdam semantics
+        r, t, beta2 = self._r, self.t, h["betas"][1]
+        lr, wd = h["lr"], h["weight_decay"]
+        p = self.p[sl]
+        if wd != 0 and h["decoupled_weight_decay"]:
+            p = r(p * (1.0 - lr * wd))  # decoupled, first
+            g = g_hat
+        else:
+            g = r(g_hat + r(wd * p))  # coupled L2
+        m_hat, v_hat = self._moments(h, sl, g)
+        if h["noise_bias_correction"]:  # phi advances at every step, warm-up included
+            Phi = (self.sigma * self.C / self.B_e) ** 2
+            self.phi[gi] = r(beta2 * self.phi[gi] + (1 - beta2) * Phi)
+        rho_inf = 2.0 / (1.0 - beta2) - 1.0
+        rho_t = rho_inf - 2.0 * t * beta2**t / (1.0 - beta2**t)
+        if rho_t <= 5.0:  # warm-up: v is not read
+            self.p[sl] = r(p - r(lr * m_hat))
+            return
+        rect = math.sqrt(
+            (rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)
+        )
+        if h["noise_bias_correction"]:
+            phi_hat = r(self.phi[gi] / (1 - beta2**t))
+            scale = r(1.0 / r(torch.sqrt(torch.clamp(r(v_hat - phi_hat), min=h["gamma"]))))
+        else:  # eps on sqrt(v) (not on sqrt(v_hat)), times sqrt(1 - beta2^t)
+            scale = r(math.sqrt(1 - beta2**t) / r(r(self.v[sl].sqrt()) + h["eps"]))
+        self.p[sl] = r(p - r(r(r(lr * m_hat) * scale) * rect))
+
+    # -- section 10.4 ------------------------------------------------------------------
+    def _lion(self, gi, h, sl, g_hat):  # SPEC 10.4, lion_pytorch.Lion semantics
+        r, (beta1, beta2), lr = self._r, h["betas"], h["lr"]
+        p = r(self.p[sl] * (1.0 - lr * h["weight_decay"]))  # decoupled, first
+        c = r(r(beta1 * self.m[sl]) + r((1 - beta1) * g_hat))
+        self.p[sl] = r(p - lr * torch.sign(c))  # sign(0) = 0
+        self.m[sl] = r(r(beta2 * self.m[sl]) + r((1 - beta2) * g_hat))

@@ -24,8 +24,10 @@ from dpkern.hyper import (
     AdamWHyper,
     AdEMAMixHyper,
     DPStep,
+    LionHyper,
     MacAdamHyper,
     RMSpropHyper,
+    RAdamHyper,
     SGDHyper,
 )
 from dpkern.hyper import AdamWScheduleFreeHyper, SGDScheduleFreeHyper
@@ -57,6 +59,15 @@ HYPERS = {
     "ademamix_bc_warmup": AdEMAMixHyper(
         lr=1e-2, weight_decay=0.1, noise_bias_correction=True, gamma=1e-2, t_alpha_beta3=5
     ),
+    "radam": RAdamHyper(lr=1e-2, weight_decay=0.01),
+    "radam_bc_decoupled": RAdamHyper(
+        lr=1e-2,
+        weight_decay=0.1,
+        decoupled_weight_decay=True,
+        noise_bias_correction=True,
+        gamma=1e-2,
+    ),
+    "lion": LionHyper(lr=1e-2, weight_decay=0.1),
 }
 # Schedule-free: weight_sum / lr_max chosen so that c_t is below and above 1/2 (the two
 # forms of torch.lerp), with warmup, polynomial weights and the noise bias correction.

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from dpkern import DPAdamW, DPAdamWBC, DPMacAdam, DPSGD
+from dpkern import DPAdamW, DPAdamWBC, DPLion, DPMacAdam, DPRAdam, DPSGD
 from dpkern.distributed import (
     DistributedDPOptimizer,
     DistributedPoissonSampler,
@@ -67,6 +67,18 @@ def _make_opt(name: str, params, seed, expected_batch_size=float(N) / 2, sigma=S
         return DPAdamWBC(params, lr=0.05, weight_decay=0.1, gamma=1e-3, **common)
     if name == "sgd":
         return DPSGD(params, lr=0.2, momentum=0.9, nesterov=True, **common)
+    if name == "radam":  # decoupled decay and phi (a per-parameter scalar on every shard)
+        return DPRAdam(
+            params,
+            lr=0.05,
+            weight_decay=0.1,
+            decoupled_weight_decay=True,
+            noise_bias_correction=True,
+            gamma=1e-3,
+            **common,
+        )
+    if name == "lion":
+        return DPLion(params, lr=0.01, weight_decay=0.1, **common)
     return DPMacAdam(
         params,
         lr=0.05,
@@ -347,6 +359,8 @@ FSDP_CASES = {
     "ghost_bc": ("adamw_bc", "ghost"),
     "macadam": ("macadam", "per_sample"),
     "sgd": ("sgd", "per_sample"),
+    "radam": ("radam", "per_sample"),
+    "lion": ("lion", "fsdp_grad"),
 }
 
 

@@ -24,6 +24,8 @@ CLASSES = [
     dpkern.DPAdagrad,
     dpkern.DPAdadelta,
     dpkern.DPAdEMAMix,
+    dpkern.DPRAdam,
+    dpkern.DPLion,
 ]
 
 

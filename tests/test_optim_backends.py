@@ -38,6 +38,12 @@ CLASSES = {
         dpkern.DPAdEMAMix,
         dict(weight_decay=0.1, noise_bias_correction=True, gamma=1e-2, t_alpha_beta3=3),
     ),
+    "radam": (dpkern.DPRAdam, dict(weight_decay=0.01)),
+    "radam_bc_decoupled": (
+        dpkern.DPRAdam,
+        dict(weight_decay=0.1, decoupled_weight_decay=True, noise_bias_correction=True, gamma=1e-2),
+    ),
+    "lion": (dpkern.DPLion, dict(weight_decay=0.1)),
 }
 CLASSES.update(
     {

@@ -100,6 +100,15 @@ CONFIGS = {
         dict(noise_bias_correction=True, gamma=1e-4, weight_decay=0.05, t_alpha_beta3=2),
         {},
     ),
+    "radam": ("radam", {}, {}),
+    "radam_wd_betas_eps": ("radam", dict(betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1), {}),
+    "radam_decoupled_bc": (
+        "radam",
+        dict(weight_decay=0.1, decoupled_weight_decay=True, noise_bias_correction=True, gamma=1e-6),
+        {},
+    ),
+    "lion": ("lion", {}, {}),
+    "lion_wd_betas": ("lion", dict(betas=(0.95, 0.98), weight_decay=0.3), {}),
 }
 LRS = (0.05, 0.02, 0.1)  # one per parameter group
 SGD_LRS = (0.2, 0.1, 0.3)
@@ -203,6 +212,8 @@ STATE_CHECKS = {
     "adagrad": ("sum",),
     "adadelta": ("square_avg", "acc_delta", "acc_delta_noise_var"),
     "ademamix": ("exp_avg", "exp_avg_slow", "exp_avg_sq"),
+    "radam": ("exp_avg", "exp_avg_sq"),
+    "lion": ("exp_avg",),
 }
 
 
@@ -647,3 +658,34 @@ def test_schedule_free_bc_noise_schedule_uses_the_ema():
         for gi, group in enumerate(opt.param_groups):
             p = next(p for p in group["params"] if p.requires_grad)
             assert float(opt.state[p]["noise_var_avg"]) == pytest.approx(model.phi[gi], rel=1e-6)
+
+
+# --------------------------------------------------------------------------------------
+# DP-RAdam (SPEC 10.3): past the warm-up (rho_t > 5 from t = 6), with a noise schedule
+# --------------------------------------------------------------------------------------
+RADAM_SCHEDULE = [(1.3, 0.7, 4.0), (2.0, 0.5, 3.0), (0.7, 1.0, 5.0), (1.3, 0.7, 4.0)]
+
+
+@pytest.mark.parametrize("config", ["radam", "radam_wd_betas_eps", "radam_decoupled_bc"])
+def test_radam_matches_spec_through_the_rectified_steps(config):
+    """10 steps (warm-up t <= 5, rectified after), sigma, C and B_e changing between steps
+    (phi follows Phi_t); 3 groups, frozen and unused parameters, B = 0 and 1 included."""
+    seed = fresh_seed()
+    opt, model, trainable, nogs, gen = build(config, torch.float32, 1.3, seed)
+    for t in range(1, 11):
+        sigma, Cn, B_e = RADAM_SCHEDULE[t % len(RADAM_SCHEDULE)]
+        opt.noise_multiplier, opt.max_grad_norm, opt.expected_batch_size = sigma, Cn, B_e
+        model.set_privacy(noise_multiplier=sigma, max_grad_norm=Cn, expected_batch_size=B_e)
+        grads = make_grads(trainable, nogs, BATCHES[t % len(BATCHES)], gen, torch.float32)
+        set_grad_samples(trainable, grads)
+        opt.step()
+        model.step(grads)
+        compare(opt, model, trainable, torch.float32, f"{config} seed={seed} t={t}")
+        for gi, group in enumerate(opt.param_groups):
+            p = next(p for p in group["params"] if p.requires_grad)
+            if group["noise_bias_correction"]:
+                assert float(opt.state[p]["noise_var_avg"]) == pytest.approx(
+                    model.phi[gi], rel=1e-6
+                )
+            else:
+                assert "noise_var_avg" not in opt.state[p]

@@ -23,6 +23,8 @@ CLASSES = [
     dpkern.DPAdagrad,
     dpkern.DPAdadelta,
     dpkern.DPAdEMAMix,
+    dpkern.DPRAdam,
+    dpkern.DPLion,
 ]
 
 

@@ -519,6 +519,46 @@ def update_ademamix(h: Hyper, dp: DPStep, p: Tensor, g: Tensor, state) -> float:
     return 0.0
 
 
+# DP-RAdam (SPEC 10.3) ------------------------------------------------------------------
+def update_radam(h: Hyper, dp: DPStep, p: Tensor, g: Tensor, state) -> float:
+    """DP-RAdam (SPEC 10.3): torch.optim.RAdam on g_hat. Weight decay coupled (g + wd p)
+    or decoupled (p <- p (1 - lr wd) first); m, v as Adam; then, by rho_t (a host-side
+    function of beta2 and t, :func:`dpkern.rules.radam_rectification`):
+    warm-up (rho_t <= 5): p <- p - m_hat lr (v is kept but not read);
+    rectified: p <- p - ((m_hat lr) (sqrt(1 - beta2^t) / (sqrt(v) + eps))) r_t, or with
+    noise_bias_correction p <- p - ((m_hat lr) r_t) / sqrt(max(v_hat - phi_hat, gamma))."""
+    if h.weight_decay != 0:
+        if h.decoupled_weight_decay:
+            p.mul_(1 - h.lr * h.weight_decay)
+        else:
+            g = g + h.weight_decay * p
+    t = dp.step
+    v = state["exp_avg_sq"]
+    m_hat, v_hat = _adam_moments(h, t, g, state["exp_avg"], v)
+    rect = rules.radam_rectification(h.beta2, t)
+    if rect is None:  # warm-up: the un-adapted step
+        p.sub_(m_hat * h.lr)
+    elif h.noise_bias_correction:
+        p.sub_((m_hat * h.lr) * rect / _bc_denominator(h, dp, v_hat))
+    else:  # torch.optim.RAdam: eps on sqrt(v), then the reciprocal times sqrt(1 - beta2^t)
+        adaptive = (v.sqrt() + h.eps).reciprocal() * (1 - h.beta2**t) ** 0.5
+        p.sub_((m_hat * h.lr) * adaptive * rect)
+    return 0.0
+
+
+# DP-Lion (SPEC 10.4) -------------------------------------------------------------------
+def update_lion(h: Hyper, dp: DPStep, p: Tensor, g: Tensor, state) -> float:
+    """DP-Lion (SPEC 10.4): lion_pytorch.Lion on g_hat. p <- p (1 - lr wd) (decoupled),
+    p <- p - lr sign(beta1 m + (1 - beta1) g), m <- beta2 m + (1 - beta2) g; sign(0) = 0
+    (torch.sign: also 0 for NaN)."""
+    m = state["exp_avg"]
+    p.mul_(1 - h.lr * h.weight_decay)
+    c = m * h.beta1 + (1 - h.beta1) * g
+    p.sub_(h.lr * torch.sign(c))
+    m.mul_(h.beta2).add_((1 - h.beta2) * g)
+    return 0.0
+
+
 def _updates() -> dict:
     """name -> update_<name> for every registered rule (the reference implements all)."""
     out = {}

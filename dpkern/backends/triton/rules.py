@@ -41,6 +41,8 @@ RMSPROP = tl.constexpr(6)
 ADAGRAD = tl.constexpr(7)
 ADADELTA = tl.constexpr(10)
 ADEMAMIX = tl.constexpr(11)
+RADAM = tl.constexpr(8)
+LION = tl.constexpr(9)
 # DP-MacAdam's variance term u (constexpr), by name.
 UNBIASED, PAPER, CODE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 VARIANCE_CODES = {"unbiased": UNBIASED.value, "paper": PAPER.value, "code": CODE.value}
@@ -59,6 +61,8 @@ STATES = {
     "adagrad": ("sum",),
     "adadelta": ("square_avg", "acc_delta", "acc_delta_noise_var"),
     "ademamix": ("exp_avg", "exp_avg_sq", "exp_avg_slow"),
+    "radam": ("exp_avg", "exp_avg_sq"),
+    "lion": ("exp_avg",),
 }
 # The slots the update functions use, by state name.
 MOMENTUM_BUFFER = tl.constexpr(STATES["sgd"].index("momentum_buffer"))
@@ -666,6 +670,116 @@ def _host_ademamix(h, dp) -> KernelArgs:
 
 
 # --------------------------------------------------------------------------------------
+# DP-RAdam (SPEC 10.3): the branch (warm-up or rectified), r_t and sqrt(1 - beta2^t) are
+# host-side functions of (beta2, t).
+# --------------------------------------------------------------------------------------
+@triton.jit
+def update_radam(
+    row,
+    offs,
+    inb,
+    p,
+    g,
+    m_prev,
+    lr,
+    wd_or_decay,
+    beta1,
+    beta2,
+    one_m_b1,
+    one_m_b2,
+    bc1,
+    bc2,
+    sqrt_bc2,
+    eps_or_gamma,
+    rect,
+    phi_hat,
+    COUPLED_WD: tl.constexpr,
+    DECOUPLED_WD: tl.constexpr,
+    ADAPTIVE: tl.constexpr,
+    BC: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    if COUPLED_WD:
+        g = g + wd_or_decay * p
+    if DECOUPLED_WD:
+        p = p * wd_or_decay
+    v_ptr = C.typed_ptr(row, C.COL_S0 + EXP_AVG_SQ, tl.float32, ALIGNED)
+    v = tl.load(v_ptr + offs, mask=inb, other=0.0)
+    m = m_prev * beta1 + one_m_b1 * g
+    v = v * beta2 + one_m_b2 * g * g
+    tl.store(C.typed_ptr(row, C.COL_S0 + EXP_AVG, tl.float32, ALIGNED) + offs, m, mask=inb)
+    tl.store(v_ptr + offs, v, mask=inb)
+    m_hat = m / bc1
+    if ADAPTIVE:
+        if BC:
+            denom = tl.math.sqrt_rn(tl.maximum(v / bc2 - phi_hat, eps_or_gamma))
+            p = p - (m_hat * lr) * rect / denom
+        else:
+            adaptive = (1.0 / (tl.math.sqrt_rn(v) + eps_or_gamma)) * sqrt_bc2
+            p = p - (m_hat * lr) * adaptive * rect
+    else:
+        p = p - m_hat * lr
+    return p
+
+
+def _host_radam(h, dp) -> KernelArgs:
+    t = dp.step
+    rect = rules.radam_rectification(h.beta2, t)
+    decoupled = h.decoupled_weight_decay
+    wd = 1 - h.lr * h.weight_decay if decoupled else h.weight_decay
+    floor = h.gamma if h.noise_bias_correction else h.eps
+    s = (
+        h.lr,
+        wd,
+        *_moment_scalars(h, t),
+        (1 - h.beta2**t) ** 0.5,
+        floor,
+        1.0 if rect is None else rect,
+        _phi_hat(h, dp),
+    )
+    has_wd = h.weight_decay != 0
+    flags = (
+        has_wd and not decoupled,
+        has_wd and decoupled,
+        rect is not None,
+        h.noise_bias_correction,
+    )
+    return KernelArgs(RADAM.value, s, flags, True, False)
+
+
+# --------------------------------------------------------------------------------------
+# DP-Lion (SPEC 10.4)
+# --------------------------------------------------------------------------------------
+@triton.jit
+def update_lion(
+    row,
+    offs,
+    inb,
+    p,
+    g,
+    m_prev,
+    lr,
+    decay,
+    beta1,
+    beta2,
+    one_m_b1,
+    one_m_b2,
+    ALIGNED: tl.constexpr,
+):
+    p = p * decay
+    c = m_prev * beta1 + one_m_b1 * g
+    sign = tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0))  # torch.sign: 0 for 0 and NaN
+    m = m_prev * beta2 + one_m_b2 * g
+    tl.store(C.typed_ptr(row, C.COL_S0 + EXP_AVG, tl.float32, ALIGNED) + offs, m, mask=inb)
+    return p - lr * sign
+
+
+def _host_lion(h, dp) -> KernelArgs:
+    s = (h.lr, 1 - h.lr * h.weight_decay, h.beta1, h.beta2, 1 - h.beta1, 1 - h.beta2)
+    return KernelArgs(LION.value, s, (), True, False)
+
+
+# --------------------------------------------------------------------------------------
 # The dispatch
 # --------------------------------------------------------------------------------------
 @triton.jit
@@ -805,6 +919,34 @@ def update(
             F0,
             ALIGNED,
         )
+    elif RULE == RADAM:
+        p = update_radam(
+            row,
+            offs,
+            inb,
+            p,
+            g,
+            m_prev,
+            s0,
+            s1,
+            s2,
+            s3,
+            s4,
+            s5,
+            s6,
+            s7,
+            s8,
+            s9,
+            s10,
+            s11,
+            F0,
+            F1,
+            F2,
+            F3,
+            ALIGNED,
+        )
+    elif RULE == LION:
+        p = update_lion(row, offs, inb, p, g, m_prev, s0, s1, s2, s3, s4, s5, ALIGNED)
     else:
         tl.static_assert(False, "dpkern: unknown update rule code")
     return p
@@ -824,6 +966,8 @@ RULES = {
     "adagrad": _host_adagrad,
     "adadelta": _host_adadelta,
     "ademamix": _host_ademamix,
+    "radam": _host_radam,
+    "lion": _host_lion,
 }
 
 
