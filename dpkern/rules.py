@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from .hyper import (
+    AdafactorHyper,
     AdamBCHyper,
     AdamHyper,
     AdamWBCHyper,
@@ -56,6 +57,7 @@ __all__ = [
     "RULES",
     "RuleSpec",
     "StateSpec",
+    "adafactor_noise_var_ema",
     "adam_noise_var_ema",
     "by_cli_name",
     "get",
@@ -427,5 +429,53 @@ register(
         lr_grid=(3e-4, 1e-3, 3e-3, 1e-2),
         section="7",
         source="arXiv 2606.05435, Algorithm 1; AdaClip, arXiv 1908.07643",
+    )
+)
+
+
+# --------------------------------------------------------------------------------------
+# DP-Adafactor (SPEC 10.7)
+# --------------------------------------------------------------------------------------
+def adafactor_weight(hyper: Hyper, t: int) -> float:
+    """w_t = t^beta2_decay, the weight of the newest term in Adafactor's EMAs (torch's
+    ``one_minus_beta2_t``; 1 at t = 1). A Python float (double)."""
+    return float(t) ** hyper.beta2_decay
+
+
+def adafactor_noise_var_ema(hyper: Hyper, prev: float, noise_var: float, t: int) -> float:
+    """phi_t = (1 - w_t) phi_{t-1} + w_t Phi_t, w_t = t^beta2_decay (SPEC 10.7): phi follows
+    Adafactor's own beta2_t schedule, as its row and column factors do."""
+    w = adafactor_weight(hyper, t)
+    return (1 - w) * prev + w * noise_var
+
+
+register(
+    RuleSpec(
+        "adafactor",
+        "dp-adafactor",
+        "DP-Adafactor",
+        AdafactorHyper,
+        "DPAdafactor",
+        (
+            # >= 2-D: the factored row / column EMAs of g_hat^2; < 2-D: "row" is p.shape and
+            # row_var holds torch's unfactored "variance" (col_var is an unused 0-dim zero)
+            StateSpec("row_var", ROW, domain="nonnegative"),
+            StateSpec("col_var", COL, domain="nonnegative"),
+            StateSpec(
+                "noise_var_avg",
+                SCALAR,
+                domain="nonnegative",
+                kernel=False,
+                needed=lambda h: h.noise_bias_correction,
+            ),
+        ),
+        decoupled_decay=True,
+        noise_bias_correction=True,
+        second_moment=True,
+        lr_grid=(3e-3, 1e-2, 3e-2, 1e-1),
+        section="10.7",
+        source="Shazeer & Stern, ICML 2018, arXiv 1804.04235, Algorithms 4-5; "
+        "torch.optim.Adafactor",
+        noise_var_ema=adafactor_noise_var_ema,
     )
 )

@@ -39,6 +39,15 @@ SPEC_DEFAULTS = {
     "adam_bc": dict(betas=(0.9, 0.999), gamma=1e-8, weight_decay=0.0),
     "adamw_bc": dict(betas=(0.9, 0.999), gamma=1e-8, weight_decay=1e-2),
     "macadam": dict(betas=(0.9, 0.999), gamma=1e-8, h1=1e-9, h2=1e-6, variance_estimate="unbiased"),
+    # SPEC 10.7 (torch.optim.Adafactor's defaults)
+    "adafactor": dict(
+        beta2_decay=-0.8,
+        eps=(None, 1e-3),
+        d=1.0,
+        weight_decay=0.0,
+        noise_bias_correction=False,
+        gamma=1e-8,
+    ),
 }
 RULES = tuple(SPEC_DEFAULTS)
 
@@ -111,6 +120,17 @@ class SpecOptimizer:
         self.b = torch.full((self.d,), b_init if b_init is not None else 1.0 / self.d, dtype=F64)
         self.phi = [0.0 for _ in self.groups]  # DP-AdamBC's noise-variance EMA per group
         self.acc = z()
+        # DP-Adafactor's factors per trainable parameter (SPEC 10.7): "row" p.shape[:-1]
+        # (p.shape below 2-D, where it holds the unfactored variance), "col"
+        # p.shape[:-2] + p.shape[-1:] (a scalar below 2-D)
+        self.row_var = {
+            k: torch.zeros(shape[:-1] if len(shape) >= 2 else shape, dtype=F64)
+            for k, (_, _, shape, _) in enumerate(self.entries)
+        }
+        self.col_var = {
+            k: torch.zeros(shape[:-2] + shape[-1:] if len(shape) >= 2 else (), dtype=F64)
+            for k, (_, _, shape, _) in enumerate(self.entries)
+        }
         self._gen = None if perturb is None else torch.Generator().manual_seed(perturb)
         self.shadows = (
             []
@@ -153,6 +173,8 @@ class SpecOptimizer:
             "exp_avg_sq": self.v[sl].reshape(shape),
             "exp_var": self.S[sl].reshape(shape),
             "scale": self.b[sl].reshape(shape),
+            "row_var": self.row_var[k],
+            "col_var": self.col_var[k],
         }
 
     def slacks(self) -> list[torch.Tensor]:
@@ -237,7 +259,9 @@ class SpecOptimizer:
         z = gaussian_noise(self.d, key=self.key, step=t, backend="torch").to(F64)
         noise_std = self.sigma * (1.0 if self.rule == "macadam" else self.C)
         g_hat = r(r(S + r(noise_std * z)) / self.B_e)  # SPEC 4 (whitened w~ for MacAdam)
-        update = {"sgd": self._sgd, "macadam": self._macadam}.get(self.rule, self._adam)
+        update = {"sgd": self._sgd, "macadam": self._macadam, "adafactor": self._adafactor}.get(
+            self.rule, self._adam
+        )
         for gi, (hyper, sl) in enumerate(self.groups):
             if sl.stop > sl.start:
                 update(gi, hyper, sl, g_hat[sl])
@@ -310,3 +334,37 @@ class SpecOptimizer:
             S_hat[sl] = torch.clamp(raw, min=hyper["h1"], max=hyper["h2"])
         total = r(float(r(S_hat.sqrt()).sum()))
         self.b = r(r(S_hat.sqrt().sqrt()) * math.sqrt(total))
+
+    def _adafactor(self, gi, h, sl, g_hat):  # SPEC 10.7, each parameter of the group
+        r, t = self._r, self.t
+        w = t ** h["beta2_decay"]  # the EMA weight of the newest term (1 - beta2_t)
+        rho = min(h["lr"], 1.0 / math.sqrt(t))
+        eps1 = 2.0**-23 if h["eps"][0] is None else h["eps"][0]
+        eps2, gamma, correct = h["eps"][1], h["gamma"], h["noise_bias_correction"]
+        if correct:  # phi_t = (1 - w_t) phi_{t-1} + w_t Phi_t
+            Phi = (self.sigma * self.C / self.B_e) ** 2
+            self.phi[gi] = r((1 - w) * self.phi[gi] + w * Phi)
+        phi = self.phi[gi]
+        floor = lambda x: torch.clamp(r(x - phi), min=gamma) if correct else x
+        for k, (gk, esl, shape, _) in enumerate(self.entries):
+            n = esl.stop - esl.start
+            if gk != gi or n == 0:
+                continue
+            p = self.p[esl].reshape(shape)
+            g = g_hat[esl.start - sl.start : esl.stop - sl.start].reshape(shape)
+            alpha = max(eps2, r(math.sqrt(float((p * p).sum())) / math.sqrt(n))) * rho
+            p = r(p * (1.0 - h["lr"] * h["weight_decay"]))  # decoupled, with lr
+            g2 = r(g * g)
+            if len(shape) >= 2:
+                self.row_var[k] = r(self.row_var[k] + w * r(r(g2.mean(-1)) - self.row_var[k]))
+                self.col_var[k] = r(self.col_var[k] + w * r(r(g2.mean(-2)) - self.col_var[k]))
+                rt, ct = floor(self.row_var[k]), floor(self.col_var[k])
+                mean = torch.clamp(r(rt.mean(-1)), min=eps1)
+                V = r(r(rt[..., :, None] * ct[..., None, :]) / mean[..., None, None])
+            else:
+                self.row_var[k] = r(self.row_var[k] + w * r(g2 - self.row_var[k]))
+                V = floor(self.row_var[k])
+            U = r(g / r(torch.sqrt(torch.clamp(V, min=eps1 * eps1))))
+            rms_u = r(math.sqrt(float((U * U).mean())))
+            step = alpha / max(1.0, rms_u / h["d"])
+            self.p[esl] = r(p - r(step * U)).reshape(-1)

@@ -16,6 +16,7 @@ from dpkern import rules
 from dpkern.backends import reference as ref
 from dpkern.backends import resolve
 from dpkern.hyper import (
+    AdafactorHyper,
     AdamBCHyper,
     AdamHyper,
     AdamWBCHyper,
@@ -41,6 +42,8 @@ HYPERS = {
     "macadam": MacAdamHyper(lr=1e-2, h1=1e-2, h2=10.0),
     "macadam_paper": MacAdamHyper(lr=1e-2, h1=1e-2, h2=10.0, variance_estimate="paper"),
     "macadam_code": MacAdamHyper(lr=1e-2, h1=1e-2, h2=10.0, variance_estimate="code"),
+    "adafactor": AdafactorHyper(lr=1e-2, weight_decay=0.1, d=1.2),
+    "adafactor_bc": AdafactorHyper(lr=0.3, noise_bias_correction=True, gamma=1e-2, eps2=0.1),
 }
 for _name, _spec in rules.RULES.items():  # every registered rule is a parity case
     HYPERS.setdefault(_name, _spec.hyper_class(lr=1e-2))

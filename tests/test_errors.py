@@ -18,6 +18,7 @@ CLASSES = [
     dpkern.DPAdamW,
     dpkern.DPAdamWBC,
     dpkern.DPMacAdam,
+    dpkern.DPAdafactor,
 ]
 
 

@@ -23,6 +23,8 @@ CLASSES = {
     "adamw": (dpkern.DPAdamW, dict(weight_decay=0.1)),
     "adamw_bc": (dpkern.DPAdamWBC, dict(weight_decay=0.1, gamma=1e-2)),
     "macadam": (dpkern.DPMacAdam, dict(h1=1e-2, h2=10.0)),
+    "adafactor": (dpkern.DPAdafactor, dict(weight_decay=0.1)),
+    "adafactor_bc": (dpkern.DPAdafactor, dict(noise_bias_correction=True, gamma=1e-2)),
 }
 for _name, _spec in rules.RULES.items():  # every registered rule's class is a case
     CLASSES.setdefault(_name, (_spec.optimizer_class(), {}))

@@ -49,6 +49,14 @@ CONFIGS = {
         {},
     ),
     "macadam_b_init": ("macadam", dict(h1=1e-10, h2=1e2), dict(b_init=0.05)),
+    # SPEC 10.7
+    "adafactor": ("adafactor", {}, {}),
+    "adafactor_wd_d_eps": (
+        "adafactor",
+        dict(weight_decay=0.1, d=1.5, eps=(1e-4, 1e-2), beta2_decay=-0.6),
+        {},
+    ),
+    "adafactor_bc": ("adafactor", dict(noise_bias_correction=True, gamma=1e-3), {}),
 }
 LRS = (0.05, 0.02, 0.1)  # one per parameter group
 SGD_LRS = (0.2, 0.1, 0.3)
@@ -142,6 +150,7 @@ STATE_CHECKS = {
     "adamw": ("exp_avg", "exp_avg_sq"),
     "adamw_bc": ("exp_avg", "exp_avg_sq"),
     "macadam": ("exp_avg", "exp_avg_sq", "exp_var", "scale"),
+    "adafactor": ("row_var", "col_var"),
 }
 
 
@@ -174,7 +183,7 @@ def compare(opt, model, trainable, dtype, msg, states=True):
             names = ()
         for name in names:
             assert st[name].dtype == torch.float32, (msg, name)
-            assert st[name].shape == p.shape, (msg, name)
+            assert st[name].shape == ref[name].shape, (msg, name)
             # states may carry the bf16 rounding of the parameters they were built from
             assert_close_with_slack(
                 st[name],
@@ -222,6 +231,7 @@ def test_optimizer_matches_spec(config, sigma, dtype):
         "adamw_bc",
         "macadam_unbiased",
         "macadam_code",
+        "adafactor_bc",
     ],
 )
 def test_gradient_accumulation_equals_concatenated_batch(config):

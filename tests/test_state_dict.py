@@ -17,6 +17,7 @@ CLASSES = [
     dpkern.DPAdamW,
     dpkern.DPAdamWBC,
     dpkern.DPMacAdam,
+    dpkern.DPAdafactor,
 ]
 
 
