@@ -170,6 +170,7 @@ def test_corrected_factors_are_floored_at_gamma(backend, shape, gamma):
     S = torch.randn(shape, generator=gen)
     row = torch.rand(rules.state_shape("row", shape), generator=gen)
     col = torch.rand(rules.state_shape("col", shape), generator=gen)
+    row.view(-1)[0] = 0.0  # lerp(0, mean g^2, w_3) < phi: floored
     dp = DPStep(key=1, step=3, noise_std=0.0, expected_batch_size=2.0, noise_var_avg=0.4)
     want_p, want_row, want_col = _hand_step(h, dp, p, S / 2.0, row, col)
     params, states = (
