@@ -361,3 +361,89 @@ def test_registry_entry_and_cli():
     assert "dp-adafactor" in options.OPTIMIZERS and "dp-adafactor" in compare.OPTIMIZERS
     assert "dp-adafactor" in compare.DECOUPLED and len(spec.lr_grid) == 4
     assert spec.kernel_state_names == ("row_var", "col_var")
+
+
+# ---------------------------------------------------------------------------------------
+# Data parallelism, for real (gloo, 2 processes): DDP equals one process; FSDP2 refused
+# ---------------------------------------------------------------------------------------
+DIST_BATCH, DIST_SEED = [0, 2, 3, 5, 8, 9, 12], 77
+
+
+def _dist_opt(params):
+    return dpkern.DPAdafactor(
+        params, lr=0.05, weight_decay=0.1, noise_bias_correction=True, gamma=1e-3,
+        max_grad_norm=0.7, noise_multiplier=0.8, expected_batch_size=6.5, seed=DIST_SEED,
+        backend="torch",
+    )  # fmt: skip
+
+
+def _dist_worker(rank, world, tmpdir):
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dpkern.distributed import DistributedDPOptimizer, shard_grad_samples
+    from dpkern.grad_sample import compute_grad_sample
+    from test_distributed import _ddp, _loss, _net
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method="file://" + os.path.join(tmpdir, "rdv"), rank=rank,
+        world_size=world, timeout=timedelta(seconds=120),
+    )  # fmt: skip
+    try:
+        data = torch.load(os.path.join(tmpdir, "data.pt"))
+        local = DIST_BATCH[rank::world]
+        net = _ddp(_net()).module
+        opt = DistributedDPOptimizer(_dist_opt(net.parameters()))
+        for _ in range(2):
+            compute_grad_sample(net, _loss, data["x"][local], data["y"][local])
+            opt.step()
+            opt.zero_grad()
+        out = {"ddp": [p.detach().clone() for p in net.parameters()]}
+        model, replica = _net(), _net()
+        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+        fsdp_opt = _dist_opt(list(model.parameters()))
+        compute_grad_sample(replica, _loss, data["x"][local], data["y"][local])
+        shard_grad_samples(list(model.parameters()), [p.grad_sample for p in replica.parameters()])
+        try:
+            fsdp_opt.step()
+            out["fsdp"] = None
+        except Exception as exc:  # the test checks its type and message
+            out["fsdp"] = (type(exc).__name__, str(exc), len(fsdp_opt.state))
+        torch.save(out, os.path.join(tmpdir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_equals_one_process_and_fsdp2_is_refused(tmp_path):
+    import os
+
+    import torch.multiprocessing as mp
+
+    from dpkern.grad_sample import compute_grad_sample
+    from test_distributed import D_IN, D_OUT, N, _loss, _net
+
+    gen = torch.Generator().manual_seed(case_seed(21))
+    data = {
+        "x": torch.randn(N, D_IN, generator=gen),
+        "y": torch.randint(0, D_OUT, (N,), generator=gen),
+    }
+    torch.save(data, os.path.join(tmp_path, "data.pt"))
+    mp.spawn(_dist_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
+    results = [torch.load(os.path.join(tmp_path, f"rank{r}.pt")) for r in range(2)]
+    net = _net()
+    opt = _dist_opt(net.parameters())
+    for _ in range(2):
+        compute_grad_sample(net, _loss, data["x"][DIST_BATCH], data["y"][DIST_BATCH])
+        opt.step()
+        opt.zero_grad()
+    for r in results:
+        for a, b in zip(r["ddp"], net.parameters()):
+            torch.testing.assert_close(a, b.detach(), atol=1e-6, rtol=0)
+        name, msg, n_states = r["fsdp"]
+        assert name == "ValueError" and n_states == 0
+        assert "DP-Adafactor keeps states that are not shaped like the parameter" in msg

@@ -731,8 +731,8 @@ class DPTrainer(Trainer):
         options = rules.by_cli_name(name).optimizer_options()
         if "betas" in options:
             kw["betas"] = (args.adam_beta1, args.adam_beta2)
-        if "eps" in options:
-            kw["eps"] = args.adam_epsilon
+        if "eps" in options and "eps" in rules.by_cli_name(name).hyper_fields:  # Adam's eps
+            kw["eps"] = args.adam_epsilon  # (not DP-Adafactor's (eps1, eps2) pair)
         self.optimizer = OPTIMIZERS[name](
             groups,
             **kw,
