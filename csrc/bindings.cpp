@@ -94,14 +94,14 @@ std::vector<Flat> to_flats(const std::vector<FlatTuple>& ts) {
 }
 
 // (data, dtype, numel, offset, grad_sample, grad_sample dtype, summed, [states], inner,
-// matrix)
+// matrix, ndim)
 using ParamTuple = std::tuple<uintptr_t, int, int64_t, uint64_t, uintptr_t, int, uintptr_t,
-                              std::vector<uintptr_t>, int64_t, int64_t>;
+                              std::vector<uintptr_t>, int64_t, int64_t, int64_t>;
 
 std::vector<Param> to_params(const std::vector<ParamTuple>& ts) {
   std::vector<Param> out;
-  for (const auto& [data, dtype, numel, offset, gs, gs_dtype, summed, states, inner, matrix] :
-       ts) {
+  for (const auto& [data, dtype, numel, offset, gs, gs_dtype, summed, states, inner, matrix,
+                    ndim] : ts) {
     if (states.size() > size_t(dpk::MAX_STATES))
       throw py::value_error("dpkern._C: more states than MAX_STATES");
     Param p;
@@ -114,6 +114,7 @@ std::vector<Param> to_params(const std::vector<ParamTuple>& ts) {
     for (size_t s = 0; s < states.size(); ++s) p.state[s] = ptr<float>(states[s]);
     p.inner = inner;
     p.matrix = matrix;
+    p.ndim = ndim;
     out.push_back(p);
   }
   return out;

@@ -159,6 +159,7 @@ struct Param {
   // (j / matrix) * inner + j % inner of a "col" state (dpkern.rules.factor_sizes).
   float* state[MAX_STATES] = {};
   int64_t inner = 1, matrix = 0;
+  int64_t ndim = 1;  // the parameter's dimensions (a factored rule factors ndim >= 2 only)
 };
 
 // Sum of x[0..n) in double, in a fixed order (8 interleaved partial sums).

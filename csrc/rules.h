@@ -13,7 +13,9 @@
 // scalar rounded to float32 where the reference multiplies a tensor by it.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "common.h"
 
@@ -35,6 +37,7 @@ enum Rule : int {
   ADEMAMIX = 11,
   RADAM = 8,
   LION = 9,
+  ADAFACTOR = 12,
 };
 // DP-MacAdam's variance term u (variance_estimate).
 enum Variance : int { UNBIASED = 0, PAPER = 1, CODE = 2 };
@@ -59,6 +62,7 @@ inline constexpr Named RULE_NAMES[] = {
     {"ademamix", ADEMAMIX},
     {"radam", RADAM},
     {"lion", LION},
+    {"adafactor", ADAFACTOR},
 };
 inline constexpr Named VARIANCE_NAMES[] = {{"unbiased", UNBIASED}, {"paper", PAPER}, {"code", CODE}};
 
@@ -79,6 +83,9 @@ enum Slot : int {
   ACC_DELTA = 1,
   ACC_DELTA_NOISE_VAR = 2,
   EXP_AVG_SLOW = 2,         // DP-AdEMAMix (exp_avg, exp_avg_sq as the Adam family's)
+  ROW_VAR = 0,  // DP-Adafactor
+  COL_VAR = 1,
+  GHAT = 2,     // DP-Adafactor's fp32 scratch of g_hat (then U), provided by step.cpp
 };
 struct RuleStates {
   int rule;
@@ -99,6 +106,7 @@ inline constexpr RuleStates RULE_STATES[] = {
     {ADEMAMIX, {"exp_avg", "exp_avg_sq", "exp_avg_slow"}},
     {RADAM, {"exp_avg", "exp_avg_sq"}},
     {LION, {"exp_avg"}},
+    {ADAFACTOR, {"row_var", "col_var"}},
 };
 
 // The float and bool fields of the dpkern.hyper dataclasses (name, default), read from the
@@ -129,7 +137,11 @@ inline constexpr RuleStates RULE_STATES[] = {
   X(rho, 0.9)               \
   X(beta3, 0.9999)          \
   X(t_alpha_beta3, 0.0)     \
-  X(decoupled_weight_decay, false)
+  X(decoupled_weight_decay, false) \
+  X(beta2_decay, -0.8)      \
+  X(eps1, 0x1p-23)          \
+  X(eps2, 1e-3)             \
+  X(d, 1.0)
 
 // The hyper-parameters of one update rule (dpkern.hyper), as Python doubles.
 struct Hyper {
@@ -163,6 +175,12 @@ struct Consts {
   // DP-RAdam (SPEC 10.3): host-side functions of (beta2, t)
   bool radam_decoupled, radam_adaptive, radam_bc;
   float radam_sqrt_bc2, radam_rect;
+  // DP-Adafactor (SPEC 10.7): w_t = t^beta2_decay and 1 - w_t (lerp weights), phi_t,
+  // eps1 and eps1^2 (float32, as the reference's tensor ops); rho_t, eps2, d (doubles, as
+  // the reference's Python scalars); the correction on/off; w_t < 0.5 (lerp's branch).
+  float af_w, af_one_minus_w, af_phi, af_eps1, af_eps1_sq;
+  double af_rho, af_eps2, af_d;
+  bool af_correct, af_lerp_low;
 };
 
 // (alpha_t, beta3_t) of DP-AdEMAMix at step t (dpkern.rules.ademamix_schedule, in double).
@@ -262,6 +280,17 @@ inline Consts make_consts(const Hyper& h, const DP& dp) {
                                                      0.5))
                                     : 1.0f;
   }
+  const double af_w = std::pow(t, h.beta2_decay);
+  c.af_w = float(af_w);
+  c.af_one_minus_w = float(1 - af_w);
+  c.af_lerp_low = af_w < 0.5;
+  c.af_phi = float(dp.noise_var_avg);
+  c.af_eps1 = float(h.eps1);
+  c.af_eps1_sq = float(h.eps1 * h.eps1);
+  c.af_rho = std::min(h.lr, 1 / std::pow(t, 0.5));
+  c.af_eps2 = h.eps2;
+  c.af_d = h.d;
+  c.af_correct = h.noise_bias_correction;
   return c;
 }
 
@@ -635,6 +664,111 @@ DPK_INLINE void update_lion(const Consts c, const float* __restrict S, float* __
 }
 
 // ---------------------------------------------------------------------------------------
+// DP-Adafactor (SPEC 10.7). Its update needs reductions over rows, columns and the whole
+// tensor between g_hat and the update, so it runs in two phases: update_adafactor (the
+// block phase, after the shared prologue) stores g_hat into the scratch slot GHAT; then
+// adafactor_tensor (the tensor phase, update_tensor below, once per tensor) reduces ||p||^2
+// and the row / column sums of g_hat^2, updates row_var / col_var, forms U in the scratch
+// with ||U||^2, and applies the decay and the step. Sums are float64 accumulations of
+// float32 terms (reference.update_adafactor).
+template <int PT>
+DPK_INLINE void update_adafactor(const Consts c, const float* __restrict S, float* __restrict z,
+                                 const Param& prm, int64_t begin, int64_t len, double&) {
+  float* __restrict g = prm.state[GHAT] + begin;
+  for (int64_t j = 0; j < len; ++j) g[j] = (S[j] + c.noise_std * z[j]) / c.batch;
+}
+
+// torch.lerp(a, b, w): a + w (b - a) for w < 0.5, else b - (b - a)(1 - w).
+DPK_INLINE float adafactor_lerp(const Consts& c, float a, float b) {
+  return c.af_lerp_low ? a + c.af_w * (b - a) : b - (b - a) * c.af_one_minus_w;
+}
+
+// max(x - phi, gamma) with the correction, else x.
+DPK_INLINE float adafactor_floor(const Consts& c, float x) {
+  if (!c.af_correct) return x;
+  const float y = x - c.af_phi;
+  return y < c.gamma ? c.gamma : y;  // clamp(min=gamma); NaN stays NaN
+}
+
+template <int PT>
+DPK_INLINE void adafactor_tensor(const Consts c, const Param& prm) {
+  const int64_t n = prm.numel;
+  if (n == 0) return;
+  auto* __restrict p = static_cast<typename Storage<PT>::type*>(prm.data);
+  float* __restrict g = prm.state[GHAT];
+  float* __restrict row = prm.state[ROW_VAR];
+  double pp = 0.0;
+  for (int64_t j = 0; j < n; ++j) {
+    const float x = load<PT>(p, j);
+    pp += double(x * x);
+  }
+  const double alpha = std::max(c.af_eps2, std::sqrt(pp) / std::sqrt(double(n))) * c.af_rho;
+  if (prm.ndim >= 2) {  // factored over the trailing (R, C) matrix, L matrices
+    float* __restrict col = prm.state[COL_VAR];
+    const int64_t C = prm.inner, R = prm.matrix / prm.inner, L = n / prm.matrix;
+    std::vector<double> rs(size_t(L * R), 0.0), cs(size_t(L * C), 0.0);
+    for (int64_t l = 0; l < L; ++l)
+      for (int64_t r = 0; r < R; ++r) {
+        const float* __restrict gr = g + (l * R + r) * C;
+        double acc = 0.0;
+        for (int64_t k = 0; k < C; ++k) {
+          const double sq = double(gr[k] * gr[k]);
+          acc += sq;
+          cs[size_t(l * C + k)] += sq;
+        }
+        rs[size_t(l * R + r)] = acc;
+      }
+    for (int64_t i = 0; i < L * R; ++i)
+      row[i] = adafactor_lerp(c, row[i], float(rs[size_t(i)] / double(C)));
+    for (int64_t i = 0; i < L * C; ++i)
+      col[i] = adafactor_lerp(c, col[i], float(cs[size_t(i)] / double(R)));
+    double uu = 0.0;
+    for (int64_t l = 0; l < L; ++l) {
+      double msum = 0.0;
+      for (int64_t r = 0; r < R; ++r) msum += double(adafactor_floor(c, row[l * R + r]));
+      const float m = float(msum / double(R));
+      const float mean = m < c.af_eps1 ? c.af_eps1 : m;
+      for (int64_t r = 0; r < R; ++r) {
+        const float rt = adafactor_floor(c, row[l * R + r]);
+        float* __restrict gr = g + (l * R + r) * C;
+        for (int64_t k = 0; k < C; ++k) {
+          const float v = (rt * adafactor_floor(c, col[l * C + k])) / mean;
+          const float u = gr[k] / __builtin_sqrtf(v < c.af_eps1_sq ? c.af_eps1_sq : v);
+          gr[k] = u;
+          uu += double(u * u);
+        }
+      }
+    }
+    const double denom = std::max(1.0, std::sqrt(uu) / (std::sqrt(double(n)) * c.af_d));
+    const float step = float(alpha / denom);
+    for (int64_t j = 0; j < n; ++j) store<PT>(p, j, load<PT>(p, j) * c.decay - step * g[j]);
+  } else {  // unfactored: row_var holds the variance (p.shape)
+    double uu = 0.0;
+    for (int64_t j = 0; j < n; ++j) {
+      row[j] = adafactor_lerp(c, row[j], g[j] * g[j]);
+      const float v = adafactor_floor(c, row[j]);
+      const float u = g[j] / __builtin_sqrtf(v < c.af_eps1_sq ? c.af_eps1_sq : v);
+      g[j] = u;
+      uu += double(u * u);
+    }
+    const double denom = std::max(1.0, std::sqrt(uu) / (std::sqrt(double(n)) * c.af_d));
+    const float step = float(alpha / denom);
+    for (int64_t j = 0; j < n; ++j) store<PT>(p, j, load<PT>(p, j) * c.decay - step * g[j]);
+  }
+}
+
+// Whether the rule has a tensor phase (update_tensor) after its block phase; step.cpp then
+// gives each parameter an fp32 scratch of its size in the slot GHAT.
+DPK_INLINE bool has_tensor_pass(int rule) { return rule == ADAFACTOR; }
+
+DPK_INLINE void update_tensor(const Consts& c, const Param& p) {
+  switch (c.rule) {
+    case ADAFACTOR: DPK_DISPATCH_DTYPE(p.dtype, adafactor_tensor, c, p) break;
+    default: break;
+  }
+}
+
+// ---------------------------------------------------------------------------------------
 // The dispatch: every rule by name of its case; to_hyper (bindings.cpp) has refused any
 // other code before a kernel runs. Returns the block's partial sum (0 for most rules).
 DPK_INLINE double update(const Consts& c, const float* __restrict S, float* __restrict z,
@@ -667,6 +801,8 @@ DPK_INLINE double update(const Consts& c, const float* __restrict S, float* __re
     case RADAM:
       DPK_DISPATCH_DTYPE(p.dtype, update_radam, c, S, z, p, begin, len, sqrt_sum) break;
     case LION: DPK_DISPATCH_DTYPE(p.dtype, update_lion, c, S, z, p, begin, len, sqrt_sum) break;
+    case ADAFACTOR:
+      DPK_DISPATCH_DTYPE(p.dtype, update_adafactor, c, S, z, p, begin, len, sqrt_sum) break;
     default: break;  // unreachable: unknown codes are refused at the binding
   }
   return sqrt_sum;

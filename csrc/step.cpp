@@ -6,8 +6,10 @@
 // threads; inside a block the per-sample rows are read once each (samples in the inner
 // loop over a block of coordinates), the clipped sum, noise and update live in two small
 // stack buffers, and each state is read and written once. Nothing of size B x d or d is
-// allocated. Arithmetic follows reference.py operation by operation, in float32, with each
-// Python scalar rounded to float32 where the reference multiplies a tensor by it.
+// allocated, except the fp32 scratch of g_hat of a rule with a tensor phase (DP-Adafactor,
+// whose update needs row, column and tensor reductions of g_hat: rules.h). Arithmetic
+// follows reference.py operation by operation, in float32, with each Python scalar rounded
+// to float32 where the reference multiplies a tensor by it.
 #include <cmath>
 
 #include "kernels.h"
@@ -117,9 +119,22 @@ std::vector<Block> param_blocks(const std::vector<Param>& params) {
 
 }  // namespace
 
-double step(const Hyper& h, const DP& dp, const std::vector<Param>& params, const float* clip,
+double step(const Hyper& h, const DP& dp, const std::vector<Param>& given, const float* clip,
             int64_t batch) {
   const Consts c = make_consts(h, dp);
+  // A rule with a tensor phase (rules.h, DP-Adafactor): its blocks store g_hat into an fp32
+  // scratch per parameter (slot GHAT), then update_tensor runs once per tensor.
+  const bool tensor_pass = has_tensor_pass(c.rule);
+  std::vector<std::vector<float>> scratch(tensor_pass ? given.size() : 0);
+  std::vector<Param> with_scratch;
+  if (tensor_pass) {
+    with_scratch = given;
+    for (size_t k = 0; k < given.size(); ++k) {
+      scratch[k].resize(size_t(given[k].numel));
+      with_scratch[k].state[GHAT] = scratch[k].data();
+    }
+  }
+  const std::vector<Param>& params = tensor_pass ? with_scratch : given;
   const std::vector<Block> blocks = param_blocks(params);
   const int64_t nb = int64_t(blocks.size());
   std::vector<double> partial(blocks.size(), 0.0);
@@ -127,6 +142,11 @@ double step(const Hyper& h, const DP& dp, const std::vector<Param>& params, cons
   for (int64_t n = 0; n < nb; ++n) {
     const Block& blk = blocks[size_t(n)];
     partial[size_t(n)] = step_block(c, dp, params[size_t(blk.tensor)], blk.begin, blk.len, clip, batch);
+  }
+  if (tensor_pass) {
+    const int64_t nt = int64_t(params.size());
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads()) if (nt > 1)
+    for (int64_t k = 0; k < nt; ++k) update_tensor(c, params[size_t(k)]);
   }
   double total = 0.0;
   for (double x : partial) total += x;  // block order: independent of the thread count

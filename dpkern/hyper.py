@@ -425,6 +425,44 @@ class LionHyper(_Base):
             )
 
 
+#: float32's machine epsilon, Adafactor's eps1 when None (updates are computed in float32).
+FLOAT32_EPS = 2.0**-23
+
+
+@dataclass(frozen=True)
+class AdafactorHyper(_Base):
+    """DP-Adafactor (SPEC 10.7): torch.optim.Adafactor's arguments (``eps`` split into
+    ``eps1``, ``eps2``; ``eps1=None`` becomes float32's epsilon), decoupled weight decay,
+    and the noise bias correction of its factored second moment (floor ``gamma``)."""
+
+    rule: ClassVar[str] = "adafactor"
+    lr: float = 1e-2
+    beta2_decay: float = -0.8
+    eps1: float | None = None
+    eps2: float = 1e-3
+    d: float = 1.0
+    weight_decay: float = 0.0
+    noise_bias_correction: bool = False
+    gamma: float = 1e-8
+
+    def __post_init__(self):
+        super().__post_init__()
+        if _finite("beta2_decay", self.beta2_decay) > 0:
+            raise _bad("beta2_decay", self.beta2_decay, "must be <= 0")
+        if self.eps1 is None:
+            object.__setattr__(self, "eps1", FLOAT32_EPS)
+        check_nonnegative("eps[0]", self.eps1)
+        check_nonnegative("eps[1]", self.eps2)
+        if _finite("d", self.d) < 1:
+            raise _bad("d", self.d, "must be >= 1")
+        check_nonnegative("weight_decay", self.weight_decay)
+        if not isinstance(self.noise_bias_correction, bool):
+            raise _bad("noise_bias_correction", self.noise_bias_correction, "expected a bool")
+        check_positive("gamma", self.gamma)
+        for name in ("lr", "beta2_decay", "eps1", "eps2", "d", "weight_decay", "gamma"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+
+
 Hyper = Union[  # noqa: UP007 (one member per line)
     SGDHyper,
     AdamHyper,
@@ -440,6 +478,7 @@ Hyper = Union[  # noqa: UP007 (one member per line)
     AdEMAMixHyper,
     RAdamHyper,
     LionHyper,
+    AdafactorHyper,
 ]
 
 

@@ -41,6 +41,7 @@ from types import MappingProxyType
 from .hyper import (
     AdagradHyper,
     AdadeltaHyper,
+    AdafactorHyper,
     AdamBCHyper,
     AdamHyper,
     AdamWBCHyper,
@@ -65,6 +66,7 @@ __all__ = [
     "RuleSpec",
     "StateSpec",
     "adadelta_noise_var_ema",
+    "adafactor_noise_var_ema",
     "adam_noise_var_ema",
     "rmsprop_noise_var_ema",
     "adagrad_noise_var_sum",
@@ -767,5 +769,53 @@ register(
             'Chen et al., "Symbolic Discovery of Optimization Algorithms", NeurIPS 2023, '
             "arXiv 2302.06675, Algorithm 2; lion_pytorch.Lion"
         ),
+    )
+)
+
+
+# --------------------------------------------------------------------------------------
+# DP-Adafactor (SPEC 10.7)
+# --------------------------------------------------------------------------------------
+def adafactor_weight(hyper: Hyper, t: int) -> float:
+    """w_t = t^beta2_decay, the weight of the newest term in Adafactor's EMAs (torch's
+    ``one_minus_beta2_t``; 1 at t = 1). A Python float (double)."""
+    return float(t) ** hyper.beta2_decay
+
+
+def adafactor_noise_var_ema(hyper: Hyper, prev: float, noise_var: float, t: int) -> float:
+    """phi_t = (1 - w_t) phi_{t-1} + w_t Phi_t, w_t = t^beta2_decay (SPEC 10.7): phi follows
+    Adafactor's own beta2_t schedule, as its row and column factors do."""
+    w = adafactor_weight(hyper, t)
+    return (1 - w) * prev + w * noise_var
+
+
+register(
+    RuleSpec(
+        "adafactor",
+        "dp-adafactor",
+        "DP-Adafactor",
+        AdafactorHyper,
+        "DPAdafactor",
+        (
+            # >= 2-D: the factored row / column EMAs of g_hat^2; < 2-D: "row" is p.shape and
+            # row_var holds torch's unfactored "variance" (col_var is an unused 0-dim zero)
+            StateSpec("row_var", ROW, domain="nonnegative"),
+            StateSpec("col_var", COL, domain="nonnegative"),
+            StateSpec(
+                "noise_var_avg",
+                SCALAR,
+                domain="nonnegative",
+                kernel=False,
+                needed=lambda h: h.noise_bias_correction,
+            ),
+        ),
+        decoupled_decay=True,
+        noise_bias_correction=True,
+        second_moment=True,
+        lr_grid=(3e-3, 1e-2, 3e-2, 1e-1),
+        section="10.7",
+        source="Shazeer & Stern, ICML 2018, arXiv 1804.04235, Algorithms 4-5; "
+        "torch.optim.Adafactor",
+        noise_var_ema=adafactor_noise_var_ema,
     )
 )

@@ -76,6 +76,15 @@ SPEC_DEFAULTS = {
         gamma=1e-8,
     ),
     "lion": dict(betas=(0.9, 0.99), weight_decay=0.0),
+    # SPEC 10.7 (torch.optim.Adafactor's defaults)
+    "adafactor": dict(
+        beta2_decay=-0.8,
+        eps=(None, 1e-3),
+        d=1.0,
+        weight_decay=0.0,
+        noise_bias_correction=False,
+        gamma=1e-8,
+    ),
 }
 # SPEC 10.8 (schedulefree's defaults).
 _SF_DEFAULTS = dict(weight_decay=0.0, warmup_steps=0, r=0.0, weight_lr_power=2.0)
@@ -162,6 +171,17 @@ class SpecOptimizer:
             for hyper, sl in self.groups:
                 self.v[sl] = float(hyper["initial_accumulator_value"])
         self.u, self.psi, self.m2 = z(), z(), z()  # DP-Adadelta's u, psi; AdEMAMix's m2
+        # DP-Adafactor's factors per trainable parameter (SPEC 10.7): "row" p.shape[:-1]
+        # (p.shape below 2-D, where it holds the unfactored variance), "col"
+        # p.shape[:-2] + p.shape[-1:] (a scalar below 2-D)
+        self.row_var = {
+            k: torch.zeros(shape[:-1] if len(shape) >= 2 else shape, dtype=F64)
+            for k, (_, _, shape, _) in enumerate(self.entries)
+        }
+        self.col_var = {
+            k: torch.zeros(shape[:-2] + shape[-1:] if len(shape) >= 2 else (), dtype=F64)
+            for k, (_, _, shape, _) in enumerate(self.entries)
+        }
         self._gen = None if perturb is None else torch.Generator().manual_seed(perturb)
         self.shadows = (
             []
@@ -211,6 +231,8 @@ class SpecOptimizer:
             "acc_delta": self.u[sl].reshape(shape),
             "acc_delta_noise_var": self.psi[sl].reshape(shape),
             "exp_avg_slow": self.m2[sl].reshape(shape),
+            "row_var": self.row_var[k],
+            "col_var": self.col_var[k],
         }
 
     def slacks(self) -> list[torch.Tensor]:
@@ -553,3 +575,37 @@ class SpecOptimizer:
         c = r(r(beta1 * self.m[sl]) + r((1 - beta1) * g_hat))
         self.p[sl] = r(p - lr * torch.sign(c))  # sign(0) = 0
         self.m[sl] = r(r(beta2 * self.m[sl]) + r((1 - beta2) * g_hat))
+
+    def _adafactor(self, gi, h, sl, g_hat):  # SPEC 10.7, each parameter of the group
+        r, t = self._r, self.t
+        w = t ** h["beta2_decay"]  # the EMA weight of the newest term (1 - beta2_t)
+        rho = min(h["lr"], 1.0 / math.sqrt(t))
+        eps1 = 2.0**-23 if h["eps"][0] is None else h["eps"][0]
+        eps2, gamma, correct = h["eps"][1], h["gamma"], h["noise_bias_correction"]
+        if correct:  # phi_t = (1 - w_t) phi_{t-1} + w_t Phi_t
+            Phi = (self.sigma * self.C / self.B_e) ** 2
+            self.phi[gi] = r((1 - w) * self.phi[gi] + w * Phi)
+        phi = self.phi[gi]
+        floor = lambda x: torch.clamp(r(x - phi), min=gamma) if correct else x
+        for k, (gk, esl, shape, _) in enumerate(self.entries):
+            n = esl.stop - esl.start
+            if gk != gi or n == 0:
+                continue
+            p = self.p[esl].reshape(shape)
+            g = g_hat[esl.start - sl.start : esl.stop - sl.start].reshape(shape)
+            alpha = max(eps2, r(math.sqrt(float((p * p).sum())) / math.sqrt(n))) * rho
+            p = r(p * (1.0 - h["lr"] * h["weight_decay"]))  # decoupled, with lr
+            g2 = r(g * g)
+            if len(shape) >= 2:
+                self.row_var[k] = r(self.row_var[k] + w * r(r(g2.mean(-1)) - self.row_var[k]))
+                self.col_var[k] = r(self.col_var[k] + w * r(r(g2.mean(-2)) - self.col_var[k]))
+                rt, ct = floor(self.row_var[k]), floor(self.col_var[k])
+                mean = torch.clamp(r(rt.mean(-1)), min=eps1)
+                V = r(r(rt[..., :, None] * ct[..., None, :]) / mean[..., None, None])
+            else:
+                self.row_var[k] = r(self.row_var[k] + w * r(g2 - self.row_var[k]))
+                V = floor(self.row_var[k])
+            U = r(g / r(torch.sqrt(torch.clamp(V, min=eps1 * eps1))))
+            rms_u = r(math.sqrt(float((U * U).mean())))
+            step = alpha / max(1.0, rms_u / h["d"])
+            self.p[esl] = r(p - r(step * U)).reshape(-1)

@@ -18,6 +18,7 @@ from dpkern.backends import resolve
 from dpkern.hyper import (
     AdagradHyper,
     AdadeltaHyper,
+    AdafactorHyper,
     AdamBCHyper,
     AdamHyper,
     AdamWBCHyper,
@@ -68,6 +69,8 @@ HYPERS = {
         gamma=1e-2,
     ),
     "lion": LionHyper(lr=1e-2, weight_decay=0.1),
+    "adafactor": AdafactorHyper(lr=1e-2, weight_decay=0.1, d=1.2),
+    "adafactor_bc": AdafactorHyper(lr=0.3, noise_bias_correction=True, gamma=1e-2, eps2=0.1),
 }
 # Schedule-free: weight_sum / lr_max chosen so that c_t is below and above 1/2 (the two
 # forms of torch.lerp), with warmup, polynomial weights and the noise bias correction.

@@ -26,6 +26,7 @@ CLASSES = [
     dpkern.DPAdEMAMix,
     dpkern.DPRAdam,
     dpkern.DPLion,
+    dpkern.DPAdafactor,
 ]
 
 

@@ -44,6 +44,8 @@ CLASSES = {
         dict(weight_decay=0.1, decoupled_weight_decay=True, noise_bias_correction=True, gamma=1e-2),
     ),
     "lion": (dpkern.DPLion, dict(weight_decay=0.1)),
+    "adafactor": (dpkern.DPAdafactor, dict(weight_decay=0.1)),
+    "adafactor_bc": (dpkern.DPAdafactor, dict(noise_bias_correction=True, gamma=1e-2)),
 }
 CLASSES.update(
     {

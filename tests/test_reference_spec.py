@@ -109,6 +109,14 @@ CONFIGS = {
     ),
     "lion": ("lion", {}, {}),
     "lion_wd_betas": ("lion", dict(betas=(0.95, 0.98), weight_decay=0.3), {}),
+    # SPEC 10.7
+    "adafactor": ("adafactor", {}, {}),
+    "adafactor_wd_d_eps": (
+        "adafactor",
+        dict(weight_decay=0.1, d=1.5, eps=(1e-4, 1e-2), beta2_decay=-0.6),
+        {},
+    ),
+    "adafactor_bc": ("adafactor", dict(noise_bias_correction=True, gamma=1e-3), {}),
 }
 LRS = (0.05, 0.02, 0.1)  # one per parameter group
 SGD_LRS = (0.2, 0.1, 0.3)
@@ -214,6 +222,7 @@ STATE_CHECKS = {
     "ademamix": ("exp_avg", "exp_avg_slow", "exp_avg_sq"),
     "radam": ("exp_avg", "exp_avg_sq"),
     "lion": ("exp_avg",),
+    "adafactor": ("row_var", "col_var"),
 }
 
 
@@ -253,7 +262,7 @@ def compare(opt, model, trainable, dtype, msg, states=True):
             names = ("square_avg", "acc_delta")  # psi is kept with the correction only
         for name in names:
             assert st[name].dtype == torch.float32, (msg, name)
-            assert st[name].shape == p.shape, (msg, name)
+            assert st[name].shape == ref[name].shape, (msg, name)
             # states may carry the bf16 rounding of the parameters they were built from
             assert_close_with_slack(
                 st[name],
@@ -311,6 +320,7 @@ def test_optimizer_matches_spec(config, sigma, dtype):
         "adagrad_bc",
         "adadelta_bc",
         "ademamix_bc",
+        "adafactor_bc",
     ],
 )
 def test_gradient_accumulation_equals_concatenated_batch(config):

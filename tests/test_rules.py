@@ -122,7 +122,9 @@ def test_cli_choices_come_from_the_registry():
         spec = rules.by_cli_name(cli)
         assert cls is spec.optimizer_class() and grid == spec.lr_grid
     assert compare.DECOUPLED == tuple(s.cli_name for s in rules.RULES.values() if s.decoupled_decay)
-    assert {"dp-adamw", "dp-adamw-bc", "dp-ademamix", "dp-lion"} <= set(compare.DECOUPLED)
+    assert {"dp-adamw", "dp-adamw-bc", "dp-ademamix", "dp-lion", "dp-adafactor"} <= set(
+        compare.DECOUPLED
+    )
     pytest.importorskip("transformers")
     from dpkern.integrations import transformers as hf
 

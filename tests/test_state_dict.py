@@ -25,6 +25,7 @@ CLASSES = [
     dpkern.DPAdEMAMix,
     dpkern.DPRAdam,
     dpkern.DPLion,
+    dpkern.DPAdafactor,
 ]
 
 

@@ -337,6 +337,7 @@ def _param_tuple(data, numel, offset, gs, summed, states) -> tuple:
         _ptr(summed),
         [_ptr(s) for s in states],
         *rules.factor_sizes(data.shape),
+        data.dim(),  # a factored rule (DP-Adafactor) factors >= 2-D parameters only
     )
 
 

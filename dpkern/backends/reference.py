@@ -559,6 +559,59 @@ def update_lion(h: Hyper, dp: DPStep, p: Tensor, g: Tensor, state) -> float:
     return 0.0
 
 
+# --------------------------------------------------------------------------------------
+# DP-Adafactor (SPEC 10.7): torch.optim.Adafactor on g_hat, with the optional noise bias
+# correction of its factors. Sums are float64 accumulations of float32 terms.
+# --------------------------------------------------------------------------------------
+def _sum64(x: Tensor, dim=None) -> Tensor:
+    x = x.to(torch.float64)
+    return x.sum() if dim is None else x.sum(dim=dim)
+
+
+def adafactor_scalars(h: Hyper, t: int) -> tuple[float, float, float]:
+    """(w_t, 1 - w_t, rho_t): the EMA weight t^beta2_decay, its complement and the relative
+    step min(lr, 1/sqrt(t)) (Python floats)."""
+    w = rules.adafactor_weight(h, t)
+    return w, 1 - w, min(h.lr, 1 / t**0.5)
+
+
+def _lerp(a: Tensor, b: Tensor, w: float, one_m_w: float) -> Tensor:
+    """torch.lerp(a, b, w): a + w (b - a) for w < 0.5, else b - (b - a)(1 - w)."""
+    return a + w * (b - a) if w < 0.5 else b - (b - a) * one_m_w
+
+
+def update_adafactor(h: Hyper, dp: DPStep, p: Tensor, g: Tensor, state) -> float:
+    """DP-Adafactor (SPEC 10.7): decoupled decay, factored (>= 2-D) or unfactored second
+    moment (phi subtracted where V is formed, floored at gamma, when correcting), update
+    U = g / sqrt(max(V, eps1^2)) clipped to RMS d, step alpha_t = max(eps2, RMS(p)) rho_t."""
+    n = p.numel()
+    if n == 0:
+        return 0.0
+    w, one_m_w, rho = adafactor_scalars(h, dp.step)
+    alpha = max(h.eps2, math.sqrt(float(_sum64(p * p))) / n**0.5) * rho
+    p.mul_(1 - h.lr * h.weight_decay)
+    correct = rules.of(h).corrects(h)
+    row, col = state["row_var"], state["col_var"]
+    g2 = g * g
+    if p.dim() >= 2:
+        R, C = p.shape[-2], p.shape[-1]
+        row.copy_(_lerp(row, (_sum64(g2, -1) / C).float(), w, one_m_w))
+        col.copy_(_lerp(col, (_sum64(g2, -2) / R).float(), w, one_m_w))
+        r, c = row, col
+        if correct:
+            r = torch.clamp(row - dp.noise_var_avg, min=h.gamma)
+            c = torch.clamp(col - dp.noise_var_avg, min=h.gamma)
+        mean = torch.clamp((_sum64(r, -1) / R).float(), min=h.eps1)
+        v = (r.unsqueeze(-1) * c.unsqueeze(-2)) / mean[..., None, None]
+    else:
+        row.copy_(_lerp(row, g2, w, one_m_w))
+        v = torch.clamp(row - dp.noise_var_avg, min=h.gamma) if correct else row
+    u = g / torch.sqrt(torch.clamp(v, min=h.eps1 * h.eps1))
+    denom = max(1.0, math.sqrt(float(_sum64(u * u))) / (n**0.5 * h.d))
+    p.sub_((alpha / denom) * u)
+    return 0.0
+
+
 def _updates() -> dict:
     """name -> update_<name> for every registered rule (the reference implements all)."""
     out = {}

@@ -43,6 +43,7 @@ ADADELTA = tl.constexpr(10)
 ADEMAMIX = tl.constexpr(11)
 RADAM = tl.constexpr(8)
 LION = tl.constexpr(9)
+ADAFACTOR = tl.constexpr(12)
 # DP-MacAdam's variance term u (constexpr), by name.
 UNBIASED, PAPER, CODE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 VARIANCE_CODES = {"unbiased": UNBIASED.value, "paper": PAPER.value, "code": CODE.value}
@@ -63,6 +64,7 @@ STATES = {
     "ademamix": ("exp_avg", "exp_avg_sq", "exp_avg_slow"),
     "radam": ("exp_avg", "exp_avg_sq"),
     "lion": ("exp_avg",),
+    "adafactor": ("row_var", "col_var"),
 }
 # The slots the update functions use, by state name.
 MOMENTUM_BUFFER = tl.constexpr(STATES["sgd"].index("momentum_buffer"))
@@ -78,6 +80,8 @@ SQUARE_AVG = tl.constexpr(STATES["adadelta"].index("square_avg"))  # the first s
 ACC_DELTA = tl.constexpr(STATES["adadelta"].index("acc_delta"))
 ACC_DELTA_NOISE_VAR = tl.constexpr(STATES["adadelta"].index("acc_delta_noise_var"))
 EXP_AVG_SLOW = tl.constexpr(STATES["ademamix"].index("exp_avg_slow"))
+# DP-Adafactor's fp32 scratch of g_hat: the buffer after its states (step.py puts it there)
+GHAT = tl.constexpr(len(STATES["adafactor"]))
 N_SCALARS = 12  # float scalars s0 .. s11 of the kernel, meaning set by each rule
 N_FLAGS = 4  # constexpr ints F0 .. F3, meaning set by each rule
 
@@ -780,6 +784,208 @@ def _host_lion(h, dp) -> KernelArgs:
 
 
 # --------------------------------------------------------------------------------------
+# DP-Adafactor (SPEC 10.7). Reductions over rows, columns and the whole tensor sit between
+# g_hat and the update, so the fused kernel's update_adafactor only stores g_hat into an
+# fp32 scratch (slot GHAT); then adafactor_tensor_pass runs, per parameter: (1) the row
+# sums of g_hat^2 and of p^2 (float64 partials per row) with the row_var update, and the
+# column sums with the col_var update; (2) mean(r~) per matrix; (3) U = g / sqrt(max(V,
+# eps1^2)) into the scratch, with float64 partials of U^2; (4) the decay and the step. The
+# scalars alpha_t and the step size are formed on the host (as torch.optim does).
+# --------------------------------------------------------------------------------------
+@triton.jit
+def update_adafactor(row, offs, inb, p, g, ALIGNED: tl.constexpr):
+    g_ptr = C.typed_ptr(row, C.COL_S0 + GHAT, tl.float32, ALIGNED)
+    tl.store(g_ptr + offs, g, mask=inb)
+    return p
+
+
+def _host_adafactor(h, dp) -> KernelArgs:
+    return KernelArgs(ADAFACTOR.value, (), (), False, False)
+
+
+@triton.jit
+def _af_lerp(a, b, w, one_m_w, LERP_LOW: tl.constexpr):
+    """torch.lerp(a, b, w): a + w (b - a) for w < 0.5, else b - (b - a)(1 - w)."""
+    if LERP_LOW:
+        out = a + w * (b - a)
+    else:
+        out = b - (b - a) * one_m_w
+    return out
+
+
+@triton.jit
+def _af_floor(x, phi, gamma, CORRECT: tl.constexpr):
+    """max(x - phi, gamma) with the correction, else x."""
+    if CORRECT:
+        x = tl.maximum(x - phi, gamma)
+    return x
+
+
+@triton.jit
+def _af_vector_kernel(p_ptr, g_ptr, v_ptr, pp_ptr, uu_ptr, n, w, one_m_w, phi, gamma,
+                      eps1_sq, LERP_LOW: tl.constexpr, CORRECT: tl.constexpr,
+                      BLOCK: tl.constexpr):  # fmt: skip
+    """< 2-D: v <- lerp(v, g^2, w); U = g / sqrt(max(v~, eps1^2)) into g; partial sums of
+    p^2 and U^2 (float64) per program."""
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    inb = offs < n
+    p = tl.load(p_ptr + offs, mask=inb, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=inb, other=0.0)
+    v = _af_lerp(tl.load(v_ptr + offs, mask=inb, other=0.0), g * g, w, one_m_w, LERP_LOW)
+    tl.store(v_ptr + offs, v, mask=inb)
+    u = g / tl.math.sqrt_rn(tl.maximum(_af_floor(v, phi, gamma, CORRECT), eps1_sq))
+    tl.store(g_ptr + offs, u, mask=inb)
+    tl.store(pp_ptr + pid, tl.sum(tl.where(inb, (p * p).to(tl.float64), 0.0), axis=0))
+    tl.store(uu_ptr + pid, tl.sum(tl.where(inb, (u * u).to(tl.float64), 0.0), axis=0))
+
+
+@triton.jit
+def _af_rows_kernel(p_ptr, g_ptr, r_ptr, pp_ptr, C, w, one_m_w, LERP_LOW: tl.constexpr,
+                    BLOCK: tl.constexpr):  # fmt: skip
+    """One program per row of the trailing matrices: r <- lerp(r, mean_j g^2, w), and the
+    row's sum of p^2 (float64)."""
+    i = tl.program_id(0).to(tl.int64)
+    acc = tl.zeros([BLOCK], tl.float64)
+    acc_p = tl.zeros([BLOCK], tl.float64)
+    for k0 in range(0, C, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        inb = offs < C
+        g = tl.load(g_ptr + i * C + offs, mask=inb, other=0.0)
+        p = tl.load(p_ptr + i * C + offs, mask=inb, other=0.0).to(tl.float32)
+        acc += (g * g).to(tl.float64)
+        acc_p += (p * p).to(tl.float64)
+    mean = (tl.sum(acc, axis=0) / C).to(tl.float32)
+    tl.store(r_ptr + i, _af_lerp(tl.load(r_ptr + i), mean, w, one_m_w, LERP_LOW))
+    tl.store(pp_ptr + i, tl.sum(acc_p, axis=0))
+
+
+@triton.jit
+def _af_cols_kernel(g_ptr, c_ptr, R, C, n_cblk, w, one_m_w, LERP_LOW: tl.constexpr,
+                    BLOCK: tl.constexpr):  # fmt: skip
+    """One program per (matrix, block of columns): c <- lerp(c, mean_i g^2, w)."""
+    pid = tl.program_id(0).to(tl.int64)
+    mat = pid // n_cblk
+    offs = (pid % n_cblk) * BLOCK + tl.arange(0, BLOCK)
+    inb = offs < C
+    acc = tl.zeros([BLOCK], tl.float64)
+    for r in range(0, R):
+        g = tl.load(g_ptr + (mat * R + r) * C + offs, mask=inb, other=0.0)
+        acc += (g * g).to(tl.float64)
+    mean = (acc / R).to(tl.float32)
+    c_ptrs = c_ptr + mat * C + offs
+    col = _af_lerp(tl.load(c_ptrs, mask=inb, other=0.0), mean, w, one_m_w, LERP_LOW)
+    tl.store(c_ptrs, col, mask=inb)
+
+
+@triton.jit
+def _af_mean_kernel(r_ptr, m_ptr, R, phi, gamma, eps1, CORRECT: tl.constexpr,
+                    BLOCK: tl.constexpr):  # fmt: skip
+    """One program per matrix: max(mean_i r~_i, eps1)."""
+    mat = tl.program_id(0).to(tl.int64)
+    acc = tl.zeros([BLOCK], tl.float64)
+    for r0 in range(0, R, BLOCK):
+        offs = r0 + tl.arange(0, BLOCK)
+        inb = offs < R
+        rt = _af_floor(tl.load(r_ptr + mat * R + offs, mask=inb, other=0.0), phi, gamma, CORRECT)
+        acc += tl.where(inb, rt.to(tl.float64), 0.0)
+    tl.store(m_ptr + mat, tl.maximum((tl.sum(acc, axis=0) / R).to(tl.float32), eps1))
+
+
+@triton.jit
+def _af_update_kernel(g_ptr, r_ptr, c_ptr, m_ptr, uu_ptr, R, C, phi, gamma, eps1_sq,
+                      CORRECT: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """One program per row: U = g / sqrt(max(r~ c~ / mean, eps1^2)) into g, and the row's
+    sum of U^2 (float64)."""
+    i = tl.program_id(0).to(tl.int64)
+    mat = i // R
+    rt = _af_floor(tl.load(r_ptr + i), phi, gamma, CORRECT)
+    mean = tl.load(m_ptr + mat)
+    acc = tl.zeros([BLOCK], tl.float64)
+    for k0 in range(0, C, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        inb = offs < C
+        ct = _af_floor(tl.load(c_ptr + mat * C + offs, mask=inb, other=1.0), phi, gamma, CORRECT)
+        v = (rt * ct) / mean
+        g = tl.load(g_ptr + i * C + offs, mask=inb, other=0.0)
+        u = g / tl.math.sqrt_rn(tl.maximum(v, eps1_sq))
+        tl.store(g_ptr + i * C + offs, u, mask=inb)
+        acc += tl.where(inb, (u * u).to(tl.float64), 0.0)
+    tl.store(uu_ptr + i, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _af_apply_kernel(p_ptr, u_ptr, n, decay, step, P_DTYPE: tl.constexpr,
+                     BLOCK: tl.constexpr):  # fmt: skip
+    """p <- p (1 - lr wd) - step U, rounded once to the parameter dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inb = offs < n
+    p = tl.load(p_ptr + offs, mask=inb, other=0.0).to(tl.float32)
+    p = p * decay - step * tl.load(u_ptr + offs, mask=inb, other=0.0)
+    tl.store(p_ptr + offs, C.to_dtype_rne(p, P_DTYPE, C.EMULATE_RNE), mask=inb)
+
+
+def adafactor_tensor_pass(h, dp, bufs) -> None:
+    """The tensor phase of DP-Adafactor (SPEC 10.7) for each parameter: ``bufs`` holds, per
+    parameter, (param, grad_sample, summed, row_var, col_var, g_hat scratch), contiguous."""
+    import math
+
+    import torch
+
+    from ... import rules as registry
+
+    w = registry.adafactor_weight(h, dp.step)
+    rho = min(h.lr, 1 / dp.step**0.5)
+    correct = registry.of(h).corrects(h)
+    phi = float(dp.noise_var_avg)
+    low = w < 0.5
+    block = C.config().step_block
+    for p, _, _, row, col, g in bufs:
+        n = p.numel()
+        if n == 0:
+            continue
+        dev = p.device
+        if p.dim() >= 2:
+            Cn, R = p.shape[-1], p.shape[-2]
+            L = n // (R * Cn)
+            cb = min(block, triton.next_power_of_2(Cn))
+            pp = C.empty((L * R,), torch.float64, dev)
+            uu = C.empty((L * R,), torch.float64, dev)
+            mean = C.empty((L,), torch.float32, dev)
+            _af_rows_kernel[(L * R,)](p, g, row, pp, Cn, w, 1 - w, LERP_LOW=low, BLOCK=cb)
+            n_cblk = triton.cdiv(Cn, cb)
+            _af_cols_kernel[(L * n_cblk,)](g, col, R, Cn, n_cblk, w, 1 - w, LERP_LOW=low, BLOCK=cb)
+            rb = min(block, triton.next_power_of_2(R))
+            _af_mean_kernel[(L,)](row, mean, R, phi, h.gamma, h.eps1, CORRECT=correct, BLOCK=rb)
+            _af_update_kernel[(L * R,)](
+                g, row, col, mean, uu, R, Cn, phi, h.gamma, h.eps1 * h.eps1, CORRECT=correct,
+                BLOCK=cb,
+            )  # fmt: skip
+        else:
+            nb = triton.cdiv(n, block)
+            pp = C.empty((nb,), torch.float64, dev)
+            uu = C.empty((nb,), torch.float64, dev)
+            _af_vector_kernel[(nb,)](
+                p, g, row, pp, uu, n, w, 1 - w, phi, h.gamma, h.eps1 * h.eps1,
+                LERP_LOW=low, CORRECT=correct, BLOCK=block,
+            )  # fmt: skip
+        sum_pp, sum_uu = torch.stack([pp.sum(), uu.sum()]).tolist()
+        alpha = max(h.eps2, math.sqrt(sum_pp) / n**0.5) * rho
+        denom = max(1.0, math.sqrt(sum_uu) / (n**0.5 * h.d))
+        _af_apply_kernel[(triton.cdiv(n, block),)](
+            p, g, n, 1 - h.lr * h.weight_decay, alpha / denom, P_DTYPE=C.tl_dtype(p.dtype),
+            BLOCK=block,
+        )  # fmt: skip
+
+
+#: rule name -> its tensor phase, run by step.py after the fused kernel stored g_hat in an
+#: fp32 scratch per parameter (the buffer after the rule's states, slot GHAT).
+TENSOR_PASSES = {
+    "adafactor": adafactor_tensor_pass,
+}
+
+
+# --------------------------------------------------------------------------------------
 # The dispatch
 # --------------------------------------------------------------------------------------
 @triton.jit
@@ -947,6 +1153,8 @@ def update(
         )
     elif RULE == LION:
         p = update_lion(row, offs, inb, p, g, m_prev, s0, s1, s2, s3, s4, s5, ALIGNED)
+    elif RULE == ADAFACTOR:
+        p = update_adafactor(row, offs, inb, p, g, ALIGNED)
     else:
         tl.static_assert(False, "dpkern: unknown update rule code")
     return p
@@ -968,6 +1176,7 @@ RULES = {
     "ademamix": _host_ademamix,
     "radam": _host_radam,
     "lion": _host_lion,
+    "adafactor": _host_adafactor,
 }
 
 

@@ -13,7 +13,9 @@ in the shared prologue of ``_step_kernel``:
 then the rule's ``update_<name>`` (``rules.update``) updates the states and the parameter
 in float32, and the prologue's epilogue stores the parameter (one rounding to its dtype).
 Each input byte is read once and each output byte written once; the only temporaries
-are the tables and, for DP-MacAdam, one float64 partial sum per block.
+are the tables and, for DP-MacAdam, one float64 partial sum per block. A rule with a tensor
+phase (DP-Adafactor, ``rules.TENSOR_PASSES``) instead stores g_hat into an fp32 scratch per
+parameter, and its passes (row / column / tensor reductions, then the update) follow.
 
 The rows are summed in order i = 0, 1, ..., whatever the block size, so every
 element-wise result is bit-identical across configurations.
@@ -231,6 +233,8 @@ def _launch(
     has_gs = clip_factors is not None
     inplace = C.InPlace()
     entries = []
+    # a rule with a tensor phase (DP-Adafactor): the kernel stores g_hat into a scratch
+    tensor_pass = None if accumulate_only else R.TENSOR_PASSES.get(hyper.rule)
     for k, p in enumerate(params):
         gs = C.readonly(grad_samples[k]) if has_gs else None
         if accumulate_only:
@@ -242,6 +246,8 @@ def _launch(
         else:
             bufs = (inplace(p), gs, C.readonly(summed[k]))
             bufs += tuple(inplace(states[n][k]) for n in names)
+            if tensor_pass is not None:  # the fp32 scratch of g_hat, slot R.GHAT
+                bufs += (C.empty(p.shape, torch.float32, p.device),)
             factors = registry.factor_sizes(p.shape)
             entries.append(C.Entry(k, p.numel(), int(offsets[k]), bufs, factors))
     block = cfg.step_block
@@ -289,6 +295,8 @@ def _launch(
             num_warps=cfg.num_warps,
         )
         slot0 += ln.n_chunks
+    if tensor_pass is not None:
+        tensor_pass(hyper, dp, [e.bufs for e in entries])
     inplace.finish()
     if partial is None:
         return 0.0

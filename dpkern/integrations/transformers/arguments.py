@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from dataclasses import dataclass
 
@@ -161,9 +163,15 @@ def _optimizer_kwargs(name: str, args) -> dict:
     """The hyper-parameters of the rule ``name`` taken from the TrainingArguments ``args``
     (``learning_rate``; ``adam_beta1/2`` and ``adam_epsilon`` where the rule has them)."""
     kw = {"lr": args.learning_rate}
-    options = rules.by_cli_name(name).optimizer_options()
+    spec = rules.by_cli_name(name)
+    options, fields = spec.optimizer_options(), spec.hyper_fields
     if "betas" in options:
         kw["betas"] = (args.adam_beta1, args.adam_beta2)
-    if "eps" in options:
+        if "beta3" in fields:  # DP-AdEMAMix: Adam's pair, its own slow beta3
+            beta3 = next(
+                f.default for f in dataclasses.fields(spec.hyper_class) if f.name == "beta3"
+            )
+            kw["betas"] = (*kw["betas"], beta3)
+    if "eps" in options and "eps" in fields:  # Adam's eps (not DP-Adafactor's (eps1, eps2))
         kw["eps"] = args.adam_epsilon
     return kw
