@@ -3,11 +3,17 @@ local Hugging Face directory (never a download).
 
 The default is a GPT-2-architecture model (Radford et al. 2019, transformers'
 ``GPT2LMHeadModel``) with a byte-level vocabulary: ids 0..255 are the UTF-8 bytes and
-256 is an end-of-text token, so no tokenizer file is needed.
+256 is an end-of-text token, so no tokenizer file is needed; ``arch="llama"`` builds a
+Llama-style one instead (``LlamaForCausalLM``: RMSNorm, rotary positions, SwiGLU,
+grouped-query attention, an untied head) with the same vocabulary and about as many
+parameters. Also here: LoRA adapters (peft) with per-architecture target modules, and a
+short greedy sample from a fixed public prompt.
 """
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from pathlib import Path
 
 import torch
@@ -21,6 +27,9 @@ EOT_ID = 256
 #: default private run takes a few minutes on 2 CPU cores.
 DEFAULT_SHAPE = {"n_embd": 128, "n_layer": 2, "n_head": 4}
 
+#: The built-in architectures (``dpkern finetune --arch``).
+ARCHS = ("gpt2", "llama")
+
 
 def default_model(
     block_size: int,
@@ -29,25 +38,36 @@ def default_model(
     n_layer: int | None = None,
     n_head: int | None = None,
     seed: int | None = None,
+    arch: str = "gpt2",
 ) -> nn.Module:
-    """A freshly initialised byte-level ``GPT2LMHeadModel`` (transformers) with context
+    """A freshly initialised byte-level causal LM (transformers) with context
     ``block_size`` and no dropout (DP noise already regularises; dropout would also make
-    the per-sample gradients of torch.func random).
+    the per-sample gradients of torch.func random), eager attention.
 
-    Args: block_size >= 2 (n_positions); n_embd (divisible by n_head), n_layer, n_head:
-    None = :data:`DEFAULT_SHAPE` (read at call time); seed: initialise reproducibly with
-    torch.manual_seed(seed) when given.
-    Raises: ValueError for an invalid shape."""
+    ``arch="gpt2"``: ``GPT2LMHeadModel`` (learned positions, LayerNorm, GELU MLP, head
+    tied to the embedding). ``arch="llama"``: ``LlamaForCausalLM`` (rotary positions,
+    RMSNorm, SwiGLU MLP of width 2.75 n_embd, ``n_head // 2`` key-value heads, untied
+    head): 435 k parameters at the default shape and block 64, GPT-2 438 k.
+
+    Args: block_size >= 2 (the context length); n_embd (divisible by n_head, and giving
+    an even head size for llama), n_layer, n_head: None = :data:`DEFAULT_SHAPE` (read at
+    call time); seed: initialise reproducibly with torch.manual_seed(seed) when given;
+    arch: one of :data:`ARCHS`.
+    Raises: ValueError for an invalid shape or architecture."""
     n_embd = DEFAULT_SHAPE["n_embd"] if n_embd is None else n_embd
     n_layer = DEFAULT_SHAPE["n_layer"] if n_layer is None else n_layer
     n_head = DEFAULT_SHAPE["n_head"] if n_head is None else n_head
-    from transformers import GPT2Config, GPT2LMHeadModel
-
+    if arch not in ARCHS:
+        raise ValueError(f"unknown architecture {arch!r}: expected one of {', '.join(ARCHS)}")
     if block_size < 2 or n_layer < 1 or n_head < 1 or n_embd < 1 or n_embd % n_head:
         raise ValueError(
             f"invalid model shape: block_size={block_size}, n_embd={n_embd}, "
             f"n_layer={n_layer}, n_head={n_head} (n_embd must divide by n_head)"
         )
+    if arch == "llama":
+        return _default_llama(block_size, n_embd, n_layer, n_head, seed)
+    from transformers import GPT2Config, GPT2LMHeadModel
+
     config = GPT2Config(
         vocab_size=BYTE_VOCAB,
         n_positions=block_size,
@@ -64,6 +84,186 @@ def default_model(
     if seed is not None:
         torch.manual_seed(seed)
     return GPT2LMHeadModel(config)
+
+
+def _default_llama(block_size: int, n_embd: int, n_layer: int, n_head: int, seed) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if (n_embd // n_head) % 2:
+        raise ValueError(
+            f"invalid model shape: head size {n_embd // n_head} (n_embd={n_embd} / "
+            f"n_head={n_head}) must be even for rotary positions"
+        )
+    config = LlamaConfig(
+        vocab_size=BYTE_VOCAB,
+        hidden_size=n_embd,
+        intermediate_size=max(1, round(2.75 * n_embd)),
+        num_hidden_layers=n_layer,
+        num_attention_heads=n_head,
+        num_key_value_heads=max(1, n_head // 2) if n_head % 2 == 0 else n_head,
+        max_position_embeddings=block_size,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        attention_dropout=0.0,
+        bos_token_id=EOT_ID,
+        eos_token_id=EOT_ID,
+        attn_implementation="eager",
+    )
+    if seed is not None:
+        torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+# -- LoRA adapters (peft) --------------------------------------------------------------------
+#: LoRA target modules per ``config.model_type``: every linear layer of the block.
+LORA_TARGETS = {
+    "gpt2": ("c_attn", "c_proj", "c_fc"),
+    "llama": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+}
+
+
+def lora_targets(model: nn.Module) -> tuple[list[str], str]:
+    """(target module names, where they come from) for LoRA on ``model``: the table
+    :data:`LORA_TARGETS` for GPT-2 and Llama (every linear layer of a block), else peft's
+    own defaults for the model type (``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING``:
+    usually the attention projections).
+
+    Raises: ValueError naming the model type and the supported ones when neither knows it."""
+    from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT
+
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    if kind in LORA_TARGETS:
+        return list(LORA_TARGETS[kind]), "dpkern"
+    if kind in PEFT:
+        return list(PEFT[kind]), "peft"
+    known = sorted(set(LORA_TARGETS) | set(PEFT))
+    raise ValueError(
+        f"no LoRA target modules known for model type {kind!r}: supported are "
+        f"{', '.join(LORA_TARGETS)} (every linear layer) and peft's defaults for "
+        f"{', '.join(k for k in known if k not in LORA_TARGETS)}"
+    )
+
+
+def lora_config(model: nn.Module, r: int, alpha: float, dropout: float):
+    """peft's ``LoraConfig`` for ``model`` (targets from :func:`lora_targets`; GPT-2's
+    Conv1D layers get ``fan_in_fan_out=True``)."""
+    from peft import LoraConfig
+
+    targets, _ = lora_targets(model)
+    kind = model.config.model_type
+    return LoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=targets,
+        fan_in_fan_out=kind == "gpt2",
+        task_type="CAUSAL_LM",
+    )
+
+
+def add_lora(model: nn.Module, r: int, alpha: float, dropout: float) -> nn.Module:
+    """``peft.get_peft_model(model, LoraConfig(r, ...))``: only the adapters are
+    trainable (peft keeps them in float32 on a bfloat16 model). Raises ValueError from
+    :func:`lora_targets`."""
+    from peft import get_peft_model
+
+    with _quiet_transformers():
+        return get_peft_model(model, lora_config(model, r, alpha, dropout))
+
+
+def load_lora(base: nn.Module, path: str | Path) -> nn.Module:
+    """The trainable peft model of the adapter saved in ``path`` (``save_pretrained`` of a
+    peft model: adapter_config.json, adapter_model.safetensors) on ``base``."""
+    from peft import PeftModel
+
+    with _quiet_transformers():
+        return PeftModel.from_pretrained(base, str(path), is_trainable=True)
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """peft calls transformers APIs deprecated in its v5 (``is_gradient_checkpointing``):
+    their FutureWarnings say nothing to a user."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning, message=".*is deprecated.*")
+        yield
+
+
+def base_state_dict(model: nn.Module) -> dict:
+    """The state dict of a peft model's base model as the plain model has it (adapter
+    weights dropped, peft's ``.base_layer`` removed from the names): what
+    ``save_pretrained`` of the base needs to write an ordinary checkpoint."""
+    base = model.get_base_model()
+    return {
+        k.replace(".base_layer.", "."): v for k, v in base.state_dict().items() if ".lora_" not in k
+    }
+
+
+def enable_checkpointing(model: nn.Module) -> None:
+    """Activation (gradient) checkpointing with ``use_reentrant=False`` (the blocks'
+    activations are recomputed in the backward). Raises ValueError for a model that does
+    not support it."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"{type(model).__name__} does not support gradient checkpointing")
+    kw = {"use_reentrant": False}
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:  # (transformers >= 5.x; gradient_checkpointing_enable before)
+        enable(activation_checkpointing_kwargs=kw)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
+
+
+# -- a greedy sample ---------------------------------------------------------------------------
+#: The fixed public prompt of the summary's sample (never taken from the training data).
+SAMPLE_PROMPT = "The Python "
+SAMPLE_TOKENS = 40
+
+
+def generate_sample(model, tokenizer=None, *, prompt: str = SAMPLE_PROMPT, new_tokens=None):
+    """Greedy continuation (``model.generate``, no sampling) of the public ``prompt``:
+    at most ``new_tokens`` (default :data:`SAMPLE_TOKENS`) new tokens, fewer where the
+    context length ends first (the prompt is cut to half of it). Byte-level ids (no
+    ``tokenizer``) are decoded as UTF-8 with ``errors="replace"``. Returns prompt +
+    continuation."""
+    new_tokens = SAMPLE_TOKENS if new_tokens is None else new_tokens
+    device = next(model.parameters()).device
+    if tokenizer is None:
+        ids = list(prompt.encode("utf-8"))
+    else:
+        ids = list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    ctx = context_length(model)
+    if ctx is not None:
+        ids = ids[: max(1, ctx // 2)]
+        new_tokens = max(0, min(new_tokens, ctx - len(ids)))
+    x = torch.tensor([ids], dtype=torch.long, device=device)
+    if new_tokens == 0:
+        return _decode(ids, tokenizer)
+    cfg = model.config
+    eos = getattr(cfg, "eos_token_id", None)
+    pad = getattr(cfg, "pad_token_id", None)
+    pad = pad if pad is not None else (eos if isinstance(eos, int) else 0)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                num_beams=1,
+                pad_token_id=pad,
+                use_cache=True,
+            )
+    finally:
+        model.train(was_training)
+    return _decode(out[0].tolist(), tokenizer)
+
+
+def _decode(ids: list[int], tokenizer) -> str:
+    if tokenizer is None:
+        return bytes(t for t in ids if 0 <= t < 256).decode("utf-8", errors="replace")
+    return tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def load_model(path: str | Path, attn_implementation: str | None = "eager"):

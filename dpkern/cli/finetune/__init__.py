@@ -33,6 +33,14 @@ on the private data without noise: they are for the operator, not for publicatio
 exact data-dependent count (samples drawn, clipped or non-finite) is written or shown:
 throughput is that of the expected batch.
 
+Models and memory: --arch llama builds a byte-level Llama (rotary, RMSNorm, SwiGLU,
+grouped-query attention) instead of the GPT-2 default; --lora R trains peft LoRA adapters
+only (they alone are clipped, noised and saved); --bf16 keeps the weights in bfloat16
+(norms, sums, noise and optimizer states stay float32); --gradient-checkpointing recomputes
+the blocks in the backward (ghost clipping stays exact). After the first step every
+trainable parameter must have moved (else an error: the Opacus-820 trap). The summary ends
+with a greedy sample from a fixed public prompt (metrics.json: "sample").
+
 Seeds: --seed fixes the model init, the Poisson sampling (its key is derived from the
 seed; without --seed it is a secret drawn from os.urandom) and dropout; the noise key stays
 secret (os.urandom, never saved) unless --noise-seed is given, which makes the noise
@@ -50,6 +58,7 @@ examples:
   dpkern finetune --data notes.jsonl --epsilon 3 --out run1
   dpkern finetune --model ./my-gpt2 --data notes.txt --steps 500 --out run2
   dpkern finetune --resume run2 --steps 800 --epsilon 4   # continue (sigma recalibrated)
+  dpkern finetune --arch llama --lora 8 --bf16 --out run5   # LoRA on a bf16 Llama
   dpkern finetune --nproc 4 --out run3               # data-parallel, 4 processes
   dpkern finetune --nproc 4 --fsdp --out run4        # the same, parameters sharded (FSDP2)
 

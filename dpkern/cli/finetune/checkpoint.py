@@ -24,6 +24,9 @@ from pathlib import Path
 import torch
 
 FILES = {"run": "run_config.json", "metrics": "metrics.json", "trainer": "trainer_state.pt"}
+#: A LoRA run's directory holds the adapter (peft's save_pretrained: adapter_config.json,
+#: adapter_model.safetensors); the built-in base model it was trained on goes here.
+BASE_DIR = "base_model"
 #: ``run_config.json["written_by"]``: what marks a dpkern run directory.
 MARKER = "dpkern finetune"
 STAGING_PREFIX = ".dpkern-staging-"
@@ -145,7 +148,10 @@ def write_checkpoint(
 
     ``run_config``: the plan (JSON); the marker and the manifest are added. ``trainer``:
     torch.save'd (step, optimizer and accountant state). ``model_state``: the full state
-    dict of a sharded (FSDP2) model. Every file is complete in a staging directory before
+    dict of a sharded (FSDP2) model. A peft (LoRA) model writes its adapter files; when
+    its base is the built-in model (``run_config["model"]`` None) the base goes to
+    :data:`BASE_DIR` (the adapter config names it), else the adapter names the
+    ``--model`` directory. Every file is complete in a staging directory before
     any file of ``out`` is replaced; trainer_state.pt goes in first and run_config.json
     last, so a crash in between leaves a step mismatch that :func:`load_checkpoint`
     reports instead of resuming a mix."""
@@ -157,7 +163,10 @@ def write_checkpoint(
     previous = _previous_files(out)
     stage = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=out))
     try:
-        model.save_pretrained(stage, state_dict=model_state)
+        if hasattr(model, "peft_config"):
+            _save_adapter(stage, out, model, run_config)
+        else:
+            model.save_pretrained(stage, state_dict=model_state)
         if tokenizer is not None:
             tokenizer.save_pretrained(stage)
         torch.save(trainer, stage / FILES["trainer"])
@@ -181,15 +190,30 @@ def write_checkpoint(
         shutil.rmtree(stage, ignore_errors=True)
 
 
+def _save_adapter(stage: Path, out: Path, model, run_config: dict) -> None:
+    """A peft model's adapter files (and, for the built-in base, the base model in
+    :data:`BASE_DIR`), without the model card peft adds (README.md: the user's name)."""
+    from ... import models
+
+    config = next(iter(model.peft_config.values()))
+    if run_config.get("model") is None:
+        base = model.get_base_model()
+        base.save_pretrained(stage / BASE_DIR, state_dict=models.base_state_dict(model))
+        config.base_model_name_or_path = str(out / BASE_DIR)
+    model.save_pretrained(stage, save_embedding_layers=False)  # (no embedding targets)
+    (stage / "README.md").unlink(missing_ok=True)
+
+
 def load_checkpoint(path: Path) -> tuple[dict, dict, dict]:
     """(run_config, trainer state, metrics) of the run directory ``path`` (--resume).
 
     Raises UsageError for a missing, incomplete, corrupt or partly written checkpoint."""
     if not path.is_dir():
         raise UsageError("--resume", f"{path} is not a directory")
-    missing = [
-        f for f in (FILES["run"], FILES["trainer"], "config.json") if not (path / f).is_file()
-    ]
+    model_file = (
+        "adapter_config.json" if (path / "adapter_config.json").is_file() else "config.json"
+    )
+    missing = [f for f in (FILES["run"], FILES["trainer"], model_file) if not (path / f).is_file()]
     if missing:
         raise UsageError(
             "--resume", f"{path} is not a dpkern finetune checkpoint (missing {', '.join(missing)})"

@@ -21,9 +21,10 @@ class PerSample:
     and then dropped from ``p.grad_sample`` and the losses, so they reach neither the
     norms nor the counts. :meth:`units` clips a privacy unit's blocks together."""
 
-    def __init__(self, net, mode: str):
+    def __init__(self, net, mode: str, loop: bool = False):
         self.mode = mode
         self.net = net
+        self.method = "loop" if loop else "auto"  # (gradient checkpointing: no vmap)
         if mode == "opacus":
             from opacus import GradSampleModule
 
@@ -36,7 +37,7 @@ class PerSample:
         from ...grad_sample import compute_grad_sample
 
         if self.mode == "functorch" or ids.shape[0] == 0:
-            losses = compute_grad_sample(self.net, models.sample_loss, ids, ids)
+            losses = compute_grad_sample(self.net, models.sample_loss, ids, ids, method=self.method)
         else:
             with warnings.catch_warnings():  # integer inputs: the hook sees no input grads
                 warnings.filterwarnings("ignore", message="Full backward hook is firing")
@@ -158,7 +159,9 @@ def choose_clipping(args, plan: Plan, net, params) -> str:
         and args.grad_sample != "opacus"
         and not getattr(args, "fsdp", False)
     ):
-        why = ghost_probe(net, params, plan.block_size)
+        why = ghost_probe(
+            net, params, plan.block_size, train=bool(getattr(args, "gradient_checkpointing", 0))
+        )
     if args.clipping == "ghost":
         require(why is None, "--clipping", why or "")
         return "ghost"
@@ -169,11 +172,13 @@ def choose_clipping(args, plan: Plan, net, params) -> str:
     return "per-sample"
 
 
-def ghost_probe(net, params, block_size: int) -> str | None:
+def ghost_probe(net, params, block_size: int, train: bool = False) -> str | None:
     """Whether ghost clipping is exact on this model, checked before training: one ghost
     backward with the first-step check (``verify="always"``) on 3 blocks of random token
     ids (never the private data: the answer depends on the model only), through a
-    throw-away optimizer that releases nothing. Returns None, or why not (one line)."""
+    throw-away optimizer that releases nothing. ``train``: probe in training mode (where
+    gradient checkpointing recomputes the blocks in the backward). Returns None, or why
+    not (one line)."""
     import dpkern
     from ...ghost import GhostClipping
 
@@ -190,6 +195,8 @@ def ghost_probe(net, params, block_size: int) -> str | None:
         expected_batch_size=3.0,
         backend="torch",
     )
+    was_training = net.training
+    net.train(train or was_training)
     try:
         with GhostClipping(net, probe, verify="always") as gc:
             gc.clipped_sums(models.token_loss(net(ids), ids))
@@ -197,6 +204,7 @@ def ghost_probe(net, params, block_size: int) -> str | None:
         first = str(exc).split(". ")[0].split("\n")[0]
         return f"ghost clipping is not exact on this model ({first[:300]})"
     finally:
+        net.train(was_training)
         for p in params:
             p.grad = None
     return None

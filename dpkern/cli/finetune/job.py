@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 
 from ... import models
-from .checkpoint import UsageError, check_out, load_checkpoint
+from .checkpoint import BASE_DIR, UsageError, check_out, load_checkpoint
 from .clipping import FSDP_NEEDS_GHOST, Ghost, PerSample, choose_clipping
 from .options import DEFAULT_MICRO_BATCH, check_numbers, require
 from .plan import (
@@ -36,7 +37,8 @@ class Job:
     ``steps``: the total at the end; ``micro``: the micro-batch size; ``delta``: the
     Gaussian mechanism's delta, sigma's calibration target (the target delta less the
     fixed-shape truncation's charge at the target epsilon, so the reported total stays
-    within the target); ``target_delta``: the user's delta; ``numel``: trainable parameters; ``old_metrics``: the resumed
+    within the target); ``target_delta``: the user's delta; ``numel``: trainable parameters (the LoRA adapters' with --lora: what the norms and
+    the noise cover); ``total_params``: all of the model's; ``old_metrics``: the resumed
     checkpoint's metrics.json ({} for a new run); ``units``: None (each block its own
     privacy unit) or int64 ``[len(train)]``, the unit of each training block (0 .. U-1)."""
 
@@ -60,26 +62,66 @@ class Job:
     old_metrics: dict
     units: torch.Tensor | None = None
     target_delta: float | None = None
+    total_params: int = 0
 
 
 def load_model(plan: Plan, args):
-    if args.resume:
+    """(model, tokenizer or None): the built-in model (--arch), a --model DIR, or the
+    resumed checkpoint's; then --bf16 (weights cast to bfloat16), --gradient-checkpointing
+    and --lora (a new adapter, or the checkpoint's). Nothing is on the device yet."""
+    attn = "eager" if args.grad_sample == "functorch" else None
+    adapter = None
+    if args.resume and plan.lora is not None:  # the base, then the saved adapter
+        adapter = Path(args.resume)
+        source, option = adapter / BASE_DIR if plan.model is None else plan.model, "--resume"
+    elif args.resume:
         source, option = args.resume, "--resume"
     elif plan.model is not None:
         source, option = plan.model, "--model"
     else:
-        return models.default_model(plan.block_size, seed=plan.seed), None
-    try:
-        model, tokenizer = models.load_model(
-            source, "eager" if args.grad_sample == "functorch" else None
+        source = option = None
+    if source is None:
+        model, tokenizer = (
+            models.default_model(plan.block_size, seed=plan.seed, arch=plan.arch),
+            None,
         )
-    except ValueError as exc:
-        raise UsageError(option, str(exc)) from None
+    else:
+        try:
+            model, tokenizer = models.load_model(source, attn)
+        except ValueError as exc:
+            what = (
+                "the base model this LoRA run was trained on"
+                + (" (its --model DIR)" if plan.model is not None else "")
+                + ": "
+                if adapter is not None
+                else ""
+            )
+            raise UsageError(option, what + str(exc)) from None
     ctx = models.context_length(model)
     if ctx is not None and plan.block_size > ctx:
         raise UsageError(
             "--block-size", f"{plan.block_size} exceeds the model's context length {ctx}"
         )
+    if plan.bf16:
+        model.to(torch.bfloat16)
+    if getattr(args, "gradient_checkpointing", False):
+        try:
+            models.enable_checkpointing(model)
+        except ValueError as exc:
+            raise UsageError("--gradient-checkpointing", str(exc)) from None
+    if adapter is not None:
+        try:
+            model = models.load_lora(model, adapter)
+        except (OSError, ValueError, KeyError, RuntimeError) as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise UsageError(
+                "--resume", f"{adapter}: the LoRA adapter does not load: {first}"
+            ) from None
+    elif plan.lora is not None:
+        try:
+            model = models.add_lora(model, plan.lora, plan.lora_alpha, plan.lora_dropout)
+        except ValueError as exc:
+            raise UsageError("--lora", str(exc)) from None
     return model, tokenizer
 
 
@@ -272,6 +314,29 @@ def check_nproc(args, device: torch.device) -> None:
         require(device.type == "cpu", "--nproc", f"supports cpu and cuda, not {device.type}")
 
 
+def check_memory_options(args, plan: Plan) -> None:
+    """--lora, --bf16 and --gradient-checkpointing against the other options."""
+    if plan.lora is not None:
+        try:
+            import peft  # noqa: F401
+        except ImportError:
+            raise UsageError(
+                "--lora", "needs peft, which is not installed (pip install 'dpkern[llm]')"
+            ) from None
+        require(
+            not getattr(args, "fsdp", False),
+            "--fsdp",
+            "is not supported with --lora yet (use --nproc N without --fsdp: the adapters "
+            "are small enough to replicate)",
+        )
+    require(
+        not getattr(args, "gradient_checkpointing", False) or args.grad_sample != "opacus",
+        "--gradient-checkpointing",
+        "cannot be used with --grad-sample opacus: its hooks would record the recomputed "
+        "forward of each block a second time (use --grad-sample functorch)",
+    )
+
+
 def prepare(args) -> Job:
     """Validate everything and build the :class:`Job`.
 
@@ -310,6 +375,7 @@ def prepare(args) -> Job:
     except RuntimeError as exc:
         raise UsageError("--device", str(exc)) from None
     check_nproc(args, device)
+    check_memory_options(args, plan)
     from ... import backends
 
     if args.backend != "auto":
@@ -410,8 +476,18 @@ def prepare(args) -> Job:
     require(
         not getattr(args, "fsdp", False) or args.clipping == "ghost", "--fsdp", FSDP_NEEDS_GHOST
     )
+    checkpointing = bool(getattr(args, "gradient_checkpointing", False))
+    if args.clipping == "per-sample" and checkpointing:
+        print(
+            "dpkern finetune: note: --gradient-checkpointing with per-sample clipping "
+            "computes per-sample gradients one sample at a time (torch.func cannot "
+            "transform the recomputed blocks): slower; ghost clipping is not affected",
+            file=sys.stderr,
+        )
     per_sample = (
-        Ghost(net, optimizer) if args.clipping == "ghost" else PerSample(net, args.grad_sample)
+        Ghost(net, optimizer)
+        if args.clipping == "ghost"
+        else PerSample(net, args.grad_sample, loop=checkpointing)
     )
     numel = sum(p.numel() for p in params)
     warn_delta(plan.delta, n, f"training {unit_name(plan, n)}")  # (last: input errors first)
@@ -433,6 +509,7 @@ def prepare(args) -> Job:
         delta=delta,
         target_delta=target_delta,
         numel=numel,
+        total_params=sum(p.numel() for p in model.parameters()),
         device=device,
         old_metrics=old_metrics or {},
         units=units,

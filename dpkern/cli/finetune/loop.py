@@ -43,6 +43,13 @@ def run_training(args, job, dist_ctx=None, stop: StopSignals | None = None) -> i
     fsdp = bool(getattr(optimizer, "sharded", False))
     writes = getattr(args, "writes", out is not None)  # (FSDP: ranks != 0 join the gathers)
     t_start = time.perf_counter()
+    # the Opacus-820 trap: parameters the optimizer does not own (the model moved to
+    # another device after the optimizer was built), or that do not move in the first step
+    try:
+        update_check = None if fsdp else _update_check(model, optimizer)
+    except ValueError as exc:
+        print(f"dpkern finetune: error: {exc}. Nothing was trained or saved", file=sys.stderr)
+        return 1
     val_before = models.evaluate(net, val, args.eval_batch_size, device)
     if plan.seed is not None:  # dropout masks (a --model with dropout): per rank, per resume
         segment_seed = (plan.seed * 1_000_003 + done) % 2**63
@@ -63,7 +70,7 @@ def run_training(args, job, dist_ctx=None, stop: StopSignals | None = None) -> i
         tokens = (optimizer.dp_step - segment_start) * expected_rows * plan.block_size
         return tokens / max(train_time, 1e-9)
 
-    def checkpoint(val_after=None, final=False):
+    def checkpoint(val_after=None, final=False, sample=None):
         report = accountant.privacy_report(delta, numel)
         eps, delta_total = report["epsilon"], report["delta_total"]
         if private:
@@ -112,6 +119,14 @@ def run_training(args, job, dist_ctx=None, stop: StopSignals | None = None) -> i
             "expected_tokens_per_second": expected_tokens_per_second(),
             "total_seconds": time.perf_counter() - t_start,
             "num_parameters": numel,
+            "num_parameters_total": job.total_params,
+            "arch": plan.arch,
+            "lora": plan.lora,
+            "lora_alpha": plan.lora_alpha,
+            "lora_dropout": plan.lora_dropout,
+            "bf16": plan.bf16,
+            "gradient_checkpointing": bool(getattr(args, "gradient_checkpointing", False)),
+            "clipping": args.clipping,
             "n_train_blocks": plan.n_train,
             "n_val_blocks": plan.n_val,
             "block_size": plan.block_size,
@@ -127,6 +142,9 @@ def run_training(args, job, dist_ctx=None, stop: StopSignals | None = None) -> i
             "fsdp": fsdp,
             "bytes_per_rank": _resident_bytes(optimizer),
         }
+        if sample is not None:
+            metrics["sample_prompt"] = models.SAMPLE_PROMPT
+            metrics["sample"] = sample
         segment = {
             "steps": [segment_start, optimizer.dp_step],
             "nproc": world,
@@ -202,6 +220,14 @@ def run_training(args, job, dist_ctx=None, stop: StopSignals | None = None) -> i
                     optimizer.accumulate()
         optimizer.step()
         accountant.step(sigma, q, overflow_probability=overflow)
+        if update_check is not None:
+            try:
+                update_check.after_step()
+            except RuntimeError as exc:
+                bar.close()
+                print(f"dpkern finetune: error: {exc}{_UPDATE_HINT}", file=sys.stderr)
+                return 1
+            update_check = None
         count, loss_sum = sampled.num_rows, float(torch.cat(losses).sum()) if losses else 0.0
         stop_now = stop.requested
         if dist_ctx is not None:  # global mean loss for the bar; a stop on any rank is all's
@@ -256,10 +282,29 @@ def run_training(args, job, dist_ctx=None, stop: StopSignals | None = None) -> i
 
         check_replicas(model, world, device)
     val_after = models.evaluate(net, val, args.eval_batch_size, device)
-    metrics = checkpoint(val_after, final=True)
+    # a greedy continuation of a fixed public prompt (every rank: FSDP's forwards are
+    # collectives); post-processing of the released model
+    sample = models.generate_sample(model, tokenizer)
+    metrics = checkpoint(val_after, final=True, sample=sample)
     if rank == 0:
         _print_summary(plan, args, metrics, n_bytes, done, out)
     return 0
+
+
+_UPDATE_HINT = (
+    " (dpkern finetune builds its optimizer after moving the model to its device: if "
+    "--bf16 is on, the update may be below bfloat16's resolution: raise --lr or drop "
+    "--bf16). Nothing was saved"
+)
+
+
+def _update_check(model, optimizer):
+    """dpkern.integrations.guard.UpdateCheck: the optimizer updates exactly the model's
+    trainable parameters (checked now) and each of them moves in the first step (checked
+    by ``after_step``)."""
+    from ...integrations.guard import UpdateCheck
+
+    return UpdateCheck(model, optimizer)
 
 
 def _make_sampler(plan, job, steps: int, dist_ctx):
@@ -340,10 +385,32 @@ def _unit_line(plan) -> str:
     return f"{what}: {n:,} training {unit_name(plan, n)}, clipped as one row each{cap}"
 
 
-def _print_summary(plan, args, m, n_bytes, done, out) -> None:
+ARCH_NAMES = {"gpt2": "GPT-2", "llama": "Llama"}
+
+
+def _model_line(plan, args, m) -> str:
     model = plan.model or (
-        "(resumed) " + str(args.resume) if args.resume else "built-in byte-level GPT-2"
+        "(resumed) " + str(args.resume)
+        if args.resume
+        else f"built-in byte-level {ARCH_NAMES.get(plan.arch, plan.arch)}"
     )
+    line = f"{model}: {m['num_parameters_total'] / 1e6:.2f} M parameters"
+    if plan.lora is not None:
+        line += (
+            f", LoRA r {plan.lora} (alpha {plan.lora_alpha:g}): {m['num_parameters']:,} trainable"
+        )
+    extras = [
+        x
+        for x, on in (
+            ("bfloat16 weights", plan.bf16),
+            ("gradient checkpointing", m.get("gradient_checkpointing")),
+        )
+        if on
+    ]
+    return line + f", block {plan.block_size}" + "".join(", " + x for x in extras)
+
+
+def _print_summary(plan, args, m, n_bytes, done, out) -> None:
     data = plan.data or "pydoc_data.topics (CPython help pages)"
     delta_src = "" if plan.delta is not None else " (1/N^1.1)"
     units = unit_name(plan, plan.n_units)
@@ -371,7 +438,7 @@ def _print_summary(plan, args, m, n_bytes, done, out) -> None:
         privacy = f"{NOT_PRIVATE} (--noise-seed {plan.noise_seed}); {mechanism}"
     lines = [
         f"dpkern finetune: done in {_fmt_time(m['total_seconds'])}",
-        f"  model       {model}: {m['num_parameters'] / 1e6:.2f} M parameters, block {plan.block_size}",
+        f"  model       {_model_line(plan, args, m)}",
         (
             f"  data        {data}: {n_bytes:,} bytes, {plan.n_train:,} train / "
             f"{plan.n_val:,} validation blocks"
@@ -390,6 +457,8 @@ def _print_summary(plan, args, m, n_bytes, done, out) -> None:
             f"perplexity {m['val_perplexity_before']:.2f} -> {m['val_perplexity_after']:.2f}"
         ),
     ]
+    if m.get("sample") is not None and not args.quiet:
+        lines.append(f"  sample      {m['sample']!r} (greedy, from a fixed public prompt)")
     if out is not None:
         lines.append(f"  saved       {out}")
     print("\n".join(lines))

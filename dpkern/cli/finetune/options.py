@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from ... import rules
+from ... import models, rules
 from .checkpoint import FILES, UsageError
 
 
@@ -37,6 +37,8 @@ DEFAULTS = {
     "batch_size": 128,
     "steps": 150,
     "privacy_unit": "block",
+    "arch": "gpt2",
+    "bf16": False,
 }
 
 
@@ -61,6 +63,11 @@ PLAN_OPTIONS = (
     "user_field",
     "max_batch_size",
     "max_blocks_per_unit",
+    "arch",
+    "lora",
+    "lora_alpha",
+    "lora_dropout",
+    "bf16",
 )
 
 
@@ -74,6 +81,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="local Hugging Face causal LM directory "
         "(loaded offline; its tokenizer if present, else byte-level ids). Default: "
         "a byte-level GPT-2 built in code (2 layers, width 128, 4 heads)",
+    )
+    g.add_argument(
+        "--arch",
+        choices=models.ARCHS,
+        help="the built-in model (not with --model): gpt2 (GPT2LMHeadModel: learned "
+        "positions, LayerNorm, GELU, tied head) or llama (LlamaForCausalLM: rotary "
+        "positions, RMSNorm, SwiGLU, 4 heads / 2 key-value heads, untied head); both "
+        f"byte-level with about 0.44 M parameters (default {d['arch']})",
     )
     g.add_argument(
         "--data",
@@ -109,6 +124,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="with --privacy-unit user: the .jsonl field that names each line's user "
         "(a string or an integer on every line)",
+    )
+    g = parser.add_argument_group("adapters and memory")
+    g.add_argument(
+        "--lora",
+        type=int,
+        metavar="R",
+        help="train LoRA adapters of rank R (peft) instead of every weight: only they are "
+        "clipped, noised and saved (the adapter files; the built-in base goes to "
+        "base_model/). Targets: every linear layer for gpt2 and llama, peft's defaults "
+        "for the other model types it knows",
+    )
+    g.add_argument(
+        "--lora-alpha",
+        type=float,
+        metavar="A",
+        help="LoRA scaling alpha (the update is alpha/R B A) (default 2R)",
+    )
+    g.add_argument(
+        "--lora-dropout",
+        type=float,
+        metavar="P",
+        help="dropout on the LoRA inputs (default 0)",
+    )
+    g.add_argument(
+        "--bf16",
+        action="store_true",
+        default=None,
+        help="keep the model's weights in bfloat16 (LoRA adapters stay float32); "
+        "per-sample norms, clipped sums, noise and optimizer states are float32",
+    )
+    g.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="recompute each block's activations in the backward (use_reentrant=False): "
+        "less memory, more time; ghost clipping stays exact (checked on the first step)",
     )
     g = parser.add_argument_group("privacy")
     g.add_argument(
@@ -286,6 +336,8 @@ def check_numbers(args) -> None:
         "max_grad_norm",
         "val_fraction",
         "epochs",
+        "lora_alpha",
+        "lora_dropout",
     ):
         require(
             finite(getattr(args, opt)),
@@ -324,10 +376,21 @@ def check_numbers(args) -> None:
         ("nproc", 1),
         ("max_batch_size", 1),
         ("max_blocks_per_unit", 1),
+        ("lora", 1),
     ):
         v = getattr(args, opt, None)
         require(v is None or v >= low, "--" + opt.replace("_", "-"), f"must be >= {low}, got {v}")
     require(args.epochs is None or args.epochs > 0, "--epochs", f"must be > 0, got {args.epochs}")
+    require(
+        args.lora_alpha is None or args.lora_alpha > 0,
+        "--lora-alpha",
+        f"must be > 0, got {args.lora_alpha}",
+    )
+    require(
+        args.lora_dropout is None or 0 <= args.lora_dropout < 1,
+        "--lora-dropout",
+        f"must be in [0, 1), got {args.lora_dropout}",
+    )
     for opt in ("seed", "noise_seed"):
         v = getattr(args, opt, None)
         require(

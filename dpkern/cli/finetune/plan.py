@@ -48,6 +48,11 @@ class Plan:
     max_blocks_per_unit: int | None = None
     n_units: int = 0
     batch_overflow_probability: float = 0.0
+    arch: str | None = "gpt2"  # the built-in model's; None with --model
+    lora: int | None = None
+    lora_alpha: float | None = None
+    lora_dropout: float | None = None
+    bf16: bool = False
 
 
 #: How each privacy unit is named in messages and the summary (singular, plural).
@@ -87,6 +92,11 @@ def plan_from_args(args, saved: dict | None) -> Plan:
         "user_field",
         "max_batch_size",
         "max_blocks_per_unit",
+        "arch",
+        "lora",
+        "lora_alpha",
+        "lora_dropout",
+        "bf16",
     ):
         given = getattr(args, name, None)
         if saved is not None and name in PLAN_OPTIONS:
@@ -109,6 +119,22 @@ def plan_from_args(args, saved: dict | None) -> Plan:
             values[name] = DEFAULTS.get(name)
     if args.model is not None and saved is not None:
         raise UsageError("--model", "cannot be given with --resume (the model is the checkpoint's)")
+    if saved is None:
+        if args.model is not None:
+            if getattr(args, "arch", None) is not None:
+                raise UsageError(
+                    "--arch", "chooses the built-in model; --model DIR has its own architecture"
+                )
+            values["arch"] = None
+        if values["lora"] is None:
+            for name in ("lora_alpha", "lora_dropout"):
+                if values[name] is not None:
+                    raise UsageError("--" + name.replace("_", "-"), "only with --lora R")
+        else:
+            if values["lora_alpha"] is None:
+                values["lora_alpha"] = 2.0 * values["lora"]
+            if values["lora_dropout"] is None:
+                values["lora_dropout"] = 0.0
     if values["epochs"] is not None:
         values["steps"] = None
     for name in ("model", "data"):  # absolute, so that --resume works from anywhere
@@ -144,6 +170,11 @@ def saved_plan(saved: dict, trainer_state: dict) -> dict:
     saved.setdefault("privacy_unit", "block")  # (checkpoints before privacy units)
     for name in ("user_field", "max_batch_size", "max_blocks_per_unit"):
         saved.setdefault(name, None)
+    # (checkpoints before --arch, --lora and --bf16: the built-in model was GPT-2)
+    saved.setdefault("arch", "gpt2" if saved.get("model") is None else None)
+    for name in ("lora", "lora_alpha", "lora_dropout"):
+        saved.setdefault(name, None)
+    saved.setdefault("bf16", False)
     return saved
 
 
