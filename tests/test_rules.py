@@ -116,12 +116,24 @@ def test_cli_choices_come_from_the_registry():
 
     names = tuple(s.cli_name for s in rules.RULES.values())
     assert options.OPTIMIZERS == names
-    assert tuple(compare.OPTIMIZERS) == names
+    # compare: every rule, then "+bc" for each family whose class takes the option
+    bc = tuple(
+        s.cli_name + "+bc"
+        for s in rules.RULES.values()
+        if s.noise_bias_correction and "noise_bias_correction" in s.hyper_fields
+    )
+    assert {"dp-rmsprop+bc", "dp-adagrad+bc", "dp-radam+bc", "dp-adafactor+bc"} <= set(bc)
+    assert "dp-lion+bc" not in bc and "dp-adambc+bc" not in bc
+    assert tuple(compare.OPTIMIZERS) == names + bc
     assert set(compare.QUICK_OPTIMIZERS) <= set(names)
     for cli, (cls, grid) in compare.OPTIMIZERS.items():
-        spec = rules.by_cli_name(cli)
-        assert cls is spec.optimizer_class() and grid == spec.lr_grid
-    assert compare.DECOUPLED == tuple(s.cli_name for s in rules.RULES.values() if s.decoupled_decay)
+        spec = rules.by_cli_name(cli.removesuffix("+bc"))
+        want = tuple(float(f"{lr / 30:.3g}") for lr in spec.lr_grid) if cli in bc else spec.lr_grid
+        assert cls is spec.optimizer_class() and grid == want
+    decoupled = tuple(
+        n for n in compare.OPTIMIZERS if rules.by_cli_name(n.removesuffix("+bc")).decoupled_decay
+    )
+    assert compare.DECOUPLED == decoupled
     assert {"dp-adamw", "dp-adamw-bc", "dp-ademamix", "dp-lion", "dp-adafactor"} <= set(
         compare.DECOUPLED
     )

@@ -28,8 +28,10 @@ same noise draws): the runs are not private (the noise key is known), and the ep
 are those the runs would spend with a secret key. The output says so.
 
 Optimizer names are finetune's, the command-line names of the rule registry
-(:mod:`dpkern.rules`): dp-sgd, dp-adam, dp-adambc, dp-adamw, dp-adamw-bc, dp-macadam; each
-rule's learning-rate grid is its ``RuleSpec.lr_grid``. The command echoed at the top of
+(:mod:`dpkern.rules`): dp-sgd, dp-adam, dp-adambc, dp-adamw, dp-adamw-bc, dp-macadam and
+the families of SPEC section 10 (dp-rmsprop, dp-adagrad, dp-radam, dp-lion, ...); each
+rule's learning-rate grid is its ``RuleSpec.lr_grid``. NAME+bc (dp-rmsprop+bc, ...) runs a
+family with noise_bias_correction=True, on its grid divided by 30. The command echoed at the top of
 table.md is the one that ran (rerunning it runs the same grid).
 
 Example:  dpkern compare --task digits --epsilons 1 3 7 --seeds 3 --optimizers all

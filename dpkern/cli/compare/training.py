@@ -24,8 +24,32 @@ OPTIMIZERS: dict[str, tuple[type, tuple[float, ...]]] = {
     for spec in rules.RULES.values()
     if spec.lr_grid
 }
+#: "<name>+bc": a family whose class takes ``noise_bias_correction`` (SPEC 10), run with it
+#: on. Its grid is the family's divided by 30: the corrected denominator (floored at
+#: gamma) is smaller than sqrt(v) wherever the noise dominates v, so steps are larger (the
+#: built-in BC rules' grids sit 100x below their twins').
+BC_SUFFIX = "+bc"
+OPTIMIZERS.update(
+    {
+        spec.cli_name + BC_SUFFIX: (
+            spec.optimizer_class(),
+            tuple(float(f"{lr / 30:.3g}") for lr in spec.lr_grid),
+        )
+        for spec in rules.RULES.values()
+        if spec.lr_grid
+        and spec.noise_bias_correction
+        and "noise_bias_correction" in spec.hyper_fields
+    }
+)
+
+
+def spec_of(name: str) -> rules.RuleSpec:
+    """The rule of a compare name (``dp-rmsprop`` or ``dp-rmsprop+bc``)."""
+    return rules.by_cli_name(name.removesuffix(BC_SUFFIX))
+
+
 # --weight-decay applies to the rules with decoupled decay only
-DECOUPLED = tuple(s.cli_name for s in rules.RULES.values() if s.decoupled_decay)
+DECOUPLED = tuple(n for n in OPTIMIZERS if spec_of(n).decoupled_decay)
 
 
 @dataclass(frozen=True)
@@ -53,7 +77,7 @@ def make_optimizer(name: str, params, cfg: RunConfig, expected_batch_size: float
     optimizers at the same seed see the same noise draws). DP-MacAdam has no clipping
     bound to set (it adapts it)."""
     cls, _ = OPTIMIZERS[name]
-    options = rules.by_cli_name(name).optimizer_options()
+    options = spec_of(name).optimizer_options()
     kw = dict(
         lr=cfg.lr,
         noise_multiplier=cfg.noise_multiplier,
@@ -65,6 +89,8 @@ def make_optimizer(name: str, params, cfg: RunConfig, expected_batch_size: float
         kw["max_grad_norm"] = cfg.max_grad_norm
     if name in DECOUPLED:
         kw["weight_decay"] = cfg.weight_decay
+    if name.endswith(BC_SUFFIX):
+        kw["noise_bias_correction"] = True
     return cls(params, **kw)
 
 
