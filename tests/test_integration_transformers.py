@@ -591,7 +591,7 @@ def test_refused_trainer_arguments(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="loss_normalizer"):
         PrivacyArguments(target_epsilon=1.0, loss_normalizer=float("nan"))
     monkeypatch.setattr(TrainingArguments, "world_size", property(lambda self: 2))
-    with pytest.raises(ValueError, match="world_size=2: DPTrainer runs in one process"):
+    with pytest.raises(ValueError, match="world_size=2 under parallel_mode='not_parallel'"):
         DPTrainer(model=model, args=args, train_dataset=data, privacy=privacy())
 
 

@@ -44,6 +44,25 @@ logging, evaluation, checkpoints, callbacks, Accelerate):
   run draws a fresh key), the scheduler and the ledger, and keeps sigma when the plan is
   unchanged (else recalibrates it so that the whole run still meets the target). A
   checkpoint without the ledger (not a DPTrainer's, or ``save_only_model``) is refused.
+- **Data parallelism (DDP).** The same script under ``torchrun --nproc_per_node=W`` or
+  ``accelerate launch`` (gloo on CPU, NCCL on GPUs) takes the single-process steps: B_e
+  stays ``per_device_train_batch_size * gradient_accumulation_steps``, the expected
+  batch of the whole step over all ranks (sigma, q and epsilon do not depend on W). Each
+  rank draws its part of that Poisson batch (the examples i % W == r of the
+  single-process draw, under one sampling key: rank 0's secret key, broadcast, or the
+  one derived from ``noise_seed``; compared by fingerprint; every rank yields every
+  micro-batch, empty ones included), ghost clipping sums its samples locally, and
+  :class:`dpkern.distributed.DistributedDPOptimizer` all-reduces the clipped sums once
+  per step; every rank then adds the same noise (rank 0's noise key, the same step:
+  the logical batch's one draw, computed on each rank) divided by the global B_e. The
+  training step calls the module inside Accelerate's ``DistributedDataParallel``
+  wrapper directly, and nothing fills ``.grad``, so DDP's all-reduce never runs (no
+  un-noised sum is exchanged, none is counted twice). Each rank's
+  accountant counts each global step once (the same ledger everywhere); rank 0 writes
+  the checkpoints, ``dpkern_privacy.json`` and the log lines. A rank whose plan,
+  privacy settings, optimizer configuration or keys differ stops every rank with
+  :class:`dpkern.distributed.DistributedDPError`. An error in one rank's clipping ends
+  that process (torchrun then stops the others).
 - **Padding.** Batches must be right-padded (or carry ``position_ids``): with left
   padding a sample's positions would depend on the longest sample of its batch. A
   left-padded batch is a ValueError.
@@ -51,10 +70,10 @@ logging, evaluation, checkpoints, callbacks, Accelerate):
   fills), ``total_flos`` is 0 (it would count the sampled tokens), and nothing counts
   the realised batch; the logged loss is the un-noised training loss
   (sum of per-sample losses / B_e), for the operator only.
-- **Refused** (ValueError at construction; the data at ``train()``): more than one
-  process or GPU (DDP,
-  DataParallel: not tested here; use :mod:`dpkern.distributed` in your own loop or
-  ``dpkern finetune --nproc``), DeepSpeed, FSDP, model parallelism, fp16 (its loss
+- **Refused** (ValueError at construction; the data at ``train()``): several GPUs in
+  one process (DataParallel), parallel modes other than torch.distributed DDP (TPU,
+  SageMaker, ``parallelism_config``), DeepSpeed, FSDP (:mod:`dpkern.distributed` has
+  FSDP2 for own loops), model parallelism, fp16 (its loss
   scaler works on ``.grad``; bf16 works), ``torch_compile``, activation checkpointing,
   label smoothing, NEFTune, ``include_num_input_tokens_seen``, ``auto_find_batch_size``,
   non-random sampling strategies, an iterable dataset, ``optimizers=`` /
@@ -65,7 +84,9 @@ logging, evaluation, checkpoints, callbacks, Accelerate):
 is reproducible (a resumed run equals the uninterrupted one) and **not private**; it logs
 ``epsilon_if_noise_key_were_secret`` instead of ``epsilon`` and its ledger file says so.
 
-Tested with transformers 5.24, accelerate 1.15 and peft 0.21 (single process, CPU).
+Tested with transformers 5.24, accelerate 1.15 and peft 0.21 on CPU: one process, and 2
+gloo ranks under torchrun (``tests/test_integration_transformers_ddp.py``: the final
+weights within 1e-6 of the single-process run; NCCL is not tested).
 
 Layout: :mod:`.arguments` (PrivacyArguments, the DP optimizers it names), :mod:`.data`
 (the Poisson sampler, the collator, the row chunks), :mod:`.checks` (what is refused),

@@ -11,12 +11,19 @@ def _refuse(ok: bool, what: str) -> None:
 
 def _check_training_args(args) -> None:
     """The TrainingArguments DPTrainer refuses (ValueError naming the field)."""
-    _refuse(
-        args.world_size <= 1,
-        f"world_size={args.world_size}: DPTrainer runs in one process (data-parallel "
-        "training through the Trainer is not tested yet; use dpkern.distributed in your "
-        "own loop, or dpkern finetune --nproc N)",
-    )
+    if args.world_size > 1:  # DDP (torchrun / accelerate launch): one replica per process
+        mode = str(getattr(args.parallel_mode, "value", args.parallel_mode))
+        _refuse(
+            mode == "distributed",
+            f"world_size={args.world_size} under parallel_mode={mode!r}: only "
+            "torch.distributed data parallelism (torchrun / accelerate launch, one "
+            "process per device) is supported",
+        )
+        _refuse(
+            getattr(args, "parallelism_config", None) is None,
+            "parallelism_config (tensor / context / sequence parallelism) is not "
+            "supported: DPTrainer's ranks each hold a full replica (DDP)",
+        )
     _refuse(
         args.n_gpu <= 1,
         f"n_gpu={args.n_gpu}: torch.nn.DataParallel replicas are not supported (make one "

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ...sampling import PoissonBatchSampler
+from ...sampling import PoissonBatchSampler, SamplingKey
 
 
 class PoissonMicroBatchSampler(torch.utils.data.Sampler[list[int]]):
@@ -21,6 +21,15 @@ class PoissonMicroBatchSampler(torch.utils.data.Sampler[list[int]]):
     may be empty). A ``DataLoader(dataset, batch_sampler=...)`` then gives the Trainer
     exactly ``micro_batches`` micro-batches per optimizer step.
 
+    Data-parallel ranks (``rank``, ``world_size`` W > 1): rank r takes its part of every
+    logical batch, the units i with i % W == r of the single-process draw under the same
+    key (counter-based sampling, :class:`~dpkern.sampling.PoissonBatchSampler`), split
+    into ``micro_batches`` micro-batches as above; every rank yields the same number of
+    micro-batches (empty ones included), and the union over ranks is the single-process
+    logical batch. The ranks must share the key: ``seed`` (the same on every rank), or
+    ``key``, a secret :class:`~dpkern.sampling.SamplingKey` broadcast from rank 0, under
+    which epoch e draws the steps e * steps_per_epoch + 1, ... of the sampling stream.
+
     Args:
         num_samples: N, the dataset size (int >= 1).
         sample_rate: q in (0, 1].
@@ -30,8 +39,12 @@ class PoissonMicroBatchSampler(torch.utils.data.Sampler[list[int]]):
         seed: None (default): each epoch's draw is seeded from os.urandom (never
             stored). An int: epoch e is seeded by a function of (seed, e), so an epoch
             is the same however often it is iterated (a known sampling: not private).
+        key: instead of ``seed``: one secret sampling key for every epoch (what ranks
+            share in secure mode; epochs then draw successive steps of its stream).
+        rank, world_size: this rank and the number of ranks (default 0 and 1).
     Raises:
-        ValueError: invalid arguments (from PoissonBatchSampler too)."""
+        ValueError: invalid arguments (from PoissonBatchSampler too), both ``seed`` and
+            ``key``, or several ranks with neither."""
 
     def __init__(
         self,
@@ -41,14 +54,34 @@ class PoissonMicroBatchSampler(torch.utils.data.Sampler[list[int]]):
         micro_batches: int,
         *,
         seed: int | None = None,
+        key: SamplingKey | None = None,
+        rank: int = 0,
+        world_size: int = 1,
     ):
         for name, v in (("steps_per_epoch", steps_per_epoch), ("micro_batches", micro_batches)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"invalid {name}={v!r}: expected an int >= 1")
-        PoissonBatchSampler(num_samples, sample_rate, 1, seed=0)  # validates N and q
+        # validates N, q, rank, world_size and the key
+        PoissonBatchSampler(
+            num_samples,
+            sample_rate,
+            1,
+            seed=0 if key is None else None,
+            key=key,
+            rank=rank,
+            world_size=world_size,
+        )
+        if seed is not None and key is not None:
+            raise ValueError("pass seed= or key=, not both")
+        if world_size > 1 and seed is None and key is None:
+            raise ValueError(
+                "several ranks need one sampling key: pass seed= or key= (rank 0's secret "
+                "key, broadcast: dpkern.distributed.broadcast_sampling_key)"
+            )
         self.num_samples, self.sample_rate = num_samples, float(sample_rate)
         self.steps_per_epoch, self.micro_batches = steps_per_epoch, micro_batches
-        self.seed = seed
+        self.seed, self.key = seed, key
+        self.rank, self.world_size = rank, world_size
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -62,8 +95,16 @@ class PoissonMicroBatchSampler(torch.utils.data.Sampler[list[int]]):
         epoch, self.epoch = self.epoch, self.epoch + 1
         seed = None if self.seed is None else (self.seed * 1_000_003 + epoch) % 2**63
         m = self.micro_batches
+        start = 1 if self.key is None else epoch * self.steps_per_epoch + 1
         draws = PoissonBatchSampler(
-            self.num_samples, self.sample_rate, self.steps_per_epoch, seed=seed
+            self.num_samples,
+            self.sample_rate,
+            self.steps_per_epoch,
+            seed=seed,
+            key=self.key,
+            start_step=start,
+            rank=self.rank,
+            world_size=self.world_size,
         )
         for indices in draws:
             n = len(indices)

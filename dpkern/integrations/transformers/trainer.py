@@ -34,6 +34,60 @@ from .records import build_record, read_record, write_record
 #: gradient; an exact un-noised statistic if anything filled it).
 _DROPPED_LOGS = ("grad_norm",)
 
+#: The plan and privacy settings every data-parallel rank must share (compared at train()).
+_SHARED = (
+    "dataset_size",
+    "expected_batch_size",
+    "micro_batches",
+    "sample_rate",
+    "steps_per_epoch",
+    "planned_steps",
+    "target_delta",
+    "max_grad_norm",
+)
+
+
+def _is_distributed(optimizer) -> bool:
+    from ...distributed import DistributedDPOptimizer
+
+    return isinstance(optimizer, DistributedDPOptimizer)
+
+
+def _unwrap_ddp(model):
+    """The module under ``torch.nn.parallel.DistributedDataParallel`` (else ``model``)."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return model.module
+    return model
+
+
+def _shared_sampling_key(plan: dict, privacy: PrivacyArguments, seed: int | None):
+    """Data-parallel ranks: check that they share the plan and the privacy settings,
+    and give them one sampling key (collectives on the default group). Secure mode: rank
+    0's fresh secret key, broadcast; with a seed: None (each rank derives the epochs'
+    keys from it). Either way the ranks' keys are compared by fingerprint.
+
+    Raises: DistributedDPError on every rank (plan, settings or keys differ)."""
+    import torch.distributed as dist
+
+    from ...distributed import DistributedDPError, broadcast_sampling_key
+    from ...distributed.sampler import check_sampling_keys
+    from ...sampling import sampling_key
+
+    mine = {k: plan[k] for k in _SHARED}
+    mine.update({f"privacy.{k}": v for k, v in asdict(privacy).items() if k != "noise_seed"})
+    mine["privacy.private"] = privacy.private
+    rows = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, mine)  # public numbers only (no key, no seed)
+    differ = sorted(k for k in mine if any(r[k] != rows[0][k] for r in rows))
+    if differ:
+        raise DistributedDPError(
+            "DPTrainer: the ranks' runs differ (" + ", ".join(differ) + "): every rank "
+            "needs the same TrainingArguments, PrivacyArguments and train_dataset"
+        )
+    key = broadcast_sampling_key() if seed is None else None
+    check_sampling_keys(key if key is not None else sampling_key(seed))
+    return key
+
 
 class _PrivacyCallback(TrainerCallback):
     """Account each release when the optimizer steps (and check the first one)."""
@@ -191,12 +245,18 @@ class DPTrainer(Trainer):
         else:
             collator = self._get_collator_with_removed_columns(collator, description="training")
         seed = self.privacy.noise_seed
+        seed = None if seed is None else (seed ^ 0x5DEECE66D) % 2**63
+        world = self.args.world_size
+        key = _shared_sampling_key(plan, self.privacy, seed) if world > 1 else None
         sampler = PoissonMicroBatchSampler(
             plan["dataset_size"],
             plan["sample_rate"],
             plan["steps_per_epoch"],
             plan["micro_batches"],
-            seed=None if seed is None else (seed ^ 0x5DEECE66D) % 2**63,
+            seed=seed,
+            key=key,
+            rank=self.args.process_index if world > 1 else 0,
+            world_size=world,
         )
         args = self.args
         params = {
@@ -209,6 +269,21 @@ class DPTrainer(Trainer):
         if args.dataloader_num_workers > 0:
             params["prefetch_factor"] = args.dataloader_prefetch_factor
         loader = torch.utils.data.DataLoader(dataset, **params)
+        if world > 1:
+            # each rank's loader already yields its part of every logical batch:
+            # Accelerate's prepare would shard the batches again (rank r taking every
+            # W-th micro-batch); only its device placement is wanted here
+            from accelerate.data_loader import prepare_data_loader
+
+            return prepare_data_loader(
+                loader,
+                self.accelerator.device,
+                num_processes=1,
+                process_index=0,
+                put_on_device=True,
+                rng_types=list(self.accelerator.rng_types or []),
+                non_blocking=self.accelerator.non_blocking,
+            )
         return self.accelerator.prepare(loader)
 
     # -- the optimizer ------------------------------------------------------------------------
@@ -238,13 +313,30 @@ class DPTrainer(Trainer):
             seed=p.noise_seed,
             backend=p.backend,
         )
+        if self.args.world_size > 1:
+            from ...distributed import DistributedDPOptimizer
+
+            # a collective: rank 0's secure noise key is broadcast, and the ranks'
+            # configuration, steps and keys are compared (DistributedDPError on a
+            # mismatch, on every rank); step() all-reduces the clipped sums, then every
+            # rank adds the same noise (same key and step) with the global B_e
+            self.optimizer = DistributedDPOptimizer(self.optimizer)
         return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        """The Trainer's LR scheduler, over the dpkern optimizer's param_groups (under
+        DDP: the inner optimizer of the DistributedDPOptimizer)."""
+        if optimizer is None and _is_distributed(self.optimizer):
+            optimizer = self.optimizer.optimizer
+        return super().create_scheduler(num_training_steps, optimizer=optimizer)
 
     # -- the training step --------------------------------------------------------------------
     def _setup_clipping(self):
         opt = _inner(self.optimizer)
         check_trainable_params(self.model, opt)
-        self._gc = GhostClipping(self.model, opt, verify=self.privacy.verify).attach()
+        # (DDP: the wrapper, whose accumulate_clipped keeps the sums local until step())
+        target = self.optimizer if _is_distributed(self.optimizer) else opt
+        self._gc = GhostClipping(self.model, target, verify=self.privacy.verify).attach()
         if str(getattr(self.accelerator, "mixed_precision", "no")) != "no":
             # Accelerate's autocast wraps the forward only: the check would not see it
             self._gc.verify_rtol = 1e-2
@@ -284,7 +376,8 @@ class DPTrainer(Trainer):
         """One micro-batch: per-sample losses, ghost clipping, the clipped sum into the
         optimizer's buffers (no ``.grad``; ``num_items_in_batch`` is ignored: nothing is
         divided by a realised count). Returns the micro-batch's sum of per-sample losses
-        / B_e (detached; the logged training loss)."""
+        / B_e (detached; the logged training loss; under DDP x world_size: the Trainer
+        logs the mean over ranks, which is then the global sum / B_e)."""
         if self._gc is None:
             self._setup_clipping()
         opt = _inner(self.optimizer)
@@ -299,6 +392,14 @@ class DPTrainer(Trainer):
                 "optimizer step (the Trainer's loop does not step once per logical batch)"
             )
         self._micro += 1
+        # DDP: run the module itself. Ghost clipping differentiates the recorded outputs,
+        # not the parameters, so DDP's all-reduce of .grad has nothing to do, and its
+        # forward may add collectives (buffer broadcasts; with find_unused_parameters, a
+        # reduction of the unused ones) that need every rank to run as many forwards,
+        # which Poisson batches do not give (a rank's micro-batch may be empty, or need
+        # more chunks). Its one role here, broadcasting rank 0's parameters, happened
+        # when Accelerate wrapped the model.
+        model = _unwrap_ddp(model)
         model.train()
         inputs = self._prepare_inputs(inputs)
         rows = _batch_rows(inputs)
@@ -318,7 +419,8 @@ class DPTrainer(Trainer):
                 )
             self._gc.backward(losses)
             total = total + losses.detach().float().sum().to(total.device)
-        return total / self._plan["expected_batch_size"]
+        # the Trainer logs the mean over ranks of this: x W makes it sum / B_e globally
+        return total * self.args.world_size / self._plan["expected_batch_size"]
 
     def _before_release(self):
         if self._micro != self._plan["micro_batches"]:
