@@ -91,11 +91,19 @@ def test_user_level_run_names_the_unit_and_counts_users(users_file, tmp_path, ca
     assert finetune(*argv, "--batch-size", 6, "--steps", 3, "--out", out, *TINY) == 0
     captured = capsys.readouterr()
     assert "using --clipping per-sample" in captured.err  # ghost clips blocks alone
+    # 20-30 users: the default delta 1/N^1.1 is ~0.03, said loudly
+    assert "warning: the default delta 1/N^1.1 =" in captured.err
     m = read_metrics(out)
     assert m["privacy_unit"] == "user" and 20 <= m["n_units"] < 30
     assert m["sample_rate"] == pytest.approx(6 / m["n_units"])
     assert m["target_delta"] == pytest.approx(1 / m["n_units"] ** 1.1)
-    assert m["n_train_blocks"] > m["n_units"]
+    # no exact block or byte count: with users as the unit it would publish the sum of
+    # the users' sizes, which one user moves (only N, the accountant's, is shown)
+    assert m["n_train_blocks"] is None and m["n_val_blocks"] is None
+    assert m["expected_tokens_per_second"] is None and m["expected_units_per_second"] > 0
+    data = [ln for ln in captured.out.splitlines() if ln.strip().startswith("data")]
+    assert len(data) == 1 and "bytes" not in data[0] and "blocks" not in data[0]
+    assert "units/s at the expected batch" in captured.out
     unit = [ln for ln in captured.out.splitlines() if ln.strip().startswith("unit")]
     assert len(unit) == 1 and f"{m['n_units']} training users" in unit[0]
     assert "--user-field author" in unit[0]

@@ -62,13 +62,20 @@ def run_training(args, job, dist_ctx=None, stop: StopSignals | None = None) -> i
     loss_ema = None
     eps_shown, eps_time = accountant.get_epsilon(delta), 0.0
 
-    # blocks of the expected batch (units hold several blocks: q times the blocks)
-    expected_rows = plan.batch_size if job.units is None else q * plan.n_train
+    # Throughput of the EXPECTED batch: the exact count of sampled blocks depends on the
+    # data. For block units it is in tokens (B_e blocks of block_size); for documents and
+    # users the blocks per unit are private (their total moves with one unit), so it is
+    # in units (B_e = q N units, N public as the accountant's), never in blocks.
+    per_unit = job.units is not None
 
     def expected_tokens_per_second():
-        # of the EXPECTED batch: the exact count of sampled blocks depends on the data set
-        tokens = (optimizer.dp_step - segment_start) * expected_rows * plan.block_size
+        if per_unit:
+            return None
+        tokens = (optimizer.dp_step - segment_start) * plan.batch_size * plan.block_size
         return tokens / max(train_time, 1e-9)
+
+    def expected_units_per_second():
+        return (optimizer.dp_step - segment_start) * plan.batch_size / max(train_time, 1e-9)
 
     def checkpoint(val_after=None, final=False, sample=None):
         report = accountant.privacy_report(delta, numel)
@@ -117,6 +124,7 @@ def run_training(args, job, dist_ctx=None, stop: StopSignals | None = None) -> i
             "train_loss_ema": loss_ema,
             "train_seconds": train_time,
             "expected_tokens_per_second": expected_tokens_per_second(),
+            "expected_units_per_second": expected_units_per_second(),
             "total_seconds": time.perf_counter() - t_start,
             "num_parameters": numel,
             "num_parameters_total": job.total_params,
@@ -127,8 +135,10 @@ def run_training(args, job, dist_ctx=None, stop: StopSignals | None = None) -> i
             "bf16": plan.bf16,
             "gradient_checkpointing": bool(getattr(args, "gradient_checkpointing", False)),
             "clipping": args.clipping,
-            "n_train_blocks": plan.n_train,
-            "n_val_blocks": plan.n_val,
+            # exact block counts only where the block is the unit (N, public); for
+            # documents and users they would publish the private sum of unit sizes
+            "n_train_blocks": None if per_unit else plan.n_train,
+            "n_val_blocks": None if per_unit else plan.n_val,
             "block_size": plan.block_size,
             "privacy_unit": plan.privacy_unit,
             "n_units": plan.n_units,
@@ -246,7 +256,11 @@ def run_training(args, job, dist_ctx=None, stop: StopSignals | None = None) -> i
         bar.set_postfix(
             loss=f"{loss_ema:.3f}" if loss_ema is not None else "-",
             **({"eps": f"{eps_shown:.2f}"} if private else {}),
-            tok_s=f"{expected_tokens_per_second():.0f}",
+            **(
+                {"units_s": f"{expected_units_per_second():.1f}"}
+                if per_unit
+                else {"tok_s": f"{expected_tokens_per_second():.0f}"}
+            ),
             refresh=False,
         )
         bar.update(1)
@@ -442,6 +456,8 @@ def _print_summary(plan, args, m, n_bytes, done, out) -> None:
         (
             f"  data        {data}: {n_bytes:,} bytes, {plan.n_train:,} train / "
             f"{plan.n_val:,} validation blocks"
+            if plan.privacy_unit == "block"
+            else f"  data        {data}"  # unit sizes are private: the unit line gives N
         ),
         f"  unit        {_unit_line(plan)}",
         f"  optimizer   {plan.optimizer}, lr {plan.lr:g}, backend {args.backend}, "
@@ -449,7 +465,11 @@ def _print_summary(plan, args, m, n_bytes, done, out) -> None:
         + (f" (per-sample gradients {args.grad_sample})" if args.clipping == "per-sample" else ""),
         f"  privacy     {privacy}",
         f"  training    steps {done} -> {m['step']} in {_fmt_time(m['train_seconds'])} "
-        f"({m['expected_tokens_per_second']:,.0f} tokens/s at the expected batch)"
+        + (
+            f"({m['expected_tokens_per_second']:,.0f} tokens/s at the expected batch)"
+            if m["expected_tokens_per_second"] is not None
+            else f"({m['expected_units_per_second']:,.1f} units/s at the expected batch)"
+        )
         + (f", {m['nproc']} data-parallel processes" if m["nproc"] > 1 else "")
         + (" (FSDP2-sharded)" if m.get("fsdp") else ""),
         (

@@ -246,9 +246,23 @@ def check_batch_fits(plan: Plan, n: int, n_tokens: int, block_size_given: bool) 
     )
 
 
+#: Above this delta a guarantee is weak whatever N (the default 1/N^1.1 reaches it for
+#: N below about 530 units: a few documents or users).
+LARGE_DELTA = 1e-3
+
+
 def warn_delta(delta: float | None, n: int, units: str = "training blocks") -> None:
     """--delta should be well below 1/N: a mechanism that publishes one random example in
-    full is (0, 1/N)-DP. A warning, not an error (one line on stderr)."""
+    full is (0, 1/N)-DP. And the default 1/N^1.1 is large for few units (documents,
+    users): above :data:`LARGE_DELTA` it is said too. Warnings, not errors (one line on
+    stderr each)."""
+    if delta is None and n > 0 and 1.0 / n**1.1 > LARGE_DELTA:
+        print(
+            f"dpkern finetune: warning: the default delta 1/N^1.1 = {1.0 / n**1.1:.3g} "
+            f"(N = {n:,} {units}) is large: a guarantee with delta above {LARGE_DELTA:g} "
+            "is weak; pass a smaller --delta (sigma grows) or train on more units",
+            file=sys.stderr,
+        )
     if delta is not None and delta >= 1.0 / n:
         print(
             f"dpkern finetune: warning: --delta {delta:g} is not well below 1/N = "
