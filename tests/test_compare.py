@@ -69,6 +69,7 @@ def test_quick_end_to_end(tmp_path, capsys):
     assert len(rows) == 4  # two optimizers, metric table + lr/epsilon table
     assert table.count(f"ε = {eps:g}") == 2 and "ε = 9" not in table
     assert all(ln.count("|") == 3 for ln in rows)  # name + one epsilon column
+    assert "(1 seed)" in rows[0] and "±" not in rows[0]  # no spread from one seed
     assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
     assert "| dp-sgd |" in printed and "DP-SGD" not in printed

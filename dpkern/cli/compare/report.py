@@ -118,7 +118,11 @@ def markdown_table(summary: list[dict], task: Task, delta: float, header: str = 
             if r is None:
                 cells.append("")
                 continue
-            txt = f"{r['test_mean']:.2f} ± {r['test_std']:.2f}"
+            txt = (  # one seed has no spread: say so rather than print ± 0.00
+                f"{r['test_mean']:.2f} ± {r['test_std']:.2f}"
+                if r["seeds"] > 1
+                else f"{r['test_mean']:.2f} (1 seed)"
+            )
             cells.append(f"**{txt}**" if r["test_mean"] == best[e] else txt)
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     lines += ["", f"chosen learning rate / largest ε spent over seeds (δ = {delta:g})", ""]
