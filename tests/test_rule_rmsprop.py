@@ -80,8 +80,11 @@ def _twin_run(backend, options, shapes=SHAPES, steps=5, B=6):
             names = {n for n in tw.state[q] if n != "step"}
             assert names == set(dp.state[p]) - {"step", "noise_var_avg"}, msg
             for n in names:
+                # the momentum buffer sums terms g / (sqrt(v) + eps) of order 1/sqrt(1 - alpha)
+                # that cancel: float32 rounding of those terms (~1e-6) is absolute there
+                atol = 1e-5 if n == "momentum_buffer" else 1e-6
                 torch.testing.assert_close(
-                    dp.state[p][n], tw.state[q][n], rtol=1e-5, atol=1e-6, msg=f"{msg} {n}"
+                    dp.state[p][n], tw.state[q][n], rtol=1e-5, atol=atol, msg=f"{msg} {n}"
                 )
             assert float(dp.state[p]["step"]) == float(tw.state[q]["step"]) == t
 
