@@ -176,7 +176,7 @@ class DPOptimizer(torch.optim.Optimizer):
             f"    secure: {self.secure}"
             + ("" if self.secure else " (seed given: the noise key is known, not private)")
             + f"\n    backend: {self.backend}\n    dp_step: {self._dp_step}\n"
-            + (f"    stochastic_rounding: True\n" if self.stochastic_rounding else "")
+            + ("    stochastic_rounding: True\n" if self.stochastic_rounding else "")
         )
         base = super().__repr__()
         return base[:-1] + "DP settings\n" + dp + ")" if base.endswith(")") else base + "\n" + dp
