@@ -211,6 +211,7 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def __setstate__(self, state):
         super().__setstate__(state)
+        self.__dict__.setdefault("_stochastic_rounding", False)  # (pickled before the option)
         self.stats = {"steps": 0, "samples": 0, "clipped_samples": 0, "nonfinite_samples": 0}
         if getattr(self, "_seed", None) is not None:
             self._key = NoiseKey(self._seed)  # (the key itself is never pickled)
