@@ -74,13 +74,15 @@ Hyper to_hyper(const py::dict& d) {
   return h;
 }
 
-// (key, step, stream, noise_std, expected_batch_size, noise_var_avg, noise_step)
-using DPTuple = std::tuple<uint64_t, uint64_t, uint32_t, double, double, double, uint64_t>;
+// (key, step, stream, noise_std, expected_batch_size, noise_var_avg, noise_step,
+// stochastic_rounding)
+using DPTuple =
+    std::tuple<uint64_t, uint64_t, uint32_t, double, double, double, uint64_t, bool>;
 
 DP to_dp(const DPTuple& t) {
   DP dp;
   std::tie(dp.key, dp.step, dp.stream, dp.noise_std, dp.expected_batch_size, dp.noise_var_avg,
-           dp.noise_step) = t;
+           dp.noise_step, dp.stochastic_rounding) = t;
   return dp;
 }
 
@@ -158,6 +160,16 @@ PYBIND11_MODULE(_C, m) {
     py::gil_scoped_release nogil;
     dpk::normal_from_words(ptr<const uint32_t>(words), n, ptr<float>(out));
   }, "z (lane 0, lane 1) of n Philox words [n, 4] (uint32) into out [n, 2] (float32)");
+  m.def("rounding_bits", [](uintptr_t out, int64_t n, uint64_t key, uint64_t step,
+                            uint64_t offset) {
+    py::gil_scoped_release nogil;
+    dpk::rounding_bits(ptr<int64_t>(out), n, key, step, offset);
+  }, "rho (SPEC 3.2) of global elements [offset, offset + n) into out (int64)");
+  m.def("stochastic_round_bf16", [](uintptr_t x, int64_t n, uint64_t key, uint64_t step,
+                                    uint64_t offset, uintptr_t out) {
+    py::gil_scoped_release nogil;
+    dpk::stochastic_round_bf16(ptr<const float>(x), n, key, step, offset, ptr<uint16_t>(out));
+  }, "float32 x [n] rounded stochastically (SPEC 3.2) into out [n] (bf16 bits)");
   m.def("per_sample_norms", [](const std::vector<FlatTuple>& gs, int64_t batch, uintptr_t out) {
     const auto flats = to_flats(gs);
     py::gil_scoped_release nogil;

@@ -14,8 +14,10 @@
 
 namespace dpk {
 
-// Storage dtype codes, as sent by dpkern/backends/cpp.py (_DTYPE_CODES).
-enum DType : int { F32 = 0, BF16 = 1, F16 = 2, F64 = 3 };
+// Storage dtype codes, as sent by dpkern/backends/cpp.py (_DTYPE_CODES). BF16_SR is never
+// sent: step() gives it to the bf16 parameters of a step with stochastic rounding (SPEC
+// 3.2), whose stores then read the rounding bits of the running block (sr_bits below).
+enum DType : int { F32 = 0, BF16 = 1, F16 = 2, F64 = 3, BF16_SR = 4 };
 
 // Coordinate blocks: every pass walks the global element index space (SPEC section 3) in
 // blocks of BLOCK elements aligned to multiples of BLOCK, so that which elements share a
@@ -87,6 +89,18 @@ DPK_INLINE uint16_t f32_to_f16(float f) {
   return uint16_t((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
 }
 
+// Stochastic rounding to bfloat16 (SPEC 3.2): (bits(f) + rho) >> 16 with rho the 16 rounding
+// bits of the element; NaN as f32_to_bf16 gives it. No carry leaves bit 31 for a non-NaN f.
+DPK_INLINE uint16_t f32_to_bf16_sr(float f, uint32_t rho) {
+  const uint16_t rounded = uint16_t((f32_bits(f) + rho) >> 16);
+  return f != f ? uint16_t(0x7FC0) : rounded;
+}
+
+// The rounding bits of the elements a BF16_SR store writes: element i of the pointer that
+// the store is given (the block's parameter slice, or the whole tensor in a tensor phase)
+// has bits sr_bits[i]. Set by step.cpp around each update, per thread.
+inline thread_local const uint16_t* sr_bits = nullptr;
+
 DPK_INLINE int64_t dtype_size(int dtype) { return dtype == F32 ? 4 : dtype == F64 ? 8 : 2; }
 
 // Typed element access: Storage<DT>::type is the C++ element type of dtype code DT.
@@ -95,11 +109,12 @@ template <> struct Storage<F32> { using type = float; };
 template <> struct Storage<BF16> { using type = uint16_t; };
 template <> struct Storage<F16> { using type = uint16_t; };
 template <> struct Storage<F64> { using type = double; };
+template <> struct Storage<BF16_SR> { using type = uint16_t; };
 
 template <int DT>
 DPK_INLINE float load(const typename Storage<DT>::type* p, int64_t i) {
   if constexpr (DT == F32) return p[i];
-  else if constexpr (DT == BF16) return bf16_to_f32(p[i]);
+  else if constexpr (DT == BF16 || DT == BF16_SR) return bf16_to_f32(p[i]);
   else if constexpr (DT == F16) return f16_to_f32(p[i]);
   else return float(p[i]);
 }
@@ -109,6 +124,7 @@ DPK_INLINE void store(typename Storage<DT>::type* p, int64_t i, float v) {
   if constexpr (DT == F32) p[i] = v;
   else if constexpr (DT == BF16) p[i] = f32_to_bf16(v);
   else if constexpr (DT == F16) p[i] = f32_to_f16(v);
+  else if constexpr (DT == BF16_SR) p[i] = f32_to_bf16_sr(v, sr_bits[i]);
   else p[i] = double(v);
 }
 
@@ -122,6 +138,16 @@ DPK_INLINE void store(typename Storage<DT>::type* p, int64_t i, float v) {
     default: FN<::dpk::F64>(__VA_ARGS__); break;         \
   }
 
+// The same for a parameter's dtype, which may also be BF16_SR (stochastic rounding).
+#define DPK_DISPATCH_PARAM_DTYPE(code, FN, ...)                \
+  switch (code) {                                              \
+    case ::dpk::F32: FN<::dpk::F32>(__VA_ARGS__); break;         \
+    case ::dpk::BF16: FN<::dpk::BF16>(__VA_ARGS__); break;       \
+    case ::dpk::BF16_SR: FN<::dpk::BF16_SR>(__VA_ARGS__); break; \
+    case ::dpk::F16: FN<::dpk::F16>(__VA_ARGS__); break;         \
+    default: FN<::dpk::F64>(__VA_ARGS__); break;               \
+  }
+
 // Thread count of every parallel region (set_num_threads; <= 0 means OpenMP's default).
 int num_threads();
 void set_num_threads(int n);
@@ -132,7 +158,11 @@ struct DP {
   uint64_t noise_step = 1;     // the noise stream's counter (the optimizer's global step)
   uint32_t stream = 0;
   double noise_std = 0, expected_batch_size = 1, noise_var_avg = 0;
+  bool stochastic_rounding = false;  // bf16 parameters: SPEC 3.2 (the rounding stream)
 };
+
+// The Philox stream id of the rounding stream (dpkern.hyper.ROUNDING_STREAM).
+constexpr uint32_t ROUNDING_STREAM = 2;
 
 // A flat tensor: data (nullptr = None), dtype code, number of elements (per row for a
 // per-sample gradient, whose rows are [B, numel]).

@@ -17,6 +17,11 @@ void philox_words(const int64_t* index, int64_t n, uint64_t key, uint64_t step,
 void gaussian_noise(float* out, int64_t n, uint64_t key, uint64_t step, uint64_t offset,
                     uint32_t stream);
 void normal_from_words(const uint32_t* words, int64_t n, float* out);
+// The rounding stream (SPEC 3.2): rho of global elements [offset, offset + n), and float32
+// x rounded stochastically to bf16 bits with them.
+void rounding_bits(int64_t* out, int64_t n, uint64_t key, uint64_t step, uint64_t offset);
+void stochastic_round_bf16(const float* x, int64_t n, uint64_t key, uint64_t step,
+                           uint64_t offset, uint16_t* out);
 
 void per_sample_norms(const std::vector<Flat>& grad_samples, int64_t batch, float* out);
 void whitened_norms(const std::vector<Flat>& grad_samples, const std::vector<const float*>& exp_avgs,

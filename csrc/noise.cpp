@@ -255,4 +255,36 @@ void normal_from_words(const uint32_t* words, int64_t n, float* out) {
   transform_block(words, n, out);
 }
 
+namespace {
+DPK_CLONES void round_block(const float* x, int64_t n, uint64_t key, uint64_t step,
+                            uint64_t first, uint16_t* out) {
+  alignas(64) uint16_t rho[BLOCK];
+  rounding_range(key, step, first, n, rho);
+  for (int64_t j = 0; j < n; ++j) out[j] = f32_to_bf16_sr(x[j], rho[j]);
+}
+}  // namespace
+
+void rounding_bits(int64_t* out, int64_t n, uint64_t key, uint64_t step, uint64_t offset) {
+  const std::vector<Block> blocks = make_blocks({n}, {offset});
+  const int64_t nb = int64_t(blocks.size());
+#pragma omp parallel for schedule(dynamic, 4) num_threads(num_threads()) if (nb > 1)
+  for (int64_t b = 0; b < nb; ++b) {
+    const Block& blk = blocks[size_t(b)];
+    alignas(64) uint16_t rho[BLOCK];
+    rounding_range(key, step, offset + uint64_t(blk.begin), blk.len, rho);
+    for (int64_t j = 0; j < blk.len; ++j) out[blk.begin + j] = rho[j];
+  }
+}
+
+void stochastic_round_bf16(const float* x, int64_t n, uint64_t key, uint64_t step,
+                           uint64_t offset, uint16_t* out) {
+  const std::vector<Block> blocks = make_blocks({n}, {offset});
+  const int64_t nb = int64_t(blocks.size());
+#pragma omp parallel for schedule(dynamic, 4) num_threads(num_threads()) if (nb > 1)
+  for (int64_t b = 0; b < nb; ++b) {
+    const Block& blk = blocks[size_t(b)];
+    round_block(x + blk.begin, blk.len, key, step, offset + uint64_t(blk.begin), out + blk.begin);
+  }
+}
+
 }  // namespace dpk

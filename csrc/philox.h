@@ -175,4 +175,37 @@ DPK_INLINE void noise_range(uint64_t key, uint64_t step, uint32_t stream, uint64
   }
 }
 
+// The rounding stream (SPEC 3.2): rho_j = w_j >> 16, w_j = r0 (lane 0) or r2 (lane 1) of
+// the noise stream's counter of j under stream ROUNDING_STREAM. Elements [first, first +
+// NOISE_GROUP) of it, first a multiple of NOISE_GROUP (the same vector Philox as the noise).
+DPK_INLINE void rounding_group(uint64_t key, uint64_t step, uint64_t first,
+                               uint16_t* __restrict out) {
+  const uint64_t pair0 = first >> 1;
+  alignas(64) GroupWords w;
+  philox_group(uint32_t(pair0), uint32_t(pair0 >> 32), counter2(step),
+               counter3(step, ROUNDING_STREAM), uint32_t(key), uint32_t(key >> 32), w);
+  for (int l = 0; l < GROUP_PAIRS; ++l) {
+    out[2 * l] = uint16_t(w[0][l] >> 16);
+    out[2 * l + 1] = uint16_t(w[2][l] >> 16);
+  }
+}
+
+// rho for the global elements [first, first + n), as noise_range.
+DPK_INLINE void rounding_range(uint64_t key, uint64_t step, uint64_t first, int64_t n,
+                               uint16_t* __restrict out) {
+  if (n <= 0) return;
+  const uint64_t end = first + uint64_t(n);
+  for (uint64_t g = first - first % NOISE_GROUP; g < end; g += NOISE_GROUP) {
+    if (g >= first && g + NOISE_GROUP <= end) {
+      rounding_group(key, step, g, out + (g - first));
+    } else {
+      alignas(64) uint16_t tmp[NOISE_GROUP];
+      rounding_group(key, step, g, tmp);
+      const uint64_t a = g < first ? first : g;
+      const uint64_t b = g + NOISE_GROUP < end ? g + NOISE_GROUP : end;
+      for (uint64_t j = a; j < b; ++j) out[j - first] = tmp[j - g];
+    }
+  }
+}
+
 }  // namespace dpk

@@ -763,7 +763,7 @@ DPK_INLINE bool has_tensor_pass(int rule) { return rule == ADAFACTOR; }
 
 DPK_INLINE void update_tensor(const Consts& c, const Param& p) {
   switch (c.rule) {
-    case ADAFACTOR: DPK_DISPATCH_DTYPE(p.dtype, adafactor_tensor, c, p) break;
+    case ADAFACTOR: DPK_DISPATCH_PARAM_DTYPE(p.dtype, adafactor_tensor, c, p) break;
     default: break;
   }
 }
@@ -775,34 +775,34 @@ DPK_INLINE double update(const Consts& c, const float* __restrict S, float* __re
                          const Param& p, int64_t begin, int64_t len) {
   double sqrt_sum = 0.0;
   switch (c.rule) {
-    case SGD: DPK_DISPATCH_DTYPE(p.dtype, update_sgd, c, S, z, p, begin, len, sqrt_sum) break;
-    case ADAM: DPK_DISPATCH_DTYPE(p.dtype, update_adam, c, S, z, p, begin, len, sqrt_sum) break;
+    case SGD: DPK_DISPATCH_PARAM_DTYPE(p.dtype, update_sgd, c, S, z, p, begin, len, sqrt_sum) break;
+    case ADAM: DPK_DISPATCH_PARAM_DTYPE(p.dtype, update_adam, c, S, z, p, begin, len, sqrt_sum) break;
     case ADAM_BC:
-      DPK_DISPATCH_DTYPE(p.dtype, update_adam_bc, c, S, z, p, begin, len, sqrt_sum) break;
-    case ADAMW: DPK_DISPATCH_DTYPE(p.dtype, update_adamw, c, S, z, p, begin, len, sqrt_sum) break;
+      DPK_DISPATCH_PARAM_DTYPE(p.dtype, update_adam_bc, c, S, z, p, begin, len, sqrt_sum) break;
+    case ADAMW: DPK_DISPATCH_PARAM_DTYPE(p.dtype, update_adamw, c, S, z, p, begin, len, sqrt_sum) break;
     case ADAMW_BC:
-      DPK_DISPATCH_DTYPE(p.dtype, update_adamw_bc, c, S, z, p, begin, len, sqrt_sum) break;
+      DPK_DISPATCH_PARAM_DTYPE(p.dtype, update_adamw_bc, c, S, z, p, begin, len, sqrt_sum) break;
     case MACADAM:
-      DPK_DISPATCH_DTYPE(p.dtype, update_macadam, c, S, z, p, begin, len, sqrt_sum) break;
+      DPK_DISPATCH_PARAM_DTYPE(p.dtype, update_macadam, c, S, z, p, begin, len, sqrt_sum) break;
     case SGD_SCHEDULE_FREE:
-      DPK_DISPATCH_DTYPE(p.dtype, update_sgd_schedule_free, c, S, z, p, begin, len, sqrt_sum)
+      DPK_DISPATCH_PARAM_DTYPE(p.dtype, update_sgd_schedule_free, c, S, z, p, begin, len, sqrt_sum)
       break;
     case ADAMW_SCHEDULE_FREE:
-      DPK_DISPATCH_DTYPE(p.dtype, update_adamw_schedule_free, c, S, z, p, begin, len, sqrt_sum)
+      DPK_DISPATCH_PARAM_DTYPE(p.dtype, update_adamw_schedule_free, c, S, z, p, begin, len, sqrt_sum)
       break;
     case RMSPROP:
-      DPK_DISPATCH_DTYPE(p.dtype, update_rmsprop, c, S, z, p, begin, len, sqrt_sum) break;
+      DPK_DISPATCH_PARAM_DTYPE(p.dtype, update_rmsprop, c, S, z, p, begin, len, sqrt_sum) break;
     case ADAGRAD:
-      DPK_DISPATCH_DTYPE(p.dtype, update_adagrad, c, S, z, p, begin, len, sqrt_sum) break;
+      DPK_DISPATCH_PARAM_DTYPE(p.dtype, update_adagrad, c, S, z, p, begin, len, sqrt_sum) break;
     case ADADELTA:
-      DPK_DISPATCH_DTYPE(p.dtype, update_adadelta, c, S, z, p, begin, len, sqrt_sum) break;
+      DPK_DISPATCH_PARAM_DTYPE(p.dtype, update_adadelta, c, S, z, p, begin, len, sqrt_sum) break;
     case ADEMAMIX:
-      DPK_DISPATCH_DTYPE(p.dtype, update_ademamix, c, S, z, p, begin, len, sqrt_sum) break;
+      DPK_DISPATCH_PARAM_DTYPE(p.dtype, update_ademamix, c, S, z, p, begin, len, sqrt_sum) break;
     case RADAM:
-      DPK_DISPATCH_DTYPE(p.dtype, update_radam, c, S, z, p, begin, len, sqrt_sum) break;
-    case LION: DPK_DISPATCH_DTYPE(p.dtype, update_lion, c, S, z, p, begin, len, sqrt_sum) break;
+      DPK_DISPATCH_PARAM_DTYPE(p.dtype, update_radam, c, S, z, p, begin, len, sqrt_sum) break;
+    case LION: DPK_DISPATCH_PARAM_DTYPE(p.dtype, update_lion, c, S, z, p, begin, len, sqrt_sum) break;
     case ADAFACTOR:
-      DPK_DISPATCH_DTYPE(p.dtype, update_adafactor, c, S, z, p, begin, len, sqrt_sum) break;
+      DPK_DISPATCH_PARAM_DTYPE(p.dtype, update_adafactor, c, S, z, p, begin, len, sqrt_sum) break;
     default: break;  // unreachable: unknown codes are refused at the binding
   }
   return sqrt_sum;

@@ -88,7 +88,25 @@ DPK_CLONES double step_block(const Consts& c, const DP& dp, const Param& p, int6
   } else {  // 0 * z == 0 for every (finite) z: skip generating it
     for (int64_t j = 0; j < len; ++j) z[j] = 0.0f;
   }
-  return update(c, S, z, p, begin, len);  // rules.h
+  if (p.dtype != BF16_SR) return update(c, S, z, p, begin, len);  // rules.h
+  // stochastic rounding (SPEC 3.2): the block's rounding bits, read by store<BF16_SR>
+  alignas(64) uint16_t rho[BLOCK];
+  rounding_range(dp.key, dp.noise_step, p.offset + uint64_t(begin), len, rho);
+  sr_bits = rho;
+  const double out = update(c, S, z, p, begin, len);
+  sr_bits = nullptr;
+  return out;
+}
+
+// The tensor phase of one parameter (rules.h, update_tensor); a BF16_SR parameter's
+// stores read the rounding bits of the whole tensor.
+void tensor_phase(const Consts& c, const DP& dp, const Param& p) {
+  if (p.dtype != BF16_SR) return update_tensor(c, p);
+  std::vector<uint16_t> rho(size_t(p.numel));
+  rounding_range(dp.key, dp.noise_step, p.offset, p.numel, rho.data());
+  sr_bits = rho.data();
+  update_tensor(c, p);
+  sr_bits = nullptr;
 }
 
 // buffers += the block's clipped contribution (reference.accumulate).
@@ -134,7 +152,12 @@ double step(const Hyper& h, const DP& dp, const std::vector<Param>& given, const
       with_scratch[k].state[GHAT] = scratch[k].data();
     }
   }
-  const std::vector<Param>& params = tensor_pass ? with_scratch : given;
+  if (dp.stochastic_rounding) {  // bf16 parameters round stochastically (SPEC 3.2)
+    if (!tensor_pass) with_scratch = given;
+    for (Param& p : with_scratch)
+      if (p.dtype == BF16) p.dtype = BF16_SR;
+  }
+  const std::vector<Param>& params = tensor_pass || dp.stochastic_rounding ? with_scratch : given;
   const std::vector<Block> blocks = param_blocks(params);
   const int64_t nb = int64_t(blocks.size());
   std::vector<double> partial(blocks.size(), 0.0);
@@ -146,7 +169,7 @@ double step(const Hyper& h, const DP& dp, const std::vector<Param>& given, const
   if (tensor_pass) {
     const int64_t nt = int64_t(params.size());
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads()) if (nt > 1)
-    for (int64_t k = 0; k < nt; ++k) update_tensor(c, params[size_t(k)]);
+    for (int64_t k = 0; k < nt; ++k) tensor_phase(c, dp, params[size_t(k)]);
   }
   double total = 0.0;
   for (double x : partial) total += x;  // block order: independent of the thread count

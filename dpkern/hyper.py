@@ -500,6 +500,18 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+#: The Philox stream id of the stochastic rounding of bf16 parameters (SPEC 3.2); 0 is the
+#: gradient noise, 1 the sampling stream.
+ROUNDING_STREAM = 2
+
+
+def check_stochastic_rounding(value) -> bool:
+    """``stochastic_rounding`` must be a bool (SPEC 9: ValueError naming the value)."""
+    if not isinstance(value, bool):
+        raise _bad("stochastic_rounding", value, "expected a bool")
+    return value
+
+
 @dataclass(frozen=True)
 class DPStep:
     """What one DP step needs besides the update rule's hyper-parameters.
@@ -517,6 +529,10 @@ class DPStep:
     stream: 16-bit noise stream id (0 = gradient noise).
     noise_var_avg: phi_t, the EMA of Phi = (sigma C / B_e)^2 including this step
         (DP-AdamBC / DP-AdamW-BC, SPEC 5.3); unused by the other rules.
+    stochastic_rounding: round bfloat16 parameters stochastically on store, with the
+        rounding stream (SPEC 3.2: stream ``ROUNDING_STREAM`` of the noise key at
+        ``noise_step``); False (default): round to nearest even. float32 and float16
+        parameters are unaffected.
     """
 
     key: NoiseKey = field(repr=False)
@@ -526,6 +542,7 @@ class DPStep:
     stream: int = 0
     noise_var_avg: float = 0.0
     noise_step: int | None = None
+    stochastic_rounding: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "key", as_key(self.key))
@@ -537,5 +554,13 @@ class DPStep:
                 raise _bad(name, value, "expected an int in [1, 2**48)")
         if not (isinstance(self.stream, int) and 0 <= self.stream < 2**16):
             raise _bad("stream", self.stream, "expected an int in [0, 2**16)")
+        check_stochastic_rounding(self.stochastic_rounding)
+        if self.stochastic_rounding and self.stream == ROUNDING_STREAM:
+            raise _bad(
+                "stream",
+                self.stream,
+                f"stream {ROUNDING_STREAM} is the rounding stream (SPEC 3.2): the noise "
+                "cannot use it with stochastic_rounding=True",
+            )
         check_nonnegative("noise_std", self.noise_std)
         check_positive("expected_batch_size", self.expected_batch_size)

@@ -436,4 +436,4 @@ def test_unknown_rule_code_is_refused_not_run_as_macadam():
 
     code = max(_C.rule_codes().values()) + 1
     with pytest.raises(ValueError, match=f"unknown update rule code {code}"):
-        _C.step({"rule": code, "lr": 0.1}, (1, 1, 0, 0.0, 1.0, 0.0, 1), [], 0, 0)
+        _C.step({"rule": code, "lr": 0.1}, (1, 1, 0, 0.0, 1.0, 0.0, 1, False), [], 0, 0)

@@ -172,6 +172,24 @@ def test_bf16_run_and_its_norms_within_1e2_of_fp32(text_file, tmp_path):
     torch.testing.assert_close(n16, n32, rtol=1e-2, atol=0)
 
 
+def test_stochastic_rounding_needs_bf16_and_reaches_the_optimizer(text_file, tmp_path, capsys):
+    argv = ["--data", text_file, "--seed", 5, *TINY, "--steps", 1]
+    assert finetune(*argv, "--stochastic-rounding") == 2
+    assert "--stochastic-rounding: rounds bfloat16 weights: it needs --bf16" in (
+        capsys.readouterr().err
+    )
+    out = tmp_path / "sr"
+    assert finetune(*argv, "--bf16", "--stochastic-rounding", "--out", out) == 0
+    assert "bfloat16 weights (stochastic rounding)" in capsys.readouterr().out
+    m = read_metrics(out)
+    assert m["bf16"] and m["stochastic_rounding"]
+    assert json.loads((out / "run_config.json").read_text())["stochastic_rounding"] is True
+    state = torch.load(out / "trainer_state.pt", weights_only=True)["optimizer"]
+    assert state["dp"]["stochastic_rounding"] is True
+    job = ft.prepare(parse("--resume", out, "--steps", 2))  # kept on --resume
+    assert job.plan.stochastic_rounding and job.optimizer.stochastic_rounding
+
+
 def test_a_model_the_optimizer_does_not_update_stops_the_run(
     text_file, tmp_path, monkeypatch, capsys
 ):

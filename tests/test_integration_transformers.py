@@ -425,6 +425,17 @@ def test_bf16_trains_through_the_same_path(tmp_path, mode):
     assert state["exp_avg"].dtype == torch.float32
 
 
+def test_stochastic_rounding_reaches_the_optimizer(tmp_path):
+    """PrivacyArguments.stochastic_rounding: the optimizer rounds bf16 weights
+    stochastically (SPEC 3.2); a non-bool is refused."""
+    model = hf_tiny.build("llama").model.to(torch.bfloat16)
+    tr = trainer(model, tmp_path, max_steps=1, priv=privacy(stochastic_rounding=True))
+    assert tr.create_optimizer().stochastic_rounding is True
+    assert trainer(model, tmp_path, max_steps=1).create_optimizer().stochastic_rounding is False
+    with pytest.raises(ValueError, match="stochastic_rounding"):
+        PrivacyArguments(target_epsilon=1.0, stochastic_rounding=1)
+
+
 # -- the privacy of a release ---------------------------------------------------------------
 def _released_sum(tmp_path, batch, clip):
     tr = trainer(

@@ -163,7 +163,7 @@ def test_cpp_codes_and_hyper_parameters_by_name():
         d = cpp._hyper_dict(h)
         assert d["rule"] == codes[name]
         assert set(d) == {"rule", *spec.hyper_fields}
-    dp = (1, 1, 0, 0.0, 1.0, 0.0, 1)
+    dp = (1, 1, 0, 0.0, 1.0, 0.0, 1, False)
     with pytest.raises(ValueError, match="unknown hyper-parameter 'bogus'"):
         _C.step({"rule": codes["sgd"], "lr": 0.1, "bogus": 1.0}, dp, [], 0, 0)
     with pytest.raises(ValueError, match="unknown variance_estimate 'median'"):

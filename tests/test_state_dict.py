@@ -87,6 +87,7 @@ def test_secure_checkpoint_has_no_key_and_resume_differs_only_in_noise():
         "max_grad_norm",
         "noise_multiplier",
         "expected_batch_size",
+        "stochastic_rounding",
         "format",
     }
     pb = [torch.nn.Parameter(p.detach().clone()) for p in pa]

@@ -37,6 +37,8 @@ __all__ = [
     "philox_words",
     "gaussian_noise",
     "normal_from_words",
+    "rounding_bits",
+    "stochastic_round_bf16",
     "per_sample_norms",
     "whitened_norms",
     "accumulate",
@@ -188,6 +190,7 @@ def _dp_tuple(dp: DPStep) -> tuple:
         float(dp.expected_batch_size),
         float(dp.noise_var_avg),
         dp.noise_step,
+        bool(dp.stochastic_rounding),
     )
 
 
@@ -257,6 +260,30 @@ def normal_from_words(words: Tensor) -> Tensor:
     w = (w & 0xFFFFFFFF).to(torch.int32)  # the same 32-bit patterns, as the kernel reads them
     out = torch.empty((w.shape[0], 2), dtype=torch.float32)
     _C.normal_from_words(_ptr(w), w.shape[0], _ptr(out))
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# The rounding stream (SPEC section 3.2)
+# --------------------------------------------------------------------------------------
+def rounding_bits(numel: int, *, key: int, step: int, offset: int = 0, device=None) -> Tensor:
+    """rho_j of global elements ``offset ... offset + numel - 1``: int64 ``[numel]`` in
+    [0, 2**16) (``reference.rounding_bits``)."""
+    _check_device(device)
+    if numel < 0 or offset < 0 or offset + numel > 2**64:
+        raise ValueError(f"invalid numel={numel} / offset={offset}")
+    out = torch.empty(numel, dtype=torch.int64)
+    _C.rounding_bits(_ptr(out), numel, reveal(key), step, offset)
+    return out
+
+
+def stochastic_round_bf16(x: Tensor, *, key: int, step: int, offset: int = 0) -> Tensor:
+    """float32 ``x`` rounded stochastically to bfloat16 (``reference.stochastic_round_bf16``)."""
+    x = _input(x.detach(), "x", None, _F32)
+    if offset < 0 or offset + x.numel() > 2**64:
+        raise ValueError(f"invalid offset={offset}")
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    _C.stochastic_round_bf16(_ptr(x), x.numel(), reveal(key), step, offset, _ptr(out))
     return out
 
 

@@ -4,7 +4,8 @@ Every other backend (``dpkern.backends.triton``, ``dpkern.backends.cpp``) implem
 same functions under the same names and is tested against this module:
 
 - :func:`philox_words`, :func:`gaussian_noise`, :func:`normal_from_words` -- the noise
-  stream v1 (SPEC section 3);
+  stream v1 (SPEC section 3); :func:`rounding_bits`, :func:`stochastic_round_bf16` -- the
+  rounding stream (SPEC section 3.2);
 - :func:`per_sample_norms`, :func:`whitened_norms` -- pass 1 (SPEC sections 2 and 7);
 - :func:`accumulate` -- fold one micro-batch's clipped sum into fp32 buffers (SPEC section 2);
 - :func:`step` -- pass 2: clip + sum + noise + moment update + parameter update (SPEC
@@ -28,7 +29,8 @@ Conventions shared by all backends
 - ``states`` maps each kernel state of the rule (``RuleSpec.kernel_states``, torch.optim's
   names) to one fp32 tensor per parameter, shaped as its ``StateSpec`` says (``None``
   where the hyper-parameters do not need it). Parameters may be fp32, bf16 or fp16: the
-  update is computed in fp32 and rounded once on store.
+  update is computed in fp32 and rounded once on store (to nearest even; bf16
+  stochastically with ``dp.stochastic_rounding``, SPEC 3.2).
 - Backends hold no policy: inputs were validated by the caller (``dpkern.optim`` /
   ``dpkern.functional``); nothing here raises on user input.
 """
@@ -41,7 +43,7 @@ import torch
 from torch import Tensor
 
 from .. import rules
-from ..hyper import DPStep, Hyper
+from ..hyper import ROUNDING_STREAM, DPStep, Hyper
 from ..keys import reveal
 
 # --------------------------------------------------------------------------------------
@@ -136,6 +138,43 @@ def gaussian_noise(
     index = torch.arange(offset, offset + numel, dtype=torch.int64, device=device)
     R, theta = _radius_angle(*philox4x32_10(*noise_counter(index, step, stream), key))
     return torch.where((index & 1) == 0, R * torch.cos(theta), R * torch.sin(theta))
+
+
+# --------------------------------------------------------------------------------------
+# The rounding stream (SPEC section 3.2): stochastic rounding of bf16 parameters
+# --------------------------------------------------------------------------------------
+def rounding_bits(numel: int, *, key: int, step: int, offset: int = 0, device=None) -> Tensor:
+    """rho_j = w_j >> 16 for global elements ``offset ... offset + numel - 1`` (SPEC 3.2):
+    int64 ``[numel]`` in [0, 2**16). w_j is word r0 (lane 0) or r2 (lane 1) of the noise
+    stream's counter of j under stream ``ROUNDING_STREAM``."""
+    index = torch.arange(offset, offset + numel, dtype=torch.int64, device=device)
+    r0, _, r2, _ = philox4x32_10(*noise_counter(index, step, ROUNDING_STREAM), key)
+    return torch.where((index & 1) == 0, r0, r2) >> 16
+
+
+def round_bits_bf16(x: Tensor, rho: Tensor) -> Tensor:
+    """float32 ``x`` rounded to bfloat16 with the 16 rounding bits ``rho`` (int64, same
+    shape): bits (bits(x) + rho) >> 16 in integers, NaN as round-to-nearest gives it."""
+    bits = x.contiguous().view(torch.int32).to(torch.int64) & _MASK32
+    up = (bits + rho) & 0xFFFF0000  # < 2**32 for every non-NaN x
+    up = torch.where(up >= 2**31, up - 2**32, up).to(torch.int32).view(torch.float32)
+    return torch.where(torch.isnan(x), x, up).to(torch.bfloat16)  # exact: low bits are 0
+
+
+def stochastic_round_bf16(x: Tensor, *, key: int, step: int, offset: int = 0) -> Tensor:
+    """float32 ``x`` (element k at global index ``offset + k`` of its flattening) rounded
+    stochastically to bfloat16 at ``step`` (SPEC 3.2): a bfloat16 tensor shaped like x."""
+    x = x.detach().to(torch.float32)
+    rho = rounding_bits(x.numel(), key=key, step=step, offset=offset, device=x.device)
+    return round_bits_bf16(x, rho.reshape(x.shape))
+
+
+def _store(p: Tensor, p32: Tensor, dp: DPStep, offset: int) -> None:
+    """Write the fp32 result into the parameter: one rounding to its dtype, stochastic for
+    bf16 with ``dp.stochastic_rounding`` (SPEC 3.2), else to nearest even."""
+    if dp.stochastic_rounding and p.dtype == torch.bfloat16:
+        p32 = stochastic_round_bf16(p32, key=dp.key, step=dp.noise_step, offset=offset)
+    p.detach().copy_(p32)
 
 
 # --------------------------------------------------------------------------------------
@@ -265,7 +304,7 @@ def step(
         state = {name: states[name][k] for name in names}
         p32 = p.detach().float()
         sqrt_sum += update(hyper, dp, p32, g_hat, state)
-        p.detach().copy_(p32)  # one rounding to the parameter dtype
+        _store(p, p32, dp, offsets[k])  # one rounding to the parameter dtype
     return sqrt_sum
 
 

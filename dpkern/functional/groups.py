@@ -11,7 +11,13 @@ import torch
 from torch import Tensor
 
 from .. import backends, rules
-from ..hyper import DPStep, Hyper, check_nonnegative, check_positive
+from ..hyper import (
+    DPStep,
+    Hyper,
+    check_nonnegative,
+    check_positive,
+    check_stochastic_rounding,
+)
 from ..keys import NoiseKey
 from .blocks import CLIP_EPS, NONFINITE_MODES, PARAM_DTYPES, Reduce, _check_rows
 
@@ -177,6 +183,7 @@ def dp_step_groups(
     backend: str = "auto",
     nonfinite: str = "error",
     reduce: Reduce | None = None,
+    stochastic_rounding: bool = False,
 ) -> StepResult:
     """One DP step over several parameter groups sharing one noise index space and step.
 
@@ -193,7 +200,11 @@ def dp_step_groups(
     partial squared per-sample norms (float64; the grad_sample slices must hold the same
     B samples on every rank) and, for DP-MacAdam, on the one-element sum
     sum_j sqrt(S_hat_j) (SPEC section 7): the only two global reductions of a step. Every
-    rank must then call this function (a collective)."""
+    rank must then call this function (a collective).
+
+    ``stochastic_rounding``: round bfloat16 parameters stochastically on store (SPEC 3.2)
+    instead of to nearest even; float32 / float16 parameters are unaffected."""
+    check_stochastic_rounding(stochastic_rounding)
     be, pass1 = prepare_step(
         groups,
         step=step,
@@ -212,6 +223,7 @@ def dp_step_groups(
         noise_multiplier=noise_multiplier,
         expected_batch_size=expected_batch_size,
         reduce=reduce,
+        stochastic_rounding=stochastic_rounding,
     )
     return pass1
 
@@ -254,8 +266,10 @@ def apply_step(
     noise_multiplier: float,
     expected_batch_size: float,
     reduce: Reduce | None = None,
+    stochastic_rounding: bool = False,
 ) -> None:
-    """The second half of :func:`dp_step_groups`: pass 2 (noise at ``step``) and
+    """The second half of :func:`dp_step_groups`: pass 2 (noise at ``step``; bf16
+    parameters rounded stochastically if ``stochastic_rounding``, SPEC 3.2) and
     DP-MacAdam's scale update, in place. Only errors of the machine (out of memory) can
     stop it midway; callers that must stay consistent treat that as a failed step."""
     device = next((p.device for grp in groups for p in grp.params), torch.device("cpu"))
@@ -271,6 +285,7 @@ def apply_step(
             noise_std=noise_std,
             expected_batch_size=expected_batch_size,
             noise_var_avg=grp.noise_var_avg,
+            stochastic_rounding=stochastic_rounding,
         )
         steps.append(dp)
         sqrt_sum += be.step(

@@ -47,6 +47,7 @@ def dp_step(
     noise_var_avg: float = 0.0,
     nonfinite: str = "error",
     backend: str = "auto",
+    stochastic_rounding: bool = False,
 ) -> StepResult:
     """One DP step of any registered update rule (:mod:`dpkern.rules`), in place.
 
@@ -111,6 +112,7 @@ def dp_step(
         expected_batch_size=expected_batch_size,
         backend=backend,
         nonfinite=nonfinite,
+        stochastic_rounding=stochastic_rounding,
     )
 
 
@@ -125,6 +127,8 @@ _COMMON_DOC = """
         offset: global noise index of params[0]'s first element (default 0).
         nonfinite: "error" (default) or "zero" (drop samples with NaN/Inf gradients).
         backend: "auto", "torch", "triton" or "cpp".
+        stochastic_rounding: round bfloat16 params stochastically on store (SPEC 3.2,
+            the rounding stream of ``key`` at ``step``); default False: to nearest even.
     Returns: a StepResult (batch size, clipped and non-finite sample counts).
     Raises: ValueError (bad hyper-parameter or tensor), FloatingPointError (non-finite
     per-sample gradient with nonfinite="error"); nothing is modified when it raises.
@@ -150,6 +154,7 @@ def dp_sgd(
     offset: int = 0,
     nonfinite: str = "error",
     backend: str = "auto",
+    stochastic_rounding: bool = False,
 ) -> StepResult:
     """DP-SGD (Abadi et al. 2016, Algorithm 1) with torch.optim.SGD's update (SPEC 5.1).
 
@@ -177,6 +182,7 @@ def dp_sgd(
         offset=offset,
         nonfinite=nonfinite,
         backend=backend,
+        stochastic_rounding=stochastic_rounding,
     )
 
 
@@ -199,6 +205,7 @@ def _adam_family(
     offset,
     nonfinite,
     backend,
+    stochastic_rounding=False,
     noise_var_avg=None,
     **extra,
 ):
@@ -230,6 +237,7 @@ def _adam_family(
         offset=offset,
         nonfinite=nonfinite,
         backend=backend,
+        stochastic_rounding=stochastic_rounding,
         noise_var_avg=phi,
     )
     if noise_var_avg is not None:
@@ -256,6 +264,7 @@ def dp_adam(
     offset: int = 0,
     nonfinite: str = "error",
     backend: str = "auto",
+    stochastic_rounding: bool = False,
 ) -> StepResult:
     """DP-Adam (TensorFlow Privacy / Opacus + torch.optim.Adam, SPEC 5.2), coupled L2."""
     return _adam_family(
@@ -277,6 +286,7 @@ def dp_adam(
         offset=offset,
         nonfinite=nonfinite,
         backend=backend,
+        stochastic_rounding=stochastic_rounding,
     )
 
 
@@ -299,6 +309,7 @@ def dp_adamw(
     offset: int = 0,
     nonfinite: str = "error",
     backend: str = "auto",
+    stochastic_rounding: bool = False,
 ) -> StepResult:
     """DP-AdamW (arXiv 2511.07843, Algorithm 1; SPEC 5.4): decoupled weight decay."""
     return _adam_family(
@@ -320,6 +331,7 @@ def dp_adamw(
         offset=offset,
         nonfinite=nonfinite,
         backend=backend,
+        stochastic_rounding=stochastic_rounding,
     )
 
 
@@ -343,6 +355,7 @@ def dp_adam_bc(
     offset: int = 0,
     nonfinite: str = "error",
     backend: str = "auto",
+    stochastic_rounding: bool = False,
 ) -> StepResult:
     """DP-AdamBC (Tang et al., arXiv 2312.14334; SPEC 5.3).
 
@@ -367,6 +380,7 @@ def dp_adam_bc(
         offset=offset,
         nonfinite=nonfinite,
         backend=backend,
+        stochastic_rounding=stochastic_rounding,
         noise_var_avg=noise_var_avg,
     )
 
@@ -391,6 +405,7 @@ def dp_adamw_bc(
     offset: int = 0,
     nonfinite: str = "error",
     backend: str = "auto",
+    stochastic_rounding: bool = False,
 ) -> StepResult:
     """DP-AdamW-BC (arXiv 2511.07843, Algorithm 2; SPEC 5.5). ``noise_var_avg`` as in
     :func:`dp_adam_bc`."""
@@ -413,6 +428,7 @@ def dp_adamw_bc(
         offset=offset,
         nonfinite=nonfinite,
         backend=backend,
+        stochastic_rounding=stochastic_rounding,
         noise_var_avg=noise_var_avg,
     )
 
@@ -439,6 +455,7 @@ def dp_macadam(
     offset: int = 0,
     nonfinite: str = "error",
     backend: str = "auto",
+    stochastic_rounding: bool = False,
 ) -> StepResult:
     """DP-MacAdam (arXiv 2606.05435, Algorithm 1; AdaClip arXiv 1908.07643; SPEC 7).
 
@@ -475,6 +492,7 @@ def dp_macadam(
         offset=offset,
         nonfinite=nonfinite,
         backend=backend,
+        stochastic_rounding=stochastic_rounding,
     )
 
 

@@ -39,7 +39,13 @@ from ..guards import (
     check_group_options,
     deferred_signals,
 )
-from ..hyper import Hyper, check_betas, check_nonnegative, check_positive
+from ..hyper import (
+    Hyper,
+    check_betas,
+    check_nonnegative,
+    check_positive,
+    check_stochastic_rounding,
+)
 from ..interop import refuse_opacus_wrapper
 from ..keys import NoiseKey, key_fingerprint, secure_key
 from ..rules import PARAM, RuleSpec
@@ -109,6 +115,7 @@ class DPOptimizer(torch.optim.Optimizer):
         seed=None,
         backend: str = "auto",
         nonfinite: str = "error",
+        stochastic_rounding: bool = False,
     ):
         if isinstance(params, torch.optim.Optimizer):
             raise TypeError(DPOPTIMIZER_IS_A_BASE)
@@ -118,6 +125,9 @@ class DPOptimizer(torch.optim.Optimizer):
         self._seed = _check_seed(seed)
         self.backend = backends.check_name(backend)
         self.nonfinite = F.check_nonfinite(nonfinite)
+        #: Round bfloat16 parameters stochastically on store (SPEC 3.2); float32 and
+        #: float16 parameters are unaffected. May be changed between steps.
+        self.stochastic_rounding = stochastic_rounding
         self._key = NoiseKey(self._seed) if self._seed is not None else secure_key()
         self._dp_step = 0
         self._failed: str | None = None  # why a step failed midway (see step())
@@ -131,6 +141,7 @@ class DPOptimizer(torch.optim.Optimizer):
     max_grad_norm = _Checked(check_positive)
     noise_multiplier = _Checked(check_nonnegative)
     expected_batch_size = _Checked(check_positive)
+    stochastic_rounding = _Checked(lambda name, value: check_stochastic_rounding(value))
 
     @property
     def dp_step(self) -> int:
@@ -153,6 +164,7 @@ class DPOptimizer(torch.optim.Optimizer):
         "_expected_batch_size",
         "backend",
         "nonfinite",
+        "_stochastic_rounding",
         "b_init",
     )  # never stats
 
@@ -164,6 +176,7 @@ class DPOptimizer(torch.optim.Optimizer):
             f"    secure: {self.secure}"
             + ("" if self.secure else " (seed given: the noise key is known, not private)")
             + f"\n    backend: {self.backend}\n    dp_step: {self._dp_step}\n"
+            + ("    stochastic_rounding: True\n" if self.stochastic_rounding else "")
         )
         base = super().__repr__()
         return base[:-1] + "DP settings\n" + dp + ")" if base.endswith(")") else base + "\n" + dp
@@ -198,6 +211,7 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def __setstate__(self, state):
         super().__setstate__(state)
+        self.__dict__.setdefault("_stochastic_rounding", False)  # (pickled before the option)
         self.stats = {"steps": 0, "samples": 0, "clipped_samples": 0, "nonfinite_samples": 0}
         if getattr(self, "_seed", None) is not None:
             self._key = NoiseKey(self._seed)  # (the key itself is never pickled)
@@ -588,6 +602,7 @@ class DPOptimizer(torch.optim.Optimizer):
                     noise_multiplier=self.noise_multiplier,
                     expected_batch_size=self.expected_batch_size,
                     reduce=reduce,
+                    stochastic_rounding=self.stochastic_rounding,
                 )
             except BaseException as exc:
                 self._dp_step = t  # the pair (key, t) may have been used: never again
@@ -629,9 +644,9 @@ class DPOptimizer(torch.optim.Optimizer):
     # -- checkpoints -----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """torch.optim's state_dict plus a ``"dp"`` entry: the noise step count, the
-        privacy arguments (for information: loading keeps the constructor's) and, in
-        reproducible mode only, the seed. Never the secure key, the accumulation buffers
-        or ``stats`` (exact data-dependent counts).
+        privacy arguments and ``stochastic_rounding`` (for information: loading keeps the
+        constructor's) and, in reproducible mode only, the seed. Never the secure key, the
+        accumulation buffers or ``stats`` (exact data-dependent counts).
 
         Raises: StepInterrupted after a step failed midway."""
         self._check_usable()
@@ -641,6 +656,7 @@ class DPOptimizer(torch.optim.Optimizer):
             "max_grad_norm": self.max_grad_norm,
             "noise_multiplier": self.noise_multiplier,
             "expected_batch_size": self.expected_batch_size,
+            "stochastic_rounding": self.stochastic_rounding,
             "format": 2,
         }
         if self._seed is not None:
@@ -654,8 +670,8 @@ class DPOptimizer(torch.optim.Optimizer):
 
         Follows torch.optim's order: load-state-dict pre-hooks, then validation and
         installation, then post-hooks (what they write stays). The constructor's
-        ``max_grad_norm``, ``noise_multiplier`` and ``expected_batch_size`` are kept (as
-        Opacus does): recalibrating sigma at a resume takes effect. Secure mode draws a
+        ``max_grad_norm``, ``noise_multiplier``, ``expected_batch_size`` (as Opacus
+        does) and ``stochastic_rounding`` are kept: recalibrating sigma at a resume takes effect. Secure mode draws a
         fresh noise key, so no (key, step) pair is ever used twice; reproducible mode
         takes the checkpoint's seed.
 

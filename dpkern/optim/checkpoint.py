@@ -65,6 +65,9 @@ def validated_state_dict(opt, sd: dict) -> tuple[list, dict, int, int | None]:
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"invalid dp step {step!r} in state dict")
     seed = _check_seed(dp.get("seed"))
+    sr = dp.get("stochastic_rounding", False)  # for information (format 2 before it: absent)
+    if not isinstance(sr, bool):
+        raise ValueError(f"invalid dp stochastic_rounding {sr!r} in state dict: expected a bool")
     new_state = {}
     for pid, st in saved_state.items():
         if pid not in id_to_param:

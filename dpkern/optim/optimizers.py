@@ -58,6 +58,10 @@ _DP_ARGS = r"""
         nonfinite (str): "error" (default): a sample with a NaN/Inf gradient raises
             FloatingPointError and nothing is updated; "zero": such samples are dropped
             (their rows contribute nothing) and counted in ``stats``.
+        stochastic_rounding (bool): False (default): bfloat16 parameters are rounded to
+            nearest even on store; True: stochastically, E[round(x)] = x, so updates
+            smaller than a bf16 ulp are kept on average (SPEC 3.2: Philox stream 2 of the
+            noise key). float32 and float16 parameters are unaffected.
 
     Input: ``step()`` reads ``p.grad_sample`` (``[B, *p.shape]``, any float dtype, from
     ``opacus.GradSampleModule`` or :func:`dpkern.grad_sample.compute_grad_sample`), never
@@ -118,6 +122,7 @@ class DPSGD(DPOptimizer):
         seed=None,
         backend: str = "auto",
         nonfinite: str = "error",
+        stochastic_rounding: bool = False,
     ):
         defaults = dict(
             lr=lr,
@@ -135,6 +140,7 @@ class DPSGD(DPOptimizer):
             seed=seed,
             backend=backend,
             nonfinite=nonfinite,
+            stochastic_rounding=stochastic_rounding,
         )
 
     def _rule_step(self, hyper, state, new):
@@ -156,6 +162,7 @@ class _AdamFamily(DPOptimizer):
         seed=None,
         backend: str = "auto",
         nonfinite: str = "error",
+        stochastic_rounding: bool = False,
         **extra,
     ):
         defaults = dict(lr=lr, betas=tuple(betas), **extra)
@@ -168,6 +175,7 @@ class _AdamFamily(DPOptimizer):
             seed=seed,
             backend=backend,
             nonfinite=nonfinite,
+            stochastic_rounding=stochastic_rounding,
         )
 
 
@@ -227,6 +235,7 @@ class DPAdam(_AdamFamily):
         seed=None,
         backend="auto",
         nonfinite="error",
+        stochastic_rounding=False,
     ):
         super().__init__(
             params,
@@ -240,6 +249,7 @@ class DPAdam(_AdamFamily):
             seed=seed,
             backend=backend,
             nonfinite=nonfinite,
+            stochastic_rounding=stochastic_rounding,
         )
 
 
@@ -279,6 +289,7 @@ class DPAdamW(_AdamFamily):
         seed=None,
         backend="auto",
         nonfinite="error",
+        stochastic_rounding=False,
     ):
         super().__init__(
             params,
@@ -292,6 +303,7 @@ class DPAdamW(_AdamFamily):
             seed=seed,
             backend=backend,
             nonfinite=nonfinite,
+            stochastic_rounding=stochastic_rounding,
         )
 
 
@@ -340,6 +352,7 @@ class DPAdamBC(_AdamFamily):
         seed=None,
         backend="auto",
         nonfinite="error",
+        stochastic_rounding=False,
     ):
         super().__init__(
             params,
@@ -353,6 +366,7 @@ class DPAdamBC(_AdamFamily):
             seed=seed,
             backend=backend,
             nonfinite=nonfinite,
+            stochastic_rounding=stochastic_rounding,
         )
 
 
@@ -392,6 +406,7 @@ class DPAdamWBC(_AdamFamily):
         seed=None,
         backend="auto",
         nonfinite="error",
+        stochastic_rounding=False,
     ):
         super().__init__(
             params,
@@ -405,6 +420,7 @@ class DPAdamWBC(_AdamFamily):
             seed=seed,
             backend=backend,
             nonfinite=nonfinite,
+            stochastic_rounding=stochastic_rounding,
         )
 
 
@@ -467,6 +483,7 @@ class DPMacAdam(_AdamFamily):
         seed=None,
         backend="auto",
         nonfinite="error",
+        stochastic_rounding=False,
     ):
         if b_init is not None:
             check_positive("b_init", b_init)
@@ -485,6 +502,7 @@ class DPMacAdam(_AdamFamily):
             seed=seed,
             backend=backend,
             nonfinite=nonfinite,
+            stochastic_rounding=stochastic_rounding,
         )
 
     def _fresh_state(self, p, n_total):
@@ -694,6 +712,7 @@ class DPSGDScheduleFree(_ScheduleFree):
         seed=None,
         backend: str = "auto",
         nonfinite: str = "error",
+        stochastic_rounding: bool = False,
     ):
         defaults = dict(
             lr=lr,
@@ -713,6 +732,7 @@ class DPSGDScheduleFree(_ScheduleFree):
             seed=seed,
             backend=backend,
             nonfinite=nonfinite,
+            stochastic_rounding=stochastic_rounding,
         )
 
     @staticmethod
@@ -781,6 +801,7 @@ class DPAdamWScheduleFree(_ScheduleFree):
         seed=None,
         backend: str = "auto",
         nonfinite: str = "error",
+        stochastic_rounding: bool = False,
     ):
         defaults = dict(
             lr=lr,
@@ -802,6 +823,7 @@ class DPAdamWScheduleFree(_ScheduleFree):
             seed=seed,
             backend=backend,
             nonfinite=nonfinite,
+            stochastic_rounding=stochastic_rounding,
         )
 
     @staticmethod
@@ -881,6 +903,7 @@ class DPRMSprop(DPOptimizer):
         seed=None,
         backend: str = "auto",
         nonfinite: str = "error",
+        stochastic_rounding: bool = False,
     ):
         defaults = dict(
             lr=lr,
@@ -901,6 +924,7 @@ class DPRMSprop(DPOptimizer):
             seed=seed,
             backend=backend,
             nonfinite=nonfinite,
+            stochastic_rounding=stochastic_rounding,
         )
 
 
@@ -968,6 +992,7 @@ class DPAdagrad(DPOptimizer):
         seed=None,
         backend: str = "auto",
         nonfinite: str = "error",
+        stochastic_rounding: bool = False,
     ):
         defaults = dict(
             lr=lr,
@@ -987,6 +1012,7 @@ class DPAdagrad(DPOptimizer):
             seed=seed,
             backend=backend,
             nonfinite=nonfinite,
+            stochastic_rounding=stochastic_rounding,
         )
 
 
@@ -1054,6 +1080,7 @@ class DPAdadelta(DPOptimizer):
         seed=None,
         backend="auto",
         nonfinite="error",
+        stochastic_rounding=False,
     ):
         defaults = dict(
             lr=lr,
@@ -1072,6 +1099,7 @@ class DPAdadelta(DPOptimizer):
             seed=seed,
             backend=backend,
             nonfinite=nonfinite,
+            stochastic_rounding=stochastic_rounding,
         )
 
 
@@ -1145,6 +1173,7 @@ class DPAdEMAMix(DPOptimizer):
         seed=None,
         backend="auto",
         nonfinite="error",
+        stochastic_rounding=False,
     ):
         defaults = dict(
             lr=lr,
@@ -1165,6 +1194,7 @@ class DPAdEMAMix(DPOptimizer):
             seed=seed,
             backend=backend,
             nonfinite=nonfinite,
+            stochastic_rounding=stochastic_rounding,
         )
 
     def _hyper(self, group):
@@ -1250,6 +1280,7 @@ class DPRAdam(_AdamFamily):
         seed=None,
         backend="auto",
         nonfinite="error",
+        stochastic_rounding=False,
     ):
         super().__init__(
             params,
@@ -1266,6 +1297,7 @@ class DPRAdam(_AdamFamily):
             seed=seed,
             backend=backend,
             nonfinite=nonfinite,
+            stochastic_rounding=stochastic_rounding,
         )
 
 
@@ -1326,6 +1358,7 @@ class DPLion(_AdamFamily):
         seed=None,
         backend="auto",
         nonfinite="error",
+        stochastic_rounding=False,
     ):
         super().__init__(
             params,
@@ -1339,6 +1372,7 @@ class DPLion(_AdamFamily):
             seed=seed,
             backend=backend,
             nonfinite=nonfinite,
+            stochastic_rounding=stochastic_rounding,
         )
 
 
@@ -1421,6 +1455,7 @@ class DPAdafactor(DPOptimizer):
         seed=None,
         backend: str = "auto",
         nonfinite: str = "error",
+        stochastic_rounding: bool = False,
     ):
         defaults = dict(
             lr=lr,
@@ -1440,6 +1475,7 @@ class DPAdafactor(DPOptimizer):
             seed=seed,
             backend=backend,
             nonfinite=nonfinite,
+            stochastic_rounding=stochastic_rounding,
         )
 
     def _hyper(self, group: dict):

@@ -2,7 +2,8 @@
 CPU tensors under ``TRITON_INTERPRET=1`` (set before this package is imported).
 
 Same functions and signatures as :mod:`dpkern.backends.reference`:
-``philox_words``, ``gaussian_noise``, ``normal_from_words`` (noise.py), ``per_sample_norms``,
+``philox_words``, ``gaussian_noise``, ``normal_from_words``, ``rounding_bits``,
+``stochastic_round_bf16`` (noise.py), ``per_sample_norms``,
 ``whitened_norms`` (norms.py, pass 1), ``accumulate``, ``step``, ``macadam_update_scale``
 (step.py, pass 2: a shared prologue, then one ``update_<name>`` per rule in rules.py),
 ``supports`` (whether a rule of :mod:`dpkern.rules` has a kernel here).
@@ -13,7 +14,13 @@ Block sizes: :func:`configure` / :data:`_common.CONFIG` (results do not depend o
 import triton  # noqa: F401  (ImportError here marks the backend unavailable)
 
 from ._common import INTERPRETED, Config, config, configure
-from .noise import gaussian_noise, normal_from_words, philox_words
+from .noise import (
+    gaussian_noise,
+    normal_from_words,
+    philox_words,
+    rounding_bits,
+    stochastic_round_bf16,
+)
 from .norms import per_sample_norms, whitened_norms
 from .step import accumulate, macadam_update_scale, step, supports
 
@@ -21,6 +28,8 @@ __all__ = [
     "philox_words",
     "gaussian_noise",
     "normal_from_words",
+    "rounding_bits",
+    "stochastic_round_bf16",
     "per_sample_norms",
     "whitened_norms",
     "accumulate",

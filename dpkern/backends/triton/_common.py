@@ -387,3 +387,15 @@ def to_dtype_rne(x, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
         bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
         x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
     return x.to(DTYPE)
+
+
+@triton.jit
+def to_bf16_sr(x, rho):
+    """float32 -> bfloat16 rounded stochastically with the rounding bits ``rho`` (uint32 in
+    [0, 2**16), SPEC 3.2): the high half of bits(x) + rho, as bf16 bits (a bitcast, no
+    conversion: the interpreter's float32 -> bfloat16 cast mangles subnormals); a NaN
+    becomes the quiet NaN of its high half (sign and top payload bits kept)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    hi = tl.where(nan, (bits >> 16) | 0x40, (bits + rho) >> 16)
+    return hi.to(tl.uint16).to(tl.bfloat16, bitcast=True)

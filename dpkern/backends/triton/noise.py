@@ -1,4 +1,5 @@
-"""The noise stream v1 (SPEC section 3) as Triton helpers, and its two public entry points.
+"""The noise stream v1 (SPEC section 3) as Triton helpers, and its two public entry points;
+the rounding stream (SPEC section 3.2) likewise.
 
 ``philox`` is exactly ``tl.philox(K, c0, c1, c2, c3)`` with the SPEC's counter words;
 ``radius_angle`` is the SPEC's float32 word -> (R, theta) transform, operation for
@@ -22,6 +23,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from ...hyper import ROUNDING_STREAM
 from . import _common as C
 
 _TWO_M32 = tl.constexpr(2.0**-32)
@@ -213,3 +215,70 @@ def normal_from_words(words: torch.Tensor) -> torch.Tensor:
     if n:
         _words_to_normal_kernel[(C.cdiv(n, 256),)](words, out, n, BLOCK=256, LIBDEVICE=C.LIBDEVICE)
     return out
+
+
+# --------------------------------------------------------------------------------------
+# The rounding stream (SPEC section 3.2)
+# --------------------------------------------------------------------------------------
+@triton.jit
+def tile_rounding_bits(g0, key_lo, key_hi, c2, c3, BLOCK: tl.constexpr):
+    """rho of the global indices g0 .. g0 + BLOCK - 1 (g0 even, int64; c3 of the rounding
+    stream): w >> 16 with w = r0 (lane 0) or r2 (lane 1) of the pair's Philox words, as
+    uint32 [BLOCK] in [0, 2**16). The pairs are laid out as ``tile_normals`` lays them."""
+    k = (g0 >> 1) + tl.arange(0, BLOCK // 2).to(tl.int64)
+    r0, r1, r2, r3 = philox(k, key_lo, key_hi, c2, c3)
+    return tl.reshape(tl.join(r0 >> 16, r2 >> 16), [BLOCK])
+
+
+@triton.jit
+def rounding_bits_at(g, key_lo, key_hi, c2, c3):
+    """rho of the global indices ``g`` (any int64 tensor, any parity): uint32, one Philox
+    call per element (for callers whose tiles do not start at an even index)."""
+    r0, r1, r2, r3 = philox(g >> 1, key_lo, key_hi, c2, c3)
+    return tl.where((g & 1) == 0, r0, r2) >> 16
+
+
+@triton.jit(do_not_specialize=_INT_ARGS + ["numel", "offset"])
+def _stochastic_round_kernel(
+    x_ptr, out_ptr, bits_ptr, numel, offset, key_lo, key_hi, c2, c3, BLOCK: tl.constexpr
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < numel
+    rho = rounding_bits_at(offset + offs, key_lo, key_hi, c2, c3)
+    tl.store(bits_ptr + offs, rho.to(tl.int64), mask=m)
+    x = tl.load(x_ptr + offs, mask=m, other=0.0)
+    tl.store(out_ptr + offs, C.to_bf16_sr(x, rho), mask=m)
+
+
+def _round(x: torch.Tensor, key, step: int, offset: int):
+    dev = C.check_device(x.device)
+    x = C.readonly(x.detach().to(torch.float32)).reshape(-1)
+    n = x.numel()
+    out = C.empty((n,), torch.bfloat16, dev)
+    bits = C.empty((n,), torch.int64, dev)
+    if n:
+        block = C.config().step_block
+        _stochastic_round_kernel[(C.cdiv(n, block),)](
+            x,
+            out,
+            bits,
+            n,
+            offset,
+            *C.key_words(key),
+            *C.step_words(step, ROUNDING_STREAM),
+            BLOCK=block,
+            num_warps=C.config().num_warps,
+        )
+    return out, bits
+
+
+def rounding_bits(numel: int, *, key: int, step: int, offset: int = 0, device=None):
+    """rho_j of global elements ``offset ... offset + numel - 1``: int64 ``[numel]``
+    (``reference.rounding_bits``)."""
+    dev = C.check_device(_default_device(device))
+    return _round(torch.zeros(numel, dtype=torch.float32, device=dev), key, step, offset)[1]
+
+
+def stochastic_round_bf16(x: torch.Tensor, *, key: int, step: int, offset: int = 0):
+    """float32 ``x`` rounded stochastically to bfloat16 (``reference.stochastic_round_bf16``)."""
+    return _round(x, key, step, offset)[0].reshape(x.shape)

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from ... import rules
 from . import _common as C
+from .noise import rounding_bits_at
 
 # Rule codes (constexpr): which update function a kernel is compiled with.
 SGD = tl.constexpr(0)
@@ -914,20 +915,27 @@ def _af_update_kernel(g_ptr, r_ptr, c_ptr, m_ptr, uu_ptr, R, C, phi, gamma, eps1
     tl.store(uu_ptr + i, tl.sum(acc, axis=0))
 
 
-@triton.jit
-def _af_apply_kernel(p_ptr, u_ptr, n, decay, step, P_DTYPE: tl.constexpr,
+@triton.jit(do_not_specialize=["noff", "key_lo", "key_hi", "c2", "c3"])
+def _af_apply_kernel(p_ptr, u_ptr, n, decay, step, noff, key_lo, key_hi, c2, c3,
+                     P_DTYPE: tl.constexpr, SR: tl.constexpr,
                      BLOCK: tl.constexpr):  # fmt: skip
-    """p <- p (1 - lr wd) - step U, rounded once to the parameter dtype."""
+    """p <- p (1 - lr wd) - step U, rounded once to the parameter dtype (stochastically
+    with SR: the rounding stream's bits of global indices noff + j, SPEC 3.2)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inb = offs < n
     p = tl.load(p_ptr + offs, mask=inb, other=0.0).to(tl.float32)
     p = p * decay - step * tl.load(u_ptr + offs, mask=inb, other=0.0)
-    tl.store(p_ptr + offs, C.to_dtype_rne(p, P_DTYPE, C.EMULATE_RNE), mask=inb)
+    if SR:
+        rho = rounding_bits_at(noff + offs.to(tl.int64), key_lo, key_hi, c2, c3)
+        tl.store(p_ptr + offs, C.to_bf16_sr(p, rho), mask=inb)
+    else:
+        tl.store(p_ptr + offs, C.to_dtype_rne(p, P_DTYPE, C.EMULATE_RNE), mask=inb)
 
 
-def adafactor_tensor_pass(h, dp, bufs) -> None:
+def adafactor_tensor_pass(h, dp, bufs, offsets) -> None:
     """The tensor phase of DP-Adafactor (SPEC 10.7) for each parameter: ``bufs`` holds, per
-    parameter, (param, grad_sample, summed, row_var, col_var, g_hat scratch), contiguous."""
+    parameter, (param, grad_sample, summed, row_var, col_var, g_hat scratch), contiguous;
+    ``offsets`` their global noise offsets (the rounding stream's indices, SPEC 3.2)."""
     import math
 
     import torch
@@ -940,7 +948,10 @@ def adafactor_tensor_pass(h, dp, bufs) -> None:
     phi = float(dp.noise_var_avg)
     low = w < 0.5
     block = C.config().step_block
-    for p, _, _, row, col, g in bufs:
+    from ...hyper import ROUNDING_STREAM
+
+    c2, c3 = C.step_words(dp.noise_step, ROUNDING_STREAM)
+    for (p, _, _, row, col, g), noff in zip(bufs, offsets, strict=True):
         n = p.numel()
         if n == 0:
             continue
@@ -972,9 +983,11 @@ def adafactor_tensor_pass(h, dp, bufs) -> None:
         sum_pp, sum_uu = torch.stack([pp.sum(), uu.sum()]).tolist()
         alpha = max(h.eps2, math.sqrt(sum_pp) / n**0.5) * rho
         denom = max(1.0, math.sqrt(sum_uu) / (n**0.5 * h.d))
+        sr = dp.stochastic_rounding and p.dtype == torch.bfloat16
         _af_apply_kernel[(triton.cdiv(n, block),)](
-            p, g, n, 1 - h.lr * h.weight_decay, alpha / denom, P_DTYPE=C.tl_dtype(p.dtype),
-            BLOCK=block,
+            p, g, n, 1 - h.lr * h.weight_decay, alpha / denom, noff,
+            *(C.key_words(dp.key) if sr else (0, 0)), c2, c3,
+            P_DTYPE=C.tl_dtype(p.dtype), SR=sr, BLOCK=block,
         )  # fmt: skip
 
 

@@ -11,7 +11,9 @@ in the shared prologue of ``_step_kernel``:
   3. draws the noise of its block in registers (``noise.tile_normals``);
   4. forms g_hat = (S + noise_std z) / B_e and loads the parameter;
 then the rule's ``update_<name>`` (``rules.update``) updates the states and the parameter
-in float32, and the prologue's epilogue stores the parameter (one rounding to its dtype).
+in float32, and the prologue's epilogue stores the parameter (one rounding to its dtype:
+to nearest even, or for bf16 with ``dp.stochastic_rounding`` stochastically with the
+rounding stream's bits of the tile, SPEC 3.2).
 Each input byte is read once and each output byte written once; the only temporaries
 are the tables and, for DP-MacAdam, one float64 partial sum per block. A rule with a tensor
 phase (DP-Adafactor, ``rules.TENSOR_PASSES``) instead stores g_hat into an fp32 scratch per
@@ -32,7 +34,8 @@ import triton.language as tl
 from ... import rules as registry
 from . import _common as C
 from . import rules as R
-from .noise import tile_normals
+from ...hyper import ROUNDING_STREAM
+from .noise import tile_normals, tile_rounding_bits
 
 
 @triton.jit
@@ -66,7 +69,7 @@ def _clipped_sum(
     return acc
 
 
-@triton.jit(do_not_specialize=["B", "slot0", "key_lo", "key_hi", "c2", "c3"])
+@triton.jit(do_not_specialize=["B", "slot0", "key_lo", "key_hi", "c2", "c3", "c3_round"])
 def _step_kernel(
     table,
     chunks,
@@ -78,6 +81,7 @@ def _step_kernel(
     key_hi,
     c2,
     c3,
+    c3_round,
     noise_std,
     batch_e,
     bc1_prev,
@@ -104,6 +108,7 @@ def _step_kernel(
     SCALE_COL: tl.constexpr,
     HAS_PREV: tl.constexpr,
     LOAD_M: tl.constexpr,
+    SR: tl.constexpr,
     F0: tl.constexpr,
     F1: tl.constexpr,
     F2: tl.constexpr,
@@ -191,7 +196,13 @@ def _step_kernel(
             F3,
             ALIGNED,
         )
-        tl.store(p_ptr + offs, C.to_dtype_rne(p, P_DTYPE, C.EMULATE_RNE), mask=inb)
+        if SR:  # bf16, stochastic rounding (SPEC 3.2): the tile's bits, laid out as z's
+            rho = tile_rounding_bits(
+                tl.load(row + C.COL_NOFF) + e0, key_lo, key_hi, c2, c3_round, BLOCK
+            )
+            tl.store(p_ptr + offs, C.to_bf16_sr(p, rho), mask=inb)
+        else:
+            tl.store(p_ptr + offs, C.to_dtype_rne(p, P_DTYPE, C.EMULATE_RNE), mask=inb)
 
 
 @triton.jit
@@ -253,6 +264,7 @@ def _launch(
     block = cfg.step_block
     launches = C.plan(entries, typed=(0, 1), chunk=block, device=dev)
     reduces = args.reduces and not accumulate_only
+    sr = dp.stochastic_rounding and not accumulate_only
     t = dp.step
     clip = C.readonly(clip_factors.to(torch.float32)) if has_gs else None
     B = clip.shape[0] if has_gs else 0
@@ -269,6 +281,7 @@ def _launch(
             slot0,
             *C.key_words(dp.key),
             *C.step_words(dp.noise_step, dp.stream),
+            C.step_words(dp.noise_step, ROUNDING_STREAM)[1],  # c3 of the rounding stream
             dp.noise_std,
             dp.expected_batch_size,
             (1 - hyper.beta1 ** (t - 1)) if whiten and t > 1 else 1.0,  # bc1_prev
@@ -285,6 +298,7 @@ def _launch(
             HAS_PREV=t > 1,
             # the first state: read by the update (or, when accumulating, by the whitening)
             LOAD_M=(whiten and t > 1) if accumulate_only else args.load_first,
+            SR=sr and ln.dtypes[0] == torch.bfloat16,
             F0=args.flags[0],
             F1=args.flags[1],
             F2=args.flags[2],
@@ -296,7 +310,7 @@ def _launch(
         )
         slot0 += ln.n_chunks
     if tensor_pass is not None:
-        tensor_pass(hyper, dp, [e.bufs for e in entries])
+        tensor_pass(hyper, dp, [e.bufs for e in entries], [e.noise_offset for e in entries])
     inplace.finish()
     if partial is None:
         return 0.0

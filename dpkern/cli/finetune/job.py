@@ -266,6 +266,7 @@ def make_optimizer(plan: Plan, params, backend: str, sigma: float):
         "expected_batch_size": plan.batch_size,
         "seed": plan.noise_seed,
         "backend": backend,
+        "stochastic_rounding": plan.stochastic_rounding,
     }  # None: a secret key (os.urandom)
     if plan.weight_decay is not None:
         if "weight_decay" not in options:
@@ -315,7 +316,20 @@ def check_nproc(args, device: torch.device) -> None:
 
 
 def check_memory_options(args, plan: Plan) -> None:
-    """--lora, --bf16 and --gradient-checkpointing against the other options."""
+    """--lora, --bf16, --stochastic-rounding and --gradient-checkpointing against the other
+    options."""
+    if plan.stochastic_rounding:
+        require(
+            plan.bf16,
+            "--stochastic-rounding",
+            "rounds bfloat16 weights: it needs --bf16 (float32 weights are not rounded)",
+        )
+        require(
+            plan.lora is None,
+            "--stochastic-rounding",
+            "has nothing to round with --lora: the trained LoRA adapters stay float32 "
+            "(only the frozen base is bfloat16)",
+        )
     if plan.lora is not None:
         try:
             import peft  # noqa: F401

@@ -133,6 +133,7 @@ def run_training(args, job, dist_ctx=None, stop: StopSignals | None = None) -> i
             "lora_alpha": plan.lora_alpha,
             "lora_dropout": plan.lora_dropout,
             "bf16": plan.bf16,
+            "stochastic_rounding": plan.stochastic_rounding,
             "gradient_checkpointing": bool(getattr(args, "gradient_checkpointing", False)),
             "clipping": args.clipping,
             # exact block counts only where the block is the unit (N, public); for
@@ -307,8 +308,8 @@ def run_training(args, job, dist_ctx=None, stop: StopSignals | None = None) -> i
 
 _UPDATE_HINT = (
     " (dpkern finetune builds its optimizer after moving the model to its device: if "
-    "--bf16 is on, the update may be below bfloat16's resolution: raise --lr or drop "
-    "--bf16). Nothing was saved"
+    "--bf16 is on, the update may be below bfloat16's resolution: raise --lr, add "
+    "--stochastic-rounding or drop --bf16). Nothing was saved"
 )
 
 
@@ -416,7 +417,8 @@ def _model_line(plan, args, m) -> str:
     extras = [
         x
         for x, on in (
-            ("bfloat16 weights", plan.bf16),
+            ("bfloat16 weights", plan.bf16 and not plan.stochastic_rounding),
+            ("bfloat16 weights (stochastic rounding)", plan.stochastic_rounding),
             ("gradient checkpointing", m.get("gradient_checkpointing")),
         )
         if on

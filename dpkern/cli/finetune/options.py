@@ -39,6 +39,7 @@ DEFAULTS = {
     "privacy_unit": "block",
     "arch": "gpt2",
     "bf16": False,
+    "stochastic_rounding": False,
 }
 
 
@@ -68,6 +69,7 @@ PLAN_OPTIONS = (
     "lora_alpha",
     "lora_dropout",
     "bf16",
+    "stochastic_rounding",
 )
 
 
@@ -153,6 +155,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="keep the model's weights in bfloat16 (LoRA adapters stay float32); "
         "per-sample norms, clipped sums, noise and optimizer states are float32",
+    )
+    g.add_argument(
+        "--stochastic-rounding",
+        action="store_true",
+        default=None,
+        help="with --bf16: round each bfloat16 weight update stochastically (unbiased) "
+        "instead of to nearest, so updates below a bf16 ulp are not lost (SPEC 3.2; "
+        "the randomness is Philox stream 2 of the noise key)",
     )
     g.add_argument(
         "--gradient-checkpointing",

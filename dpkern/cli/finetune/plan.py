@@ -53,6 +53,7 @@ class Plan:
     lora_alpha: float | None = None
     lora_dropout: float | None = None
     bf16: bool = False
+    stochastic_rounding: bool = False
 
 
 #: How each privacy unit is named in messages and the summary (singular, plural).
@@ -97,6 +98,7 @@ def plan_from_args(args, saved: dict | None) -> Plan:
         "lora_alpha",
         "lora_dropout",
         "bf16",
+        "stochastic_rounding",
     ):
         given = getattr(args, name, None)
         if saved is not None and name in PLAN_OPTIONS:
@@ -175,6 +177,7 @@ def saved_plan(saved: dict, trainer_state: dict) -> dict:
     for name in ("lora", "lora_alpha", "lora_dropout"):
         saved.setdefault(name, None)
     saved.setdefault("bf16", False)
+    saved.setdefault("stochastic_rounding", False)  # (checkpoints before it)
     return saved
 
 

@@ -63,6 +63,9 @@ class PrivacyArguments:
             parameter did not change (:class:`dpkern.integrations.UpdateCheck`; the
             model moved to another device after the optimizer was built). Turn it off
             only for updates below the parameter dtype's resolution.
+        stochastic_rounding: round each update of a bfloat16 weight stochastically
+            (unbiased; SPEC 3.2) instead of to nearest, so that updates below a bf16 ulp
+            are not lost (default False). float32 / float16 weights are unaffected.
     Raises:
         ValueError: an invalid value, named."""
 
@@ -77,6 +80,7 @@ class PrivacyArguments:
     backend: str = "auto"
     verify: str = "first"
     check_first_step: bool = True
+    stochastic_rounding: bool = False
 
     def __post_init__(self):
         if (self.target_epsilon is None) == (self.noise_multiplier is None):
@@ -125,6 +129,10 @@ class PrivacyArguments:
             raise ValueError(f"invalid verify={self.verify!r}: expected one of {_VERIFY}")
         if not isinstance(self.check_first_step, bool):
             raise ValueError(f"invalid check_first_step={self.check_first_step!r}: expected a bool")
+        if not isinstance(self.stochastic_rounding, bool):
+            raise ValueError(
+                f"invalid stochastic_rounding={self.stochastic_rounding!r}: expected a bool"
+            )
 
     @property
     def private(self) -> bool:

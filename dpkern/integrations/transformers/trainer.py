@@ -312,6 +312,7 @@ class DPTrainer(Trainer):
             expected_batch_size=plan["expected_batch_size"],
             seed=p.noise_seed,
             backend=p.backend,
+            stochastic_rounding=p.stochastic_rounding,
         )
         if self.args.world_size > 1:
             from ...distributed import DistributedDPOptimizer
