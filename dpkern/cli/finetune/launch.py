@@ -82,9 +82,17 @@ def spawn(args) -> int:
             forward(stop.signum)
         rc = Path(tmp, "rc0")
         try:
-            while not ctx.join():
+            while not ctx.join(grace_period=EXIT_GRACE_SECONDS):
                 pass
         except ProcessException as exc:
+            if finished_before_dying(exc, tmp, args.nproc):
+                print(
+                    f"dpkern finetune: note: worker {exc.error_index} was killed by "
+                    f"{exc.signal_name} at interpreter exit, after every rank had finished "
+                    "and recorded its result (torch's gloo teardown); the run is complete",
+                    file=sys.stderr,
+                )
+                return int(rc.read_text())
             if stop.requested and not rc.is_file():  # stopped before their handlers were up
                 print(
                     f"dpkern finetune: stopped by {stop.name} while the workers were "
@@ -101,6 +109,22 @@ def spawn(args) -> int:
         if rc.is_file():
             return int(rc.read_text())
         return stop.exit_code if stop.requested else 1
+
+
+#: After one worker ends with an error, the others get this long to finish on their own
+#: before they are terminated (a rank that died at exit must not cut rank 0's save short).
+EXIT_GRACE_SECONDS = 30.0
+
+
+def finished_before_dying(exc, tmp: str, world: int) -> bool:
+    """Whether a worker failure ``exc`` (torch's ProcessException) came after the run was
+    over: the worker was killed by a signal (torch 2.13's gloo occasionally aborts a rank
+    at interpreter exit: "terminate called without an active exception") and every rank
+    had already written its result code, which it does only after training and (rank 0)
+    checkpointing. Any other failure is a failed run."""
+    if not getattr(exc, "signal_name", None):
+        return False
+    return all(Path(tmp, f"rc{r}").is_file() for r in range(world))
 
 
 def _worker(rank: int, world: int, tmp: str, args) -> None:
