@@ -629,3 +629,25 @@ def test_readme_trainer_example_runs(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     eps = float(re.search(r"epsilon=([0-9.]+)", out).group(1))
     assert 0 < eps <= 8.0 + 1e-6
+
+
+def test_trainer_hyper_parameters_fit_every_rule():
+    """TrainingArguments' Adam betas / eps reach each rule in the form its class takes:
+    DP-AdEMAMix gets Adam's pair and its own slow beta3 (a pair raised ValueError),
+    DP-Adafactor no float eps (its eps is the (eps1, eps2) pair)."""
+    import types
+
+    from dpkern.integrations.transformers.arguments import _optimizer_kwargs
+
+    args = types.SimpleNamespace(
+        learning_rate=1e-3, adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-7
+    )
+    ade = _optimizer_kwargs("dp-ademamix", args)
+    assert ade["betas"] == (0.8, 0.95, 0.9999) and ade["eps"] == 1e-7
+    assert "eps" not in _optimizer_kwargs("dp-adafactor", args)
+    assert _optimizer_kwargs("dp-adamw", args)["betas"] == (0.8, 0.95)
+    p = torch.nn.Parameter(torch.randn(3))
+    privacy = dict(max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=2)
+    for name in ("dp-ademamix", "dp-adafactor", "dp-adamw", "dp-lion"):
+        cls = dpkern.rules.by_cli_name(name).optimizer_class()
+        cls([p], **_optimizer_kwargs(name, args), **privacy)  # constructs: no ValueError
