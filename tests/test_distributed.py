@@ -26,6 +26,7 @@ from dpkern.distributed import (
     key_fingerprint,
     sync_key,
 )
+from dpkern.distributed.processes import end_worker
 from dpkern.functional import gaussian_noise
 from dpkern.keys import reveal
 from dpkern.grad_sample import compute_grad_sample
@@ -491,6 +492,7 @@ def _worker(rank, world, tmpdir):
         torch.save(res, os.path.join(tmpdir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+    end_worker()  # (past gloo's occasional abort at interpreter exit)
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda w: f"W{w}")

@@ -519,30 +519,3 @@ def test_nproc_bad_input_exits_2_before_spawning(text_file, tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and err.startswith(f"dpkern finetune: error: {option}:"), err
         assert not out.exists()
-
-
-def test_a_rank_killed_at_exit_after_finishing_is_not_a_failed_run(tmp_path):
-    """torch's gloo sometimes aborts a rank at interpreter exit (SIGABRT) after the run is
-    over; the launcher then reports rank 0's result, but only if every rank recorded one
-    (a rank killed before that is a failed run, as is an exception with a traceback)."""
-    from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
-
-    from dpkern.cli.finetune.launch import finished_before_dying
-
-    killed = ProcessExitedException(
-        "process 1 terminated with signal SIGABRT",
-        error_index=1,
-        error_pid=123,
-        exit_code=-6,
-        signal_name="SIGABRT",
-    )
-    (tmp_path / "rc0").write_text("0")
-    assert not finished_before_dying(killed, str(tmp_path), 2)  # rank 1 never finished
-    (tmp_path / "rc1").write_text("0")
-    assert finished_before_dying(killed, str(tmp_path), 2)
-    exited = ProcessExitedException(
-        "process 1 terminated with exit code 1", error_index=1, error_pid=123, exit_code=1
-    )
-    raised = ProcessRaisedException("Traceback ...", error_index=1, error_pid=123)
-    assert not finished_before_dying(exited, str(tmp_path), 2)
-    assert not finished_before_dying(raised, str(tmp_path), 2)

@@ -22,6 +22,7 @@ import torch
 import dpkern
 from dpkern import backends, rules
 from dpkern.backends import reference as ref
+from dpkern.distributed.processes import end_worker
 from dpkern.hyper import AdafactorHyper, DPStep
 
 from conftest import backend_device, case_seed
@@ -417,6 +418,7 @@ def _dist_worker(rank, world, tmpdir):
         torch.save(out, os.path.join(tmpdir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+    end_worker()  # (past gloo's occasional abort at interpreter exit)
 
 
 def test_ddp_equals_one_process_and_fsdp2_is_refused(tmp_path):

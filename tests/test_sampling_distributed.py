@@ -14,6 +14,7 @@ from torch import nn
 
 from dpkern import DPSGD
 from dpkern.distributed import DistributedDPOptimizer, DistributedPoissonSampler
+from dpkern.distributed.processes import end_worker
 from dpkern.grad_sample import compute_grad_sample
 from dpkern.sampling import PoissonBatchSampler, SamplingKey, group_grad_samples
 from dpkern.sampling.stream import _reveal
@@ -90,6 +91,7 @@ def _worker(rank, world, tmpdir):
         torch.save(out, os.path.join(tmpdir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+    end_worker()  # (past gloo's occasional abort at interpreter exit)
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda w: f"W{w}")

@@ -213,15 +213,22 @@ def run_canaries(make_optimizer, run: WhiteBoxRun, included: np.ndarray) -> torc
 
 def _spawn(make_optimizer, run: WhiteBoxRun, included: np.ndarray) -> torch.Tensor:
     import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException
+
+    from ..distributed.processes import finished_before_dying
 
     with tempfile.TemporaryDirectory(prefix="dpkern-audit-") as tmp:
-        mp.start_processes(
-            _worker,
-            args=(run.nproc, tmp, make_optimizer, run, included),
-            nprocs=run.nproc,
-            join=True,
-            start_method="spawn",
-        )
+        try:
+            mp.start_processes(
+                _worker,
+                args=(run.nproc, tmp, make_optimizer, run, included),
+                nprocs=run.nproc,
+                join=True,
+                start_method="spawn",
+            )
+        except ProcessException as exc:  # (killed at exit after finishing: the run is whole)
+            if not finished_before_dying(exc, tmp, run.nproc):
+                raise
         return torch.load(Path(tmp, "trajectory.pt"))
 
 
@@ -229,6 +236,7 @@ def _worker(rank: int, world: int, tmp: str, make_optimizer, run: WhiteBoxRun, i
     import torch.distributed as dist
 
     from ..distributed import DistributedDPOptimizer, DistributedPoissonSampler
+    from ..distributed.processes import end_worker, mark_finished
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group(
@@ -255,5 +263,7 @@ def _worker(rank: int, world: int, tmp: str, make_optimizer, run: WhiteBoxRun, i
         )
         if rank == 0:
             torch.save(traj, Path(tmp, "trajectory.pt"))
+        mark_finished(tmp, rank)
     finally:
         dist.destroy_process_group()
+    end_worker()  # (past gloo's occasional abort at interpreter exit)

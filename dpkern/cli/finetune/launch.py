@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from ...distributed.processes import end_worker, finished_before_dying, mark_finished
 from ..stop import StopSignals
 from .checkpoint import UsageError
 from .clipping import Ghost
@@ -85,7 +86,7 @@ def spawn(args) -> int:
             while not ctx.join(grace_period=EXIT_GRACE_SECONDS):
                 pass
         except ProcessException as exc:
-            if finished_before_dying(exc, tmp, args.nproc):
+            if finished_before_dying(exc, tmp, args.nproc, prefix="rc"):
                 print(
                     f"dpkern finetune: note: worker {exc.error_index} was killed by "
                     f"{exc.signal_name} at interpreter exit, after every rank had finished "
@@ -116,21 +117,11 @@ def spawn(args) -> int:
 EXIT_GRACE_SECONDS = 30.0
 
 
-def finished_before_dying(exc, tmp: str, world: int) -> bool:
-    """Whether a worker failure ``exc`` (torch's ProcessException) came after the run was
-    over: the worker was killed by a signal (torch 2.13's gloo occasionally aborts a rank
-    at interpreter exit: "terminate called without an active exception") and every rank
-    had already written its result code, which it does only after training and (rank 0)
-    checkpointing. Any other failure is a failed run."""
-    if not getattr(exc, "signal_name", None):
-        return False
-    return all(Path(tmp, f"rc{r}").is_file() for r in range(world))
-
-
 def _worker(rank: int, world: int, tmp: str, args) -> None:
     """One data-parallel rank: rebuild the job, join the group, train, record the code."""
     with StopSignals() as stop:  # before anything else: the parent forwards its signals
         _worker_run(rank, world, tmp, args, stop)
+    end_worker()  # (past gloo's occasional abort at interpreter exit)
 
 
 def _worker_run(rank: int, world: int, tmp: str, args, stop: StopSignals) -> None:
@@ -171,7 +162,7 @@ def _worker_run(rank: int, world: int, tmp: str, args, stop: StopSignals) -> Non
         else:
             job.optimizer = DistributedDPOptimizer(job.optimizer)  # broadcasts the key
         code = train_with_warnings(args, job, dist_ctx=(rank, world), stop=stop)
-        Path(tmp, f"rc{rank}").write_text(str(code))
+        mark_finished(tmp, rank, str(code), prefix="rc")
     finally:
         dist.destroy_process_group()
 
