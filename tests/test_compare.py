@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import math
 import random
 import shlex
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -66,11 +68,13 @@ def test_quick_end_to_end(tmp_path, capsys):
         assert float(r["epsilon_spent_max"]) <= eps and r["seeds"] == "1"
     table = (out / "table.md").read_text()
     rows = [ln for ln in table.splitlines() if ln.startswith("| dp-")]
-    assert len(rows) == 4  # two optimizers, metric table + lr/epsilon table
-    assert table.count(f"ε = {eps:g}") == 2 and "ε = 9" not in table
+    assert len(rows) == 6  # two optimizers: metric, lr/epsilon and lr-sensitivity tables
+    assert table.count(f"ε = {eps:g}") == 3 and "ε = 9" not in table
     assert all(ln.count("|") == 3 for ln in rows)  # name + one epsilon column
     assert "(1 seed)" in rows[0] and "±" not in rows[0]  # no spread from one seed
     assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "lr_sensitivity.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "learning-rate sensitivity" in table and "| 0.00 |" in table  # (one lr each)
     printed = capsys.readouterr().out
     assert "| dp-sgd |" in printed and "DP-SGD" not in printed
     # each run's noise key is its seed: every output says the runs are not private
@@ -167,6 +171,31 @@ def test_select_uses_validation_only(higher_is_better):
     assert best["test_mean"] == pytest.approx(tests.mean().item())
     assert best["test_std"] == pytest.approx(tests.std(unbiased=True).item())
     assert summary[1]["test_std"] == 0.0  # one seed
+
+
+@pytest.mark.parametrize("higher_is_better", [True, False])
+def test_sensitivity_is_the_spread_of_validation_means(higher_is_better):
+    """best - worst of the per-lr validation means over seeds; the test metric plays no
+    part; a diverged lr (nan) makes the spread infinite, never hides."""
+    rng = random.Random()
+    seeds = rng.randint(2, 4)
+    vals = {lr: [rng.uniform(10, 90) for _ in range(seeds)] for lr in (1e-3, 3e-3, 1e-2, 3e-2)}
+    rows = [
+        _row("dp-lion", 7.0, s, lr, v[s], rng.uniform(0, 100))
+        for lr, v in vals.items()
+        for s in range(seeds)
+    ]
+    rows += [_row("dp-sgd", 7.0, 0, 0.5, 40.0, 1.0), _row("dp-sgd", 7.0, 0, 1.0, float("nan"), 1.0)]
+    lion, sgd = compare.sensitivity(rows, higher_is_better)
+    means = {lr: sum(v) / seeds for lr, v in vals.items()}
+    assert lion["spread"] == pytest.approx(max(means.values()) - min(means.values()))
+    pick = max if higher_is_better else min
+    assert lion["lr_best"] == pick(means, key=means.get)
+    assert [lr for lr, _ in lion["points"]] == sorted(vals)
+    assert sgd["spread"] == math.inf and sgd["lr_best"] == 0.5
+    table = compare.sensitivity_table([lion, sgd], SimpleNamespace(metric="accuracy (%)"))
+    assert "(x2-x30 in lr)" in table and "| dp-sgd | inf |" in table
+    assert f"| dp-lion | {lion['spread']:.2f} |" in table
 
 
 def test_train_one_refuses_overspent_epsilon():

@@ -17,8 +17,10 @@ Tasks:
           perplexity (lower is better).
 
 Outputs in --out-dir: runs.csv (every training run, epsilon spent included),
-summary.csv (one row per optimizer x epsilon), table.md (mean +- std over seeds) and
-plot.png (metric vs epsilon per optimizer).
+summary.csv (one row per optimizer x epsilon), table.md (mean +- std over seeds, then the
+learning-rate sensitivity: best - worst validation mean across each grid), plot.png
+(metric vs epsilon per optimizer) and lr_sensitivity.png (validation metric vs lr / best
+lr, one panel per epsilon).
 
 Privacy note: epsilon is that of ONE training run. Choosing the learning rate among
 several runs on the same private data spends more (Papernot & Steinke, ICLR 2022); like
@@ -58,6 +60,9 @@ from .report import (
     _fmt_time,
     markdown_table,
     plot,
+    plot_sensitivity,
+    sensitivity,
+    sensitivity_table,
     select,
     write_csv,
 )
@@ -95,6 +100,9 @@ __all__ = [
     "select",
     "markdown_table",
     "plot",
+    "plot_sensitivity",
+    "sensitivity",
+    "sensitivity_table",
     "write_csv",
     "add_arguments",
     "plan",
@@ -104,7 +112,7 @@ __all__ = [
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the comparison; write runs.csv, summary.csv, table.md and plot.png into
+    """Run the comparison; write runs.csv, summary.csv, table.md and the plots into
     ``args.out_dir`` and print the table. Returns 0, or 2 with a one-line error."""
     from tqdm import tqdm
 
@@ -156,12 +164,16 @@ def run(args: argparse.Namespace) -> int:
         f" of {task.num_train}), δ = {args.delta:g}, {args.accountant.upper()} "
         f"accountant\n\nPrivacy: {NOISE_NOTE}.\n"
     )
+    sens = sensitivity(rows, task.higher_is_better)
     table = markdown_table(summary, task, args.delta, header)
+    table += "\n" + sensitivity_table(sens, task)
     (out / "table.md").write_text(table)
     written = [out / "runs.csv", out / "summary.csv", out / "table.md"]
     try:
         plot(summary, task, out / "plot.png")
         written.append(out / "plot.png")
+        plot_sensitivity(sens, task, out / "lr_sensitivity.png")
+        written.append(out / "lr_sensitivity.png")
     except ImportError:
         print(
             "dpkern compare: note: matplotlib is not installed: no plot "

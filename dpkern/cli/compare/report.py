@@ -183,3 +183,84 @@ def write_csv(path: Path, rows, fields) -> list[dict]:
             fh.flush()
             done.append(r)
     return done
+
+
+def sensitivity(rows: list[dict], higher_is_better: bool) -> list[dict]:
+    """Learning-rate sensitivity per (optimizer, epsilon), on the VALIDATION metric (the
+    test split plays no part): for every lr of the grid the mean over seeds, and
+    ``spread`` = best - worst of those means (in the metric's units, >= 0: how much a
+    wrong choice within the grid costs; the grids span x30). Rows: optimizer, epsilon,
+    lr_best, spread, points (sorted [(lr, mean), ...]), in input order."""
+    groups: dict[tuple, dict[float, list[float]]] = {}
+    for r in rows:
+        key = (r["optimizer"], r["epsilon"])
+        groups.setdefault(key, {}).setdefault(r["lr"], []).append(r["val_metric"])
+    out = []
+    for (name, eps), by_lr in groups.items():
+        pts = sorted((lr, statistics.fmean(v)) for lr, v in by_lr.items())
+        finite = [m for _, m in pts if math.isfinite(m)]
+        pick = max if higher_is_better else min
+        best = pick(finite) if finite else math.nan
+        worst = (min if higher_is_better else max)(finite) if finite else math.nan
+        if len(finite) < len(pts):  # a diverged lr is the worst outcome there is
+            worst = -math.inf if higher_is_better else math.inf
+        lr_best = next((lr for lr, m in pts if m == best), math.nan)
+        out.append(
+            dict(
+                optimizer=name,
+                epsilon=eps,
+                lr_best=lr_best,
+                spread=abs(best - worst),
+                points=pts,
+            )
+        )
+    return out
+
+
+def sensitivity_table(sens: list[dict], task: Task) -> str:
+    """Markdown: per optimizer and epsilon, best - worst validation mean over its grid
+    (the lr ratio the grid spans in the header)."""
+    names = list(dict.fromkeys(r["optimizer"] for r in sens))
+    epss = sorted({r["epsilon"] for r in sens})
+    cell = {(r["optimizer"], r["epsilon"]): r for r in sens}
+    spans = [r["points"][-1][0] / r["points"][0][0] for r in sens if len(r["points"]) > 1]
+    span = f"x{min(spans):.0f}-x{max(spans):.0f}" if spans else "one lr"
+    lines = [
+        f"learning-rate sensitivity: best - worst validation {task.metric} (mean over "
+        f"seeds) across each optimizer's grid ({span} in lr); smaller is flatter",
+        "",
+        "| optimizer | " + " | ".join(f"ε = {_fmt_eps(e)}" for e in epss) + " |",
+        "|---|" + "---:|" * len(epss),
+    ]
+    for n in names:
+        cells = [f"{cell[n, e]['spread']:.2f}" if (n, e) in cell else "" for e in epss]
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_sensitivity(sens: list[dict], task: Task, path: Path) -> None:
+    """Validation metric vs lr / (the cell's best lr), log x, one panel per epsilon, one
+    line per optimizer, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    epss = sorted({r["epsilon"] for r in sens})
+    fig, axes = plt.subplots(
+        1, len(epss), figsize=(4.2 * len(epss), 4), dpi=120, sharey=True, squeeze=False
+    )
+    for ax, eps in zip(axes[0], epss):
+        for r in (r for r in sens if r["epsilon"] == eps):
+            xs = [lr / r["lr_best"] for lr, _ in r["points"]]
+            ax.plot(xs, [m for _, m in r["points"]], marker="o", ms=3, label=r["optimizer"])
+        ax.set_xscale("log")
+        ax.set_xlabel("lr / best lr of the grid")
+        ax.set_title(f"ε = {_fmt_eps(eps)}")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(f"validation {task.metric}")
+    axes[0][-1].legend(fontsize=6, ncol=2)
+    fig.suptitle(f"dpkern compare --task {task.name}: learning-rate sensitivity")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
