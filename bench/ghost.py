@@ -482,11 +482,12 @@ def e2e_candidates(
     cands, notes = [], []
     if is_lora(model):
         cfg = base.peft_config["default"]
-        notes.append(
+        share = n_params / sum(p.numel() for p in base.parameters())
+        notes.append(  # (the same for every block: a note once per model)
             f"{MODEL_TITLES[model]}: peft LoRA r {cfg.r}, alpha {cfg.lora_alpha:g}, dropout "
             f"{cfg.lora_dropout:g} on {', '.join(sorted(cfg.target_modules))}: {n_params:,} "
-            f"trainable of {sum(p.numel() for p in base.parameters()):,} parameters (every "
-            "optimizer holds only these; the base is frozen)"
+            f"trainable parameters (~{share:.0%} of the model; every optimizer holds only "
+            "these, the base is frozen)"
         )
 
     net = CausalLMLogits(copy.deepcopy(base))

@@ -234,7 +234,7 @@ def test_lora_candidates_train_only_the_adapters(model):
         < sum(p.numel() for p in base.parameters())
     )
     assert base.peft_config["default"].r == 2 and base.peft_config["default"].lora_alpha == 16
-    assert any("LoRA r 2" in n and f"{n_params:,} trainable" in n for n in notes)
+    assert any("LoRA r 2" in n and f"{n_params:,} trainable parameters" in n for n in notes)
     by = {c.name: c for c in cands}
     assert {"floor:nonprivate", "dpkern:ghost", "dpkern:ghost-gram", "dpkern:per_sample"} <= set(by)
     try:
