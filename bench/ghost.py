@@ -3,6 +3,7 @@
     python -m bench.ghost                  # this part alone (~2-3 min on a 2-core CPU)
     python -m bench.report --ghost         # the same, inside the full report
     python -m bench.ghost --models llama   # the end-to-end step of one model only
+    python -m bench.ghost --layers --models gpt2-lora llama-lora   # LoRA rows only
 
 Two measurements, each alternating its candidates (the order rotates every repeat) and
 reporting medians, as :mod:`bench.report` does:
@@ -40,9 +41,15 @@ reporting medians, as :mod:`bench.report` does:
      **eager** attention like the GPT-2 (torch.func's per-sample path has no batching
      rule for the fused CPU attention kernel); 0.43 M parameters). Its vocabulary is the
      project's byte vocabulary (:data:`dpkern.models.BYTE_VOCAB` = 257: 256 bytes + EOT),
-     so both models see the same ids.
+     so both models see the same ids;
+   - ``gpt2-lora``, ``llama-lora``: the same seeded base models wrapped by peft's
+     ``get_peft_model`` with :func:`dpkern.models.lora_config` (what ``dpkern finetune
+     --lora R`` trains: r :data:`LORA_R` (``--lora-r``), alpha 16, dropout 0, on every
+     linear layer of a block: GPT-2's c_attn/c_proj/c_fc, Llama's q/k/v/o and
+     gate/up/down projections); only the adapters (``lora_A``/``lora_B``, 33 k and 37 k
+     parameters) are trainable, and every candidate's optimizer holds only those.
 
-   Candidates:
+   Candidates (each on its own deep copy of the model):
 
    - ``floor:nonprivate``: ``token_loss(...).mean().backward()`` +
      ``torch.optim.AdamW.step()`` (the non-private step every ratio divides by);
@@ -65,12 +72,21 @@ reporting medians, as :mod:`bench.report` does:
      samplers for ``nn.Linear`` and ``nn.Embedding`` only: other trainable modules get
      instantiated per-sample gradients, by its hooks (LayerNorm) or by its functorch
      fallback (transformers' ``Conv1D``, ``LlamaRMSNorm``); a note per model says which.
-     (On the Llama-style model it runs as is; its per-sample norms equal dpkern's.)
+     (On the Llama-style model it runs as is; its per-sample norms equal dpkern's. On
+     the LoRA models the tied embedding is frozen, so nothing is refused, and the
+     trainable modules are the adapters' ``nn.Linear``: all ghost norms.)
 
    Reported: median ms, ratio = candidate / non-private (1.0 = free privacy), and the peak
    extra memory of one step (the report's ``peak_extra_bytes``: CPU peak-RSS delta,
    CUDA ``max_memory_allocated`` delta), measured after all timings, on CPU in a fresh
    process (:mod:`bench.ghost_memory`).
+
+   Issue 16's goals (:func:`goals`, a table under the e2e table): ghost / non-private
+   <= 1.25x (full fine-tuning) or <= 1.10x (LoRA); Opacus / ghost >= 2x; and the
+   peak-memory ratio, defined as the ghost step's peak extra bytes over the non-private
+   step's (the memory one step adds on top of the model, its optimizer states and the
+   batch; not the process' total, which the model and the interpreter dominate at
+   these sizes) <= 1.2x. Each is marked met or not met; speed is never asserted in tests.
 
    The ghost candidate is timed with ``verify="off"`` (the steady state). The one-time
    first-step check of the default ``verify="first"`` (:mod:`dpkern.ghost.verify`: exact
@@ -124,10 +140,33 @@ from .harness import (
 DEFAULT_LAYERS = ("16x64x128x512", "16x128x768x768", "8x512x768x3072", "4x1024x768x768")
 DEFAULT_BLOCKS = (64, 128)
 DEFAULT_BATCHES = (16, 32)
-#: End-to-end models (see :func:`build_model`), in the order they run.
-E2E_MODELS = ("gpt2", "llama")
-MODEL_TITLES = {"gpt2": "GPT-2", "llama": "Llama-style"}  # table column
-MODEL_PROSE = {"gpt2": "default GPT-2", "llama": "Llama-style model"}  # notes
+#: End-to-end models (see :func:`build_model`), in the order they run: full fine-tuning
+#: of the two built-in models, then LoRA on the same seeded base models.
+E2E_MODELS = ("gpt2", "llama", "gpt2-lora", "llama-lora")
+MODEL_TITLES = {  # table column
+    "gpt2": "GPT-2",
+    "llama": "Llama-style",
+    "gpt2-lora": "GPT-2 + LoRA",
+    "llama-lora": "Llama-style + LoRA",
+}
+MODEL_PROSE = {  # notes
+    "gpt2": "default GPT-2",
+    "llama": "Llama-style model",
+    "gpt2-lora": "default GPT-2 with LoRA",
+    "llama-lora": "Llama-style model with LoRA",
+}
+#: The LoRA models' adapters (``dpkern finetune --lora R`` defaults: alpha 16, dropout 0):
+#: ``r`` in a LoRA model's ``model_kw`` overrides :data:`LORA_R`.
+LORA_R = 8
+LORA_ALPHA = 16.0
+LORA_DROPOUT = 0.0
+#: Issue 16's goals for one DP step on CPU (see :func:`goals`): ghost step / non-private
+#: step at most 1.25x (full fine-tuning) or 1.10x (LoRA); Opacus' fast gradient clipping /
+#: ghost step at least 2x; the ghost step's peak extra bytes / the non-private step's at
+#: most 1.2x.
+GOAL_GHOST_RATIO = {"full": 1.25, "lora": 1.10}
+GOAL_OPACUS_OVER_GHOST = 2.0
+GOAL_PEAK_RATIO = 1.2
 #: The Llama-style model's shape (:func:`llama_model`'s defaults).
 LLAMA_SHAPE = {
     "hidden_size": 128,
@@ -298,10 +337,28 @@ def llama_model(block_size: int, *, seed: int | None = None, **shape):
     return LlamaForCausalLM(config)
 
 
+def is_lora(model: str) -> bool:
+    """Whether the e2e model name is a LoRA one ("gpt2-lora", "llama-lora")."""
+    return model.endswith("-lora")
+
+
+def base_name(model: str) -> str:
+    """The built-in model a LoRA model adapts ("gpt2-lora" -> "gpt2"); else ``model``."""
+    return model.removesuffix("-lora")
+
+
 def build_model(model: str, block: int, **kw):
-    """``model`` ("gpt2": :func:`dpkern.models.default_model`, "llama": :func:`llama_model`)
-    at context ``block``; ``kw``: that builder's shape arguments. Raises ValueError for
-    an unknown name."""
+    """``model`` ("gpt2": :func:`dpkern.models.default_model`, "llama": :func:`llama_model`;
+    "gpt2-lora" / "llama-lora": that model wrapped by peft's ``get_peft_model`` with
+    :func:`dpkern.models.lora_config` (r :data:`LORA_R`, alpha :data:`LORA_ALPHA`, dropout
+    0, every linear layer of a block; only the adapters are trainable)) at context
+    ``block``; ``kw``: the builder's shape arguments (and ``r`` for a LoRA model). Raises
+    ValueError for an unknown name."""
+    if is_lora(model) and base_name(model) in ("gpt2", "llama"):
+        from dpkern.models import add_lora
+
+        r = kw.pop("r", LORA_R)
+        return add_lora(build_model(base_name(model), block, **kw), r, LORA_ALPHA, LORA_DROPOUT)
     if model == "gpt2":
         return default_model(block, **kw)
     if model == "llama":
@@ -310,11 +367,18 @@ def build_model(model: str, block: int, **kw):
 
 
 def _seeded_model(model: str, block: int, kw: dict | None):
-    """The same initial weights for every candidate, verify_cost and the memory phase."""
-    seed = f"ghost model {block}" if model == "gpt2" else f"ghost model {model} {block}"
+    """The same initial weights for every candidate, verify_cost and the memory phase (a
+    LoRA model: the same base weights as its full fine-tuning model, then its adapters)."""
+    base = base_name(model)
+    seed = f"ghost model {block}" if base == "gpt2" else f"ghost model {base} {block}"
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(zlib.crc32(seed.encode()))
         return build_model(model, block, **(kw or {}))
+
+
+def trainable(model) -> list:
+    """The parameters of ``model`` that require gradients (a LoRA model: the adapters)."""
+    return [p for p in model.parameters() if p.requires_grad]
 
 
 def _batch_ids(block: int, batch: int):
@@ -323,8 +387,10 @@ def _batch_ids(block: int, batch: int):
 
 
 def _tied(model) -> bool:
+    """A trainable lm-head tied to the input embedding (frozen under LoRA: no tying to
+    refuse)."""
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
-    return head is not None and head.weight is emb.weight
+    return head is not None and head.weight is emb.weight and head.weight.requires_grad
 
 
 def _untied_copy(model):
@@ -370,7 +436,7 @@ def _opacus_step(model, batch: int, ids, *, sigma: float, clip: float):
         use_ghost_clipping=True,
     )
     opt = DPOptimizerFastGradientClipping(
-        torch.optim.AdamW(gsm.parameters(), lr=LR, weight_decay=WEIGHT_DECAY),
+        torch.optim.AdamW(trainable(gsm), lr=LR, weight_decay=WEIGHT_DECAY),
         noise_multiplier=sigma,
         max_grad_norm=clip,
         expected_batch_size=batch,
@@ -383,7 +449,9 @@ def _opacus_step(model, batch: int, ids, *, sigma: float, clip: float):
         DPTensorFastGradientClipping(gsm, opt, losses, "mean").backward()
         opt.step()
 
-    return _quiet(step)
+    run = _quiet(step)
+    run.optimizer = opt
+    return run
 
 
 def e2e_candidates(
@@ -402,18 +470,28 @@ def e2e_candidates(
     ``[batch, block]`` (the same ids for every model).
 
     Each candidate owns a deep copy of the same initial model (its ``.model`` attribute)
-    and its optimizer. The Opacus candidate is probed with one step at build time; when
+    and its optimizer (``.optimizer``, over the trainable parameters only: the LoRA
+    adapters of a LoRA model). The Opacus candidate is probed with one step at build time; when
     Opacus refuses the model the refusal goes to the notes (and, for tied weights, an
     untied copy is used instead; see the module docstring)."""
     device = torch.device(device)
     base = _seeded_model(model, block, model_kw).to(device)
     ids = _batch_ids(block, batch).to(device)
-    n_params = sum(p.numel() for p in base.parameters() if p.requires_grad)
+    n_params = sum(p.numel() for p in trainable(base))
     title = MODEL_PROSE.get(model, model)
     cands, notes = [], []
+    if is_lora(model):
+        cfg = base.peft_config["default"]
+        share = n_params / sum(p.numel() for p in base.parameters())
+        notes.append(  # (the same for every block: a note once per model)
+            f"{MODEL_TITLES[model]}: peft LoRA r {cfg.r}, alpha {cfg.lora_alpha:g}, dropout "
+            f"{cfg.lora_dropout:g} on {', '.join(sorted(cfg.target_modules))}: {n_params:,} "
+            f"trainable parameters (~{share:.0%} of the model; every optimizer holds only "
+            "these, the base is frozen)"
+        )
 
     net = CausalLMLogits(copy.deepcopy(base))
-    adamw = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    adamw = torch.optim.AdamW(trainable(net), lr=LR, weight_decay=WEIGHT_DECAY)
 
     def nonprivate():
         adamw.zero_grad(set_to_none=True)
@@ -421,11 +499,11 @@ def e2e_candidates(
         adamw.step()
 
     cands.append(Candidate("floor", "nonprivate", _quiet(nonprivate)))
-    cands[-1].model = net
+    cands[-1].model, cands[-1].optimizer = net, adamw
 
     def dp_opt(model):
         return dpkern.DPAdamW(
-            model.parameters(),
+            trainable(model),
             lr=LR,
             weight_decay=WEIGHT_DECAY,
             max_grad_norm=clip,
@@ -446,7 +524,7 @@ def e2e_candidates(
         g_opt.step()
 
     cands.append(Candidate("dpkern", "ghost", _quiet(ghost_step)))
-    cands[-1].model = g_net
+    cands[-1].model, cands[-1].optimizer = g_net, g_opt
 
     gg_net = CausalLMLogits(copy.deepcopy(base))
     gg_opt = dp_opt(gg_net)
@@ -457,7 +535,7 @@ def e2e_candidates(
         gg_opt.step()
 
     cands.append(Candidate("dpkern", "ghost-gram", _quiet(ghost_gram_step)))
-    cands[-1].model = gg_net
+    cands[-1].model, cands[-1].optimizer = gg_net, gg_opt
 
     from dpkern.grad_sample import compute_grad_sample
 
@@ -469,7 +547,7 @@ def e2e_candidates(
         p_opt.step()
 
     cands.append(Candidate("dpkern", "per_sample", _quiet(per_sample_step)))
-    cands[-1].model = p_net
+    cands[-1].model, cands[-1].optimizer = p_net, p_opt
 
     if opacus:
         try:
@@ -511,7 +589,7 @@ def e2e_candidates(
                     "parameters; the same FLOPs)"
                 )
             cands.append(Candidate("baseline", variant, step))
-            cands[-1].model = m
+            cands[-1].model, cands[-1].optimizer = m, step.optimizer
             break
     return cands, notes, n_params
 
@@ -537,7 +615,7 @@ def verify_cost(
     net = CausalLMLogits(_seeded_model(model, block, model_kw).to(device))
     ids = _batch_ids(block, batch).to(device)
     opt = dpkern.DPAdamW(
-        net.parameters(),
+        trainable(net),
         lr=LR,
         weight_decay=WEIGHT_DECAY,
         max_grad_norm=clip,
@@ -589,7 +667,37 @@ def e2e_row(
     v = (verify or {}).get("verify_s")
     row["verify_s"] = v
     row["verify_over_ghost"] = v / row["ghost_s"] if v is not None and row["ghost_s"] else None
+    row.update(goals(row))
     return row
+
+
+def goals(row: dict) -> dict:
+    """Issue 16's goals for one e2e row (see :data:`GOAL_GHOST_RATIO`): {
+    "goal_ghost_ratio": the bound on ghost / non-private (1.25 full fine-tuning, 1.10
+    LoRA), "goal_ghost_met"; "opacus_over_ghost": Opacus' fast gradient clipping step /
+    the ghost step (its untied copy where Opacus refuses the tied model), "goal_opacus_met"
+    (>= 2); "peak_ratio": the ghost step's peak extra bytes / the non-private step's (the
+    memory one step adds on top of the model, its optimizer states and the batch, measured
+    in a fresh process on CPU), "goal_peak_met" (<= 1.2)}. A ``*_met`` is None where its
+    figure is missing."""
+    bound = GOAL_GHOST_RATIO["lora" if is_lora(row.get("model", "gpt2")) else "full"]
+    ghost, ratio = row.get("ghost_s"), row.get("ghost_ratio")
+    opacus = row.get("opacus_s") if row.get("opacus_s") is not None else row.get("opacus_untied_s")
+    over = opacus / ghost if opacus is not None and ghost else None
+    gp, npk = row.get("ghost_peak_bytes"), row.get("nonprivate_peak_bytes")
+    peak = gp / npk if gp is not None and npk else None
+
+    def met(value, ok):
+        return None if value is None else bool(ok(value))
+
+    return {
+        "goal_ghost_ratio": bound,
+        "goal_ghost_met": met(ratio, lambda r: r <= bound),
+        "opacus_over_ghost": over,
+        "goal_opacus_met": met(over, lambda r: r >= GOAL_OPACUS_OVER_GHOST),
+        "peak_ratio": peak,
+        "goal_peak_met": met(peak, lambda r: r <= GOAL_PEAK_RATIO),
+    }
 
 
 # --------------------------------------------------------------------------------------
@@ -751,20 +859,61 @@ def _mib(b):
     return "–" if b is None else (f"{b / MI:.0f}" if b >= 10 * MI else f"{b / MI:.1f}")
 
 
-def markdown(res: dict) -> str:
-    """The two tables (and notes) of :func:`measure`'s results, as markdown."""
+def _count(n):
+    return f"{n / 1e6:.2f}M" if n >= 1e5 else f"{n / 1e3:.1f}k"
+
+
+def _met(ok):
+    return "–" if ok is None else ("met" if ok else "**not met**")
+
+
+def goals_markdown(rows: list[dict]) -> list[str]:
+    """Issue 16's goals (:func:`goals`) of the e2e rows, as a markdown table (lines)."""
     head = (
-        "| B | T | d | p | rule picks | Gram ms | instantiate ms | triton ms | Opacus ms "
-        "| Opacus / dpkern (rule) | Opacus / Gram | peak extra MiB (Gram / inst. / Opacus) |"
+        "| model | block | B | ghost / non-private | goal | met | Opacus / ghost | goal "
+        "| met | peak extra ghost / non-private | goal | met |"
     )
     lines = [
-        "Per-sample weight-gradient norms of a Linear [B, T, d] -> [B, T, p] "
-        "(float32; Opacus = `GradSampleModuleFastGradientClipping.NORM_SAMPLERS"
-        "[nn.Linear]`; > 1×: dpkern faster).",
+        "Issue 16 goals on this run: ghost step / non-private step ≤ "
+        f"{GOAL_GHOST_RATIO['full']:.2f}× (full fine-tuning) or ≤ "
+        f"{GOAL_GHOST_RATIO['lora']:.2f}× (LoRA); Opacus fast gradient clipping / ghost ≥ "
+        f"{GOAL_OPACUS_OVER_GHOST:g}× (its untied copy on the tied GPT-2); the peak extra "
+        "memory of one ghost step / that of one non-private step (what the step adds to "
+        f"the model, optimizer states and batch) ≤ {GOAL_PEAK_RATIO:g}×.",
         "",
         head,
         "|" + "---|" * (head.count("|") - 1),
     ]
+    for r in rows:
+        g = {**r, **goals(r)}
+        title = MODEL_TITLES.get(r.get("model", "gpt2"), r.get("model"))
+        lines.append(
+            f"| {title} | {r['block']} | {r['batch']} | {_x(g['ghost_ratio'])} "
+            f"| ≤ {g['goal_ghost_ratio']:.2f}× | {_met(g['goal_ghost_met'])} "
+            f"| {_x(g['opacus_over_ghost'])} | ≥ {GOAL_OPACUS_OVER_GHOST:.2f}× "
+            f"| {_met(g['goal_opacus_met'])} | {_x(g['peak_ratio'])} "
+            f"| ≤ {GOAL_PEAK_RATIO:.2f}× | {_met(g['goal_peak_met'])} |"
+        )
+    return lines
+
+
+def markdown(res: dict) -> str:
+    """The tables (per-layer norms, the e2e step, issue 16's goals) and notes of
+    :func:`measure`'s results, as markdown."""
+    head = (
+        "| B | T | d | p | rule picks | Gram ms | instantiate ms | triton ms | Opacus ms "
+        "| Opacus / dpkern (rule) | Opacus / Gram | peak extra MiB (Gram / inst. / Opacus) |"
+    )
+    lines = []
+    if res["layers"]:
+        lines += [
+            "Per-sample weight-gradient norms of a Linear [B, T, d] -> [B, T, p] "
+            "(float32; Opacus = `GradSampleModuleFastGradientClipping.NORM_SAMPLERS"
+            "[nn.Linear]`; > 1×: dpkern faster).",
+            "",
+            head,
+            "|" + "---|" * (head.count("|") - 1),
+        ]
     for r in res["layers"]:
         lines.append(
             f"| {r['B']} | {r['T']} | {r['d']} | {r['p']} | {r['rule']} | "
@@ -779,13 +928,15 @@ def markdown(res: dict) -> str:
         "ghost Gram-only / per-sample / Opacus) |"
     )
     lines += [
-        "",
+        *([""] if lines else []),
         "One DP-AdamW fine-tuning step of the default byte-level GPT-2 "
         "(`dpkern.models.default_model`, tied embedding <-> lm-head) and of a "
         "Llama-style model (`bench.ghost.llama_model`: RMSNorm, SwiGLU, rotary, 2 KV "
-        "heads, untied lm-head), eager attention, × = time / non-private step "
-        "(AdamW after `loss.mean().backward()`); ghost Gram-only = `keep_bytes=0` (no "
-        "kept per-sample gradients).",
+        "heads, untied lm-head), eager attention, all parameters trained, and of the same "
+        "models with peft LoRA adapters (+ LoRA: `dpkern.models.lora_config`, every "
+        "linear layer of a block, only the adapters trained); params = trainable "
+        "parameters; × = time / non-private step (AdamW after `loss.mean().backward()`); "
+        "ghost Gram-only = `keep_bytes=0` (no kept per-sample gradients).",
         "",
         head,
         "|" + "---|" * (head.count("|") - 1),
@@ -800,7 +951,7 @@ def markdown(res: dict) -> str:
         )
         title = MODEL_TITLES.get(r.get("model", "gpt2"), r.get("model"))
         lines.append(
-            f"| {title} | {r['block']} | {r['batch']} | {r['params'] / 1e6:.2f}M | "
+            f"| {title} | {r['block']} | {r['batch']} | {_count(r['params'])} | "
             f"{_ms(r['nonprivate_s'])} | {_ms(r['ghost_s'])} | {_x(r['ghost_ratio'])} "
             f"| {_ms(r.get('ghost_gram_s'))} | {_x(r.get('ghost_gram_ratio'))} "
             f"| {_ms(r['per_sample_s'])} | {_x(r['per_sample_ratio'])} | "
@@ -809,6 +960,8 @@ def markdown(res: dict) -> str:
             f"{_mib(r['nonprivate_peak_bytes'])} / {_mib(r['ghost_peak_bytes'])} / "
             f"{_mib(r.get('ghost_gram_peak_bytes'))} / {_mib(r['per_sample_peak_bytes'])} / {_mib(r[op + '_peak_bytes'])} |"
         )
+    if res["e2e"]:
+        lines += ["", *goals_markdown(res["e2e"])]
     checks = [
         f"{MODEL_TITLES.get(r.get('model', 'gpt2'), r.get('model'))} block {r['block']} "
         f"B {r['batch']}: {_ms(r['verify_s'])} ms ({_x(r['verify_over_ghost'])} a ghost "
@@ -846,9 +999,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default="cpu")
     ap.add_argument(
         "--layers",
-        nargs="+",
+        nargs="*",
         default=list(DEFAULT_LAYERS),
-        help="Linear shapes BxTxDxP (default: %(default)s)",
+        help="Linear shapes BxTxDxP (default: %(default)s; none: no per-layer table)",
     )
     ap.add_argument("--blocks", nargs="+", type=int, default=list(DEFAULT_BLOCKS))
     ap.add_argument("--batches", nargs="+", type=int, default=list(DEFAULT_BATCHES))
@@ -858,6 +1011,12 @@ def main(argv=None) -> dict:
         choices=E2E_MODELS,
         default=list(E2E_MODELS),
         help="end-to-end models (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--lora-r",
+        type=int,
+        default=LORA_R,
+        help="LoRA rank of the -lora models (default: %(default)s; alpha 16, dropout 0)",
     )
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
@@ -876,6 +1035,8 @@ def main(argv=None) -> dict:
         ap.error("--repeats, --blocks, --batches must be >= 1 and --warmup >= 0")
     if min(args.blocks) < 2:
         ap.error("--blocks must be >= 2")
+    if args.lora_r < 1:
+        ap.error("--lora-r must be >= 1")
     if args.threads:
         from .harness import set_threads
 
@@ -897,6 +1058,7 @@ def main(argv=None) -> dict:
         clip=args.clip,
         memory=not args.no_memory,
         models=args.models,
+        model_kw={m: {"r": args.lora_r} for m in args.models if is_lora(m)},
         say=say,
     )
     info["loadavg_end"] = load_average()[0]
