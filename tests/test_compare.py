@@ -285,3 +285,74 @@ def test_text_quick_one_step(tmp_path):
     for key in ("val_metric", "test_metric"):
         assert 1.0 < float(runs[0][key]) < 2 * 257  # near-uniform at init, never below 1
     assert "perplexity" in (out / "table.md").read_text()
+
+
+def _runs_csv(path, rows):
+    with open(path, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(compare.CSV_RUN_FIELDS))
+        w.writeheader()
+        for r in rows:
+            w.writerow(r)
+
+
+def _full_row(opt, eps, seed, lr, val, test):
+    return dict(
+        _row(opt, eps, seed, lr, val, test),
+        noise_multiplier=1.5,
+        sample_rate=0.05,
+        steps=295,
+        epsilon_spent=0.99 * eps,
+        delta=1e-5,
+        seconds=3.0,
+        cpu_seconds=2.5,
+    )
+
+
+def test_from_runs_rebuilds_the_report_of_several_files(tmp_path, capsys):
+    """Two runs.csv files of different optimizers make one report, the same as one file
+    holding both; nothing is trained; bad inputs are one-line errors, nothing written."""
+    rng = random.Random()
+
+    def rows(opt, lrs):
+        return [
+            _full_row(opt, e, s, lr, rng.uniform(50, 90), rng.uniform(50, 90))
+            for e in (1.0, 3.0)
+            for s in range(3)
+            for lr in lrs
+        ]
+
+    a, b = rows("dp-sgd", (0.25, 0.5)), rows("dp-lion", (1e-3, 3e-3, 1e-2))
+    _runs_csv(tmp_path / "a.csv", a)
+    _runs_csv(tmp_path / "b.csv", b)
+    _runs_csv(tmp_path / "ab.csv", a + b)
+    two, one = tmp_path / "two", tmp_path / "one"
+    argv = ["compare", "--from-runs", str(tmp_path / "a.csv"), str(tmp_path / "b.csv")]
+    assert main([*argv, "--out-dir", str(two)]) == 0
+    assert main(["compare", "--from-runs", str(tmp_path / "ab.csv"), "--out-dir", str(one)]) == 0
+    summary = _read_csv(two / "summary.csv")
+    assert {(r["optimizer"], r["epsilon"]) for r in summary} == {
+        (o, e) for o in ("dp-sgd", "dp-lion") for e in ("1", "3")
+    }
+    assert summary == _read_csv(one / "summary.csv")
+    want = compare.select(compare.read_runs([tmp_path / "ab.csv"]), True)
+    assert [float(r["test_mean"]) for r in summary] == pytest.approx(
+        [r["test_mean"] for r in want], rel=1e-5
+    )
+    table = (two / "table.md").read_text()
+    assert "30 runs rebuilt from 2 file(s)" in table and "not private" in table
+    assert "learning-rate sensitivity" in table and not (two / "runs.csv").exists()
+    capsys.readouterr()
+    (tmp_path / "c.csv").write_text("task,optimizer\ndigits,dp-sgd\n")
+    _runs_csv(tmp_path / "d.csv", [dict(r, delta=1e-6) for r in b])
+    bad = [
+        ([tmp_path / "a.csv", tmp_path / "ab.csv"], "is also in"),  # the same runs twice
+        ([tmp_path / "nope.csv"], "no such file"),
+        ([tmp_path / "c.csv"], "not a runs.csv"),
+        ([tmp_path / "a.csv", tmp_path / "d.csv"], "mix deltas"),
+    ]
+    for files, msg in bad:
+        out = tmp_path / "never"
+        assert main(["compare", "--from-runs", *map(str, files), "--out-dir", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and msg in err, err
+        assert not out.exists()

@@ -61,6 +61,7 @@ from .report import (
     markdown_table,
     plot,
     plot_sensitivity,
+    read_runs,
     sensitivity,
     sensitivity_table,
     select,
@@ -101,6 +102,7 @@ __all__ = [
     "markdown_table",
     "plot",
     "plot_sensitivity",
+    "read_runs",
     "sensitivity",
     "sensitivity_table",
     "write_csv",
@@ -116,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
     ``args.out_dir`` and print the table. Returns 0, or 2 with a one-line error."""
     from tqdm import tqdm
 
+    if getattr(args, "from_runs", None):
+        return _rebuild(args)
     try:
         task = _task(args.task)
         configs = plan(args, task)
@@ -164,11 +168,17 @@ def run(args: argparse.Namespace) -> int:
         f" of {task.num_train}), δ = {args.delta:g}, {args.accountant.upper()} "
         f"accountant\n\nPrivacy: {NOISE_NOTE}.\n"
     )
+    _report(out, rows, summary, task, args.delta, header, [out / "runs.csv", out / "summary.csv"])
+    return 0
+
+
+def _report(out: Path, rows, summary, task, delta, header, written) -> None:
+    """table.md (the results, then the lr sensitivity) and the plots; print the table."""
     sens = sensitivity(rows, task.higher_is_better)
-    table = markdown_table(summary, task, args.delta, header)
+    table = markdown_table(summary, task, delta, header)
     table += "\n" + sensitivity_table(sens, task)
     (out / "table.md").write_text(table)
-    written = [out / "runs.csv", out / "summary.csv", out / "table.md"]
+    written.append(out / "table.md")
     try:
         plot(summary, task, out / "plot.png")
         written.append(out / "plot.png")
@@ -182,4 +192,37 @@ def run(args: argparse.Namespace) -> int:
         )
     print(table)
     print("wrote " + ", ".join(map(str, written)))
+
+
+def _rebuild(args) -> int:
+    """``--from-runs``: the report of earlier runs, nothing trained."""
+    try:
+        rows = read_runs(args.from_runs)
+        task = _task(rows[0]["task"])
+    except (ValueError, KeyError) as exc:
+        print(f"dpkern compare: error: {exc}", file=sys.stderr)
+        return 2
+    except ImportError as exc:
+        print(
+            f"dpkern compare: error: the {rows[0]['task']} task needs {exc.name}: "
+            "pip install 'dpkern[compare]'",
+            file=sys.stderr,
+        )
+        return 2
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = select(rows, task.higher_is_better)
+    write_csv(out / "summary.csv", summary, CSV_SUMMARY_FIELDS)
+    delta = rows[0]["delta"]
+    cpu = sum(r["cpu_seconds"] for r in rows)
+    files = " ".join(str(p) for p in args.from_runs)
+    setting = sorted({(r["steps"], r["sample_rate"]) for r in rows})
+    steps = ", ".join(f"{s} steps at sample rate {q:.4g}" for s, q in setting)
+    header = (
+        f"`dpkern compare --from-runs {files}`\n\n{len(rows)} runs rebuilt from "
+        f"{len(args.from_runs)} file(s) ({_fmt_time(cpu)} CPU in all), "
+        f"{len({r['seed'] for r in rows})} seed(s), {steps}, δ = {delta:g}\n\n"
+        f"Privacy: {NOISE_NOTE}.\n"
+    )
+    _report(out, rows, summary, task, delta, header, [out / "summary.csv"])
     return 0

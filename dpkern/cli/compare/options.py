@@ -128,6 +128,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where runs.csv, summary.csv, table.md and plot.png go (default ./compare_results)",
     )
     parser.add_argument(
+        "--from-runs",
+        nargs="+",
+        type=Path,
+        metavar="CSV",
+        help="train nothing: rebuild summary.csv, table.md and the plots in --out-dir from "
+        "the runs.csv of earlier runs (several files are concatenated, e.g. runs of "
+        "different optimizers with the same settings); the other options are ignored",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="smoke test in seconds: first epsilon, one seed, two optimizers, "

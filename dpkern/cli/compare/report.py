@@ -47,6 +47,46 @@ CSV_SUMMARY_FIELDS = (
 )
 
 
+_INT_FIELDS = ("seed", "steps")
+_STR_FIELDS = ("task", "optimizer")
+
+
+def read_runs(paths) -> list[dict]:
+    """The rows of earlier ``runs.csv`` files (:data:`CSV_RUN_FIELDS`), concatenated, with
+    numbers parsed. Raises ValueError (a missing file or column, more than one task or
+    delta, or the same optimizer / epsilon / seed / lr in two rows)."""
+    rows, seen = [], {}
+    for path in paths:
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"--from-runs: {path}: no such file")
+        with open(path, newline="") as fh:
+            reader = csv.DictReader(fh)
+            missing = [f for f in CSV_RUN_FIELDS if f not in (reader.fieldnames or ())]
+            if missing:
+                raise ValueError(f"--from-runs: {path}: not a runs.csv (no {', '.join(missing)})")
+            for line, raw in enumerate(reader, start=2):
+                r = {}
+                for f in CSV_RUN_FIELDS:
+                    v = raw[f]
+                    r[f] = v if f in _STR_FIELDS else int(v) if f in _INT_FIELDS else float(v)
+                key = (r["optimizer"], r["epsilon"], r["seed"], r["lr"])
+                if key in seen:
+                    raise ValueError(
+                        f"--from-runs: {path}:{line}: optimizer {key[0]}, epsilon {key[1]:g}, "
+                        f"seed {key[2]}, lr {key[3]:g} is also in {seen[key]}"
+                    )
+                seen[key] = f"{path}:{line}"
+                rows.append(r)
+    if not rows:
+        raise ValueError("--from-runs: no runs in " + ", ".join(map(str, paths)))
+    for field in ("task", "delta"):
+        values = sorted({r[field] for r in rows}, key=str)
+        if len(values) > 1:
+            raise ValueError(f"--from-runs: the runs mix {field}s {values}: one report each")
+    return rows
+
+
 def select(rows: list[dict], higher_is_better: bool) -> list[dict]:
     """Per (optimizer, epsilon): the learning rate with the best mean ``val_metric`` over
     seeds (ties -> the smaller lr), and the ``test_metric`` mean and std (sample std,
