@@ -84,6 +84,14 @@ def supports(rule: str) -> bool:
     return rule in _RULE_CODES
 
 
+def supports_rms_clip(rule: str) -> bool:
+    """Whether the extension implements ``update_rms_clip`` (SPEC 10.9) for ``rule``."""
+    return rule in _RMS_CLIP_RULES and supports(rule)
+
+
+_RMS_CLIP_RULES = ()
+
+
 def set_num_threads(n: int) -> None:
     """Threads used by the C++ kernels; ``n <= 0`` restores OpenMP's default."""
     _C.set_num_threads(int(n))
@@ -176,6 +184,8 @@ def _hyper_dict(hyper: Hyper) -> dict:
         )
     d = {"rule": code}
     for f in dataclasses.fields(hyper):
+        if f.name == "update_rms_clip":  # the host forms the scale (SPEC 10.9)
+            continue
         value = getattr(hyper, f.name)
         d[f.name] = value if isinstance(value, (bool, str)) else float(value)
     return d

@@ -22,7 +22,15 @@ from .noise import (
     stochastic_round_bf16,
 )
 from .norms import per_sample_norms, whitened_norms
-from .step import accumulate, macadam_update_scale, step, supports
+from .step import (
+    accumulate,
+    macadam_update_scale,
+    rms_clip_apply,
+    rms_clip_moments,
+    step,
+    supports,
+    supports_rms_clip,
+)
 
 __all__ = [
     "philox_words",
@@ -36,6 +44,9 @@ __all__ = [
     "step",
     "macadam_update_scale",
     "supports",
+    "supports_rms_clip",
+    "rms_clip_moments",
+    "rms_clip_apply",
     "Config",
     "config",
     "configure",

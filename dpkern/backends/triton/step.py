@@ -322,6 +322,22 @@ def supports(rule: str) -> bool:
     return R.supports(rule)
 
 
+def supports_rms_clip(rule: str) -> bool:
+    """Whether this backend implements ``update_rms_clip`` (SPEC 10.9) for ``rule``."""
+    return rule in _RMS_CLIP_RULES
+
+
+_RMS_CLIP_RULES = ()
+
+
+def rms_clip_moments(hyper, dp, params, grad_samples, clip_factors, summed, states, offsets):
+    raise NotImplementedError("update_rms_clip: backend='triton'")
+
+
+def rms_clip_apply(pending, scale: float) -> None:
+    raise NotImplementedError("update_rms_clip: backend='triton'")
+
+
 def step(hyper, dp, params, grad_samples, clip_factors, summed, states, offsets) -> float:
     """One DP step of one parameter group, in place on ``params`` and ``states``
     (see ``reference.step``). Returns DP-MacAdam's partial sum of sqrt(S_hat_j)."""
