@@ -245,7 +245,9 @@ def test_bad_values_are_refused(rule, bad):
         _optimizer(rule, ps, update_rms_clip=bad)
     opt = _optimizer(rule, ps)
     with pytest.raises(ValueError, match="update_rms_clip"):
-        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(2))], "update_rms_clip": bad})
+        opt.add_param_group(
+            {"params": [torch.nn.Parameter(torch.randn(2))], "update_rms_clip": bad}
+        )
     assert len(opt.param_groups) == 1
 
 
@@ -313,6 +315,23 @@ def _functional_case(rule, B, dtype, device, seed, d_u):
     return groups
 
 
+def _functional_rms(groups) -> float:
+    """The reference's RMS of U over the groups (pass A on copies)."""
+    from dpkern.backends import reference as ref
+
+    groups = copy.deepcopy(groups)
+    be, pass1 = F.prepare_step(groups, step=4, max_grad_norm=PRIV["max_grad_norm"],
+                               backend="torch")  # fmt: skip
+    total = 0.0
+    for grp in groups:
+        dp = dpkern.hyper.DPStep(key=SEED, step=grp.step, noise_step=4, noise_std=1.2,
+                                 expected_batch_size=3.0, noise_var_avg=grp.noise_var_avg)  # fmt: skip
+        total += ref.rms_clip_moments(grp.hyper, dp, grp.params, grp.grad_samples,
+                                      pass1.clip_factors, grp.summed, grp.states,
+                                      grp.offsets)[0]  # fmt: skip
+    return math.sqrt(total / sum(p.numel() for grp in groups for p in grp.params))
+
+
 def _run_functional(groups, backend):
     groups = copy.deepcopy(groups)
     F.dp_step_groups(groups, key=SEED, step=4, **PRIV, backend=backend)
@@ -324,22 +343,28 @@ def _run_functional(groups, backend):
 @pytest.mark.parametrize("rule", ["adamw", "adamw_bc"])
 def test_fused_backend_matches_the_reference(fused_backend, rule, B, dtype):
     device = backend_device(fused_backend)
-    for d_u, active in ((1e-3, True), (1e6, False)):
+    rms = _functional_rms(_functional_case(rule, B, dtype, device, 100 + B, 1.0))
+    for d_u, active in ((0.5 * rms, True), (2 * rms, False)):
         groups = _functional_case(rule, B, dtype, device, 100 + B, d_u)
         want = _run_functional(groups, "torch")
         got = _run_functional(groups, fused_backend)
         off = _run_functional(
-            [dataclasses.replace(g, hyper=dataclasses.replace(g.hyper, update_rms_clip=None)) for g in groups],
+            [
+                dataclasses.replace(g, hyper=dataclasses.replace(g.hyper, update_rms_clip=None))
+                for g in groups
+            ],
             fused_backend,
         )
         tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-3)
+        same = []
         for gw, gg, go in zip(want, got, off, strict=True):
             for a, b, c in zip(gg.params, gw.params, go.params, strict=True):
                 torch.testing.assert_close(a.float().cpu(), b.float().cpu(), **tol)
-                assert torch.equal(a, c) != active  # active: changed; inactive: bit for bit
+                same.append(torch.equal(a, c))
             for name in ("exp_avg", "exp_avg_sq"):
                 for a, b in zip(gg.states[name], gw.states[name], strict=True):
                     torch.testing.assert_close(a.cpu(), b.cpu(), rtol=1e-5, atol=1e-6)
+        assert all(same) != active  # active: the step changed; inactive: bit for bit
 
 
 def test_fused_backends_refuse_adafactor_clip(fused_backend):
@@ -361,3 +386,17 @@ def test_fused_backends_refuse_adafactor_clip(fused_backend):
             opt.step()
         assert opt.dp_step == 1
         assert any("update_rms_clip" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("rule", ["adamw", "adamw_bc"])
+def test_fused_stochastic_rounding_matches_the_reference(fused_backend, rule):
+    device = backend_device(fused_backend)
+    groups = _functional_case(rule, 3, torch.bfloat16, device, 120, 0.3)
+    runs = {}
+    for be in ("torch", fused_backend):
+        gs = copy.deepcopy(groups)
+        F.dp_step_groups(gs, key=SEED, step=4, **PRIV, backend=be, stochastic_rounding=True)
+        runs[be] = gs
+    for gw, gg in zip(runs["torch"], runs[fused_backend], strict=True):
+        for a, b in zip(gg.params, gw.params, strict=True):  # one bf16 ulp apart at most
+            torch.testing.assert_close(a.float().cpu(), b.float().cpu(), rtol=1e-2, atol=1e-3)

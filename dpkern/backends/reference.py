@@ -13,7 +13,9 @@ same functions under the same names and is tested against this module:
   (:mod:`dpkern.rules`), named like the Triton (``triton/rules.py``) and C++
   (``csrc/rules.h``) ones;
 - :func:`macadam_update_scale` -- DP-MacAdam's global scale update (SPEC section 7), run
-  after :func:`step` once the global sum it returned is known.
+  after :func:`step` once the global sum it returned is known;
+- :func:`rms_clip_moments`, :func:`rms_clip_apply`, :func:`supports_rms_clip` --
+  ``update_rms_clip``'s two passes (SPEC 10.9), around the caller's global reduction.
 
 Conventions shared by all backends
 ----------------------------------
