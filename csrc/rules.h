@@ -141,7 +141,9 @@ inline constexpr RuleStates RULE_STATES[] = {
   X(beta2_decay, -0.8)      \
   X(eps1, 0x1p-23)          \
   X(eps2, 1e-3)             \
-  X(d, 1.0)
+  X(d, 1.0)                 \
+  X(rms_phase, 0.0)         \
+  X(rms_scale, 1.0)
 
 // The hyper-parameters of one update rule (dpkern.hyper), as Python doubles.
 struct Hyper {
@@ -181,6 +183,9 @@ struct Consts {
   float af_w, af_one_minus_w, af_phi, af_eps1, af_eps1_sq;
   double af_rho, af_eps2, af_d;
   bool af_correct, af_lerp_low;
+  // update_rms_clip (SPEC 10.9), set by the host: 0 = off; 1 = pass A (states and the
+  // blocks' sums of U^2, no parameter write); 2 = pass B (the step with lr * rms_scale).
+  int rms_phase;
 };
 
 // (alpha_t, beta3_t) of DP-AdEMAMix at step t (dpkern.rules.ademamix_schedule, in double).
@@ -291,6 +296,8 @@ inline Consts make_consts(const Hyper& h, const DP& dp) {
   c.af_eps2 = h.eps2;
   c.af_d = h.d;
   c.af_correct = h.noise_bias_correction;
+  c.rms_phase = int(h.rms_phase);
+  if (c.rms_phase == 2) c.lr = float(h.lr * h.rms_scale);  // (lr s) m_hat / denom
   return c;
 }
 
@@ -352,6 +359,50 @@ DPK_INLINE void adam_family(const Consts c, const float* __restrict S, float* __
   }
 }
 
+// update_rms_clip (SPEC 10.9), DP-AdamW / DP-AdamW-BC. Pass A: the moments as
+// adam_family, and the block's sum of U^2, U = m_hat / denom (float32, squared in float32,
+// accumulated in float64); the parameter is not written.
+template <bool BC>
+DPK_INLINE float adamw_denom(const Consts& c, float v_hat) {
+  if (BC) {
+    const float d = v_hat - c.phi_hat;
+    return __builtin_sqrtf(d < c.gamma ? c.gamma : d);
+  }
+  return __builtin_sqrtf(v_hat) + c.eps;
+}
+
+template <bool BC>
+DPK_INLINE void adamw_rms_moments(const Consts c, const float* __restrict S, float* __restrict z,
+                                  const Param& prm, int64_t begin, int64_t len, double& uu) {
+  float* __restrict m = prm.state[EXP_AVG] + begin;
+  float* __restrict v = prm.state[EXP_AVG_SQ] + begin;
+  double acc = 0.0;
+  for (int64_t j = 0; j < len; ++j) {
+    const float g = (S[j] + c.noise_std * z[j]) / c.batch;
+    const float mj = m[j] * c.beta1 + c.one_minus_beta1 * g;
+    const float vj = v[j] * c.beta2 + (c.one_minus_beta2 * g) * g;
+    m[j] = mj;
+    v[j] = vj;
+    const float u = (mj / c.bias_correction1) / adamw_denom<BC>(c, vj / c.bias_correction2);
+    acc += double(u * u);
+  }
+  uu = acc;
+}
+
+// Pass B: p <- p (1 - lr wd) - ((lr s) m_hat) / denom from the stored moments (c.lr holds
+// lr * s), the operations of adam_family.
+template <int PT, bool BC>
+DPK_INLINE void adamw_rms_apply(const Consts c, const Param& prm, int64_t begin, int64_t len) {
+  auto* __restrict p = static_cast<typename Storage<PT>::type*>(prm.data) + begin;
+  const float* __restrict m = prm.state[EXP_AVG] + begin;
+  const float* __restrict v = prm.state[EXP_AVG_SQ] + begin;
+  for (int64_t j = 0; j < len; ++j) {
+    const float pj = load<PT>(p, j) * c.decay;
+    const float m_hat = m[j] / c.bias_correction1, v_hat = v[j] / c.bias_correction2;
+    store<PT>(p, j, pj - (c.lr * m_hat) / adamw_denom<BC>(c, v_hat));
+  }
+}
+
 // DP-Adam (SPEC 5.2).
 template <int PT>
 DPK_INLINE void update_adam(const Consts c, const float* __restrict S, float* __restrict z,
@@ -369,14 +420,16 @@ DPK_INLINE void update_adam_bc(const Consts c, const float* __restrict S, float*
 // DP-AdamW (SPEC 5.4).
 template <int PT>
 DPK_INLINE void update_adamw(const Consts c, const float* __restrict S, float* __restrict z,
-                             const Param& prm, int64_t begin, int64_t len, double&) {
+                             const Param& prm, int64_t begin, int64_t len, double& uu) {
+  if (c.rms_phase == 1) return adamw_rms_moments<false>(c, S, z, prm, begin, len, uu);
   adam_family<PT, true, false>(c, S, z, prm, begin, len);
 }
 
 // DP-AdamW-BC (SPEC 5.5).
 template <int PT>
 DPK_INLINE void update_adamw_bc(const Consts c, const float* __restrict S, float* __restrict z,
-                                const Param& prm, int64_t begin, int64_t len, double&) {
+                                const Param& prm, int64_t begin, int64_t len, double& uu) {
+  if (c.rms_phase == 1) return adamw_rms_moments<true>(c, S, z, prm, begin, len, uu);
   adam_family<PT, true, true>(c, S, z, prm, begin, len);
 }
 
@@ -806,6 +859,27 @@ DPK_INLINE double update(const Consts& c, const float* __restrict S, float* __re
     default: break;  // unreachable: unknown codes are refused at the binding
   }
   return sqrt_sum;
+}
+
+// update_rms_clip's pass B on one block (SPEC 10.9); rules without the option do nothing
+// (cpp.py never asks them).
+DPK_INLINE bool has_rms_clip(int rule) { return rule == ADAMW || rule == ADAMW_BC; }
+
+template <int PT>
+DPK_INLINE void rms_apply_adamw(const Consts c, const Param& p, int64_t begin, int64_t len) {
+  adamw_rms_apply<PT, false>(c, p, begin, len);
+}
+template <int PT>
+DPK_INLINE void rms_apply_adamw_bc(const Consts c, const Param& p, int64_t begin, int64_t len) {
+  adamw_rms_apply<PT, true>(c, p, begin, len);
+}
+
+DPK_INLINE void rms_apply(const Consts& c, const Param& p, int64_t begin, int64_t len) {
+  switch (c.rule) {
+    case ADAMW: DPK_DISPATCH_PARAM_DTYPE(p.dtype, rms_apply_adamw, c, p, begin, len) break;
+    case ADAMW_BC: DPK_DISPATCH_PARAM_DTYPE(p.dtype, rms_apply_adamw_bc, c, p, begin, len) break;
+    default: break;
+  }
 }
 
 // Whether the rule's clipped sum is taken in the whitened space (DP-MacAdam: its

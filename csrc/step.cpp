@@ -109,6 +109,18 @@ void tensor_phase(const Consts& c, const DP& dp, const Param& p) {
   sr_bits = nullptr;
 }
 
+// update_rms_clip's pass B on one block (SPEC 10.9): the step from the stored moments; a
+// BF16_SR parameter's stores read the block's rounding bits.
+DPK_CLONES void rms_apply_block(const Consts& c, const DP& dp, const Param& p, int64_t begin,
+                                int64_t len) {
+  if (p.dtype != BF16_SR) return rms_apply(c, p, begin, len);
+  alignas(64) uint16_t rho[BLOCK];
+  rounding_range(dp.key, dp.noise_step, p.offset + uint64_t(begin), len, rho);
+  sr_bits = rho;
+  rms_apply(c, p, begin, len);
+  sr_bits = nullptr;
+}
+
 // buffers += the block's clipped contribution (reference.accumulate).
 DPK_CLONES void accumulate_block(const Consts& c, const Param& p, int64_t begin, int64_t len,
                                  const float* clip, int64_t batch) {
@@ -152,14 +164,25 @@ double step(const Hyper& h, const DP& dp, const std::vector<Param>& given, const
       with_scratch[k].state[GHAT] = scratch[k].data();
     }
   }
-  if (dp.stochastic_rounding) {  // bf16 parameters round stochastically (SPEC 3.2)
+  // bf16 parameters round stochastically (SPEC 3.2); not in update_rms_clip's pass A,
+  // which stores no parameter
+  const bool sr = dp.stochastic_rounding && c.rms_phase != 1;
+  if (sr) {
     if (!tensor_pass) with_scratch = given;
     for (Param& p : with_scratch)
       if (p.dtype == BF16) p.dtype = BF16_SR;
   }
-  const std::vector<Param>& params = tensor_pass || dp.stochastic_rounding ? with_scratch : given;
+  const std::vector<Param>& params = tensor_pass || sr ? with_scratch : given;
   const std::vector<Block> blocks = param_blocks(params);
   const int64_t nb = int64_t(blocks.size());
+  if (c.rms_phase == 2) {  // update_rms_clip's pass B (SPEC 10.9): no prologue, no noise
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads()) if (nb > 1)
+    for (int64_t n = 0; n < nb; ++n) {
+      const Block& blk = blocks[size_t(n)];
+      rms_apply_block(c, dp, params[size_t(blk.tensor)], blk.begin, blk.len);
+    }
+    return 0.0;
+  }
   std::vector<double> partial(blocks.size(), 0.0);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads()) if (nb > 1)
   for (int64_t n = 0; n < nb; ++n) {

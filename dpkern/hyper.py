@@ -42,6 +42,13 @@ def check_positive(name: str, value) -> float:
     return float(value)
 
 
+def check_update_rms_clip(value) -> float | None:
+    """``update_rms_clip`` (SPEC 10.9): None (off) or a finite float > 0."""
+    if value is None:
+        return None
+    return check_positive("update_rms_clip", value)
+
+
 def check_beta(name: str, value) -> float:
     if not 0.0 <= _finite(name, value) < 1.0:
         raise _bad(name, value, "must be in [0, 1)")
@@ -123,10 +130,16 @@ class AdamBCHyper(_AdamBase):
 
 @dataclass(frozen=True)
 class AdamWHyper(AdamHyper):
-    """DP-AdamW (SPEC 5.4): decoupled weight decay p <- p (1 - lr wd) first."""
+    """DP-AdamW (SPEC 5.4): decoupled weight decay p <- p (1 - lr wd) first;
+    ``update_rms_clip``: the update's RMS over the model clipped (SPEC 10.9)."""
 
     rule: ClassVar[str] = "adamw"
     weight_decay: float = 1e-2
+    update_rms_clip: float | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        object.__setattr__(self, "update_rms_clip", check_update_rms_clip(self.update_rms_clip))
 
 
 @dataclass(frozen=True)
@@ -135,6 +148,11 @@ class AdamWBCHyper(AdamBCHyper):
 
     rule: ClassVar[str] = "adamw_bc"
     weight_decay: float = 1e-2
+    update_rms_clip: float | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        object.__setattr__(self, "update_rms_clip", check_update_rms_clip(self.update_rms_clip))
 
 
 @dataclass(frozen=True)
@@ -444,9 +462,11 @@ class AdafactorHyper(_Base):
     weight_decay: float = 0.0
     noise_bias_correction: bool = False
     gamma: float = 1e-8
+    update_rms_clip: float | None = None
 
     def __post_init__(self):
         super().__post_init__()
+        object.__setattr__(self, "update_rms_clip", check_update_rms_clip(self.update_rms_clip))
         if _finite("beta2_decay", self.beta2_decay) > 0:
             raise _bad("beta2_decay", self.beta2_decay, "must be <= 0")
         if self.eps1 is None:

@@ -56,14 +56,35 @@ def is_available(name: str) -> bool:
     return _load(name)[0] is not None
 
 
-def resolve(backend: str, device: torch.device, rule: str | None = None) -> ModuleType:
+def resolve(
+    backend: str, device: torch.device, rule: str | None = None, update_rms_clip=None
+) -> ModuleType:
     """The backend module to run ``backend`` on tensors of ``device`` (and, if given, the
     update rule ``rule``, a name of :data:`dpkern.rules.RULES`).
 
     Raises ``ValueError`` for an unknown name, and ``RuntimeError`` when an explicitly
     requested backend is unavailable or cannot run on ``device`` (``NotImplementedError``,
-    a ``RuntimeError``, when it has no kernel for ``rule``)."""
+    a ``RuntimeError``, when it has no kernel for ``rule``, or, with ``update_rms_clip``
+    set, when it does not implement that option for ``rule``: SPEC 10.9).
+    ``backend="auto"`` runs such a rule on the reference, with a one-time warning."""
     module = _resolve(backend, device)
+    if rule is not None and update_rms_clip is not None and module.supports(rule):
+        if module.supports_rms_clip(rule):
+            return module
+        if backend != "auto":
+            raise NotImplementedError(
+                f"backend={backend!r} does not implement update_rms_clip (SPEC 10.9) for "
+                f"the update rule {rule!r}; use backend='torch' (the reference) or 'auto'"
+            )
+        if (module.__name__, rule, "update_rms_clip") not in _warned_rules:
+            _warned_rules.add((module.__name__, rule, "update_rms_clip"))
+            warnings.warn(
+                f"dpkern: backend='auto' runs update_rms_clip of the update rule {rule!r} "
+                f"on the PyTorch reference (slow): {module.__name__} does not implement it",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return _load("torch")[0]
     if rule is None or module.supports(rule):
         return module
     if backend != "auto":

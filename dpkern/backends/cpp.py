@@ -84,6 +84,14 @@ def supports(rule: str) -> bool:
     return rule in _RULE_CODES
 
 
+def supports_rms_clip(rule: str) -> bool:
+    """Whether the extension implements ``update_rms_clip`` (SPEC 10.9) for ``rule``."""
+    return rule in _RMS_CLIP_RULES and supports(rule)
+
+
+_RMS_CLIP_RULES = ("adamw", "adamw_bc")
+
+
 def set_num_threads(n: int) -> None:
     """Threads used by the C++ kernels; ``n <= 0`` restores OpenMP's default."""
     _C.set_num_threads(int(n))
@@ -165,7 +173,8 @@ def _grad_samples(grad_samples, shapes, batch_size: int | None, what="grad_sampl
 
 def _hyper_dict(hyper: Hyper) -> dict:
     """The rule's code (by name) and every field of its dataclass by name: floats, bools,
-    strings (the extension maps those by name too and refuses keys it does not know).
+    strings (the extension maps those by name too and refuses keys it does not know);
+    except ``update_rms_clip``, which the host turns into pass B's scale (SPEC 10.9).
 
     Raises NotImplementedError for a rule the extension does not implement."""
     code = _RULE_CODES.get(hyper.rule)
@@ -176,6 +185,8 @@ def _hyper_dict(hyper: Hyper) -> dict:
         )
     d = {"rule": code}
     for f in dataclasses.fields(hyper):
+        if f.name == "update_rms_clip":  # the host forms the scale (SPEC 10.9)
+            continue
         value = getattr(hyper, f.name)
         d[f.name] = value if isinstance(value, (bool, str)) else float(value)
     return d
@@ -432,7 +443,42 @@ def step(
     """One DP step of one parameter group, in place on ``params`` and ``states``.
 
     Returns the group's partial sum of sqrt(S_hat_j) for DP-MacAdam (0.0 otherwise)."""
-    hyper_dict = _hyper_dict(hyper)  # NotImplementedError for a rule without a kernel
+    return _step(_hyper_dict(hyper), hyper, dp, params, grad_samples, clip_factors, summed,
+                 states, offsets)  # fmt: skip
+
+
+def rms_clip_moments(
+    hyper: Hyper,
+    dp: DPStep,
+    params: list[Tensor],
+    grad_samples: list[Tensor | None],
+    clip_factors: Tensor | None,
+    summed: list[Tensor | None],
+    states: dict[str, list[Tensor]],
+    offsets: list[int],
+) -> tuple[float, tuple]:
+    """update_rms_clip's pass A (SPEC 10.9, ``reference.rms_clip_moments``): the shared
+    prologue and the moments, no parameter write. Returns (the group's sum of U^2, the
+    pending pass B for :func:`rms_clip_apply`)."""
+    if not supports_rms_clip(hyper.rule):
+        raise NotImplementedError(
+            f"dpkern backend='cpp' does not implement update_rms_clip for {hyper.rule!r}"
+        )
+    hd = {**_hyper_dict(hyper), "rms_phase": 1.0}
+    uu = _step(hd, hyper, dp, params, grad_samples, clip_factors, summed, states, offsets)
+    return uu, (hyper, dp, params, states, offsets)
+
+
+def rms_clip_apply(pending, scale: float) -> None:
+    """update_rms_clip's pass B (SPEC 10.9): p <- p (1 - lr wd) - ((lr s) m_hat) / denom
+    from the stored moments, s = ``scale``; no noise is drawn."""
+    hyper, dp, params, states, offsets = pending
+    hd = {**_hyper_dict(hyper), "rms_phase": 2.0, "rms_scale": float(scale)}
+    none = [None] * len(params)
+    _step(hd, hyper, dp, params, none, None, none, states, offsets)
+
+
+def _step(hyper_dict, hyper, dp, params, grad_samples, clip_factors, summed, states, offsets):
     n = len(params)
     if not (len(grad_samples) == len(summed) == len(offsets) == n):
         raise ValueError(

@@ -13,7 +13,9 @@ same functions under the same names and is tested against this module:
   (:mod:`dpkern.rules`), named like the Triton (``triton/rules.py``) and C++
   (``csrc/rules.h``) ones;
 - :func:`macadam_update_scale` -- DP-MacAdam's global scale update (SPEC section 7), run
-  after :func:`step` once the global sum it returned is known.
+  after :func:`step` once the global sum it returned is known;
+- :func:`rms_clip_moments`, :func:`rms_clip_apply`, :func:`supports_rms_clip` --
+  ``update_rms_clip``'s two passes (SPEC 10.9), around the caller's global reduction.
 
 Conventions shared by all backends
 ----------------------------------
@@ -280,10 +282,22 @@ def step(
     Returns the group's partial sum of sqrt(S_hat_j) for DP-MacAdam (SPEC section 7;
     0.0 at t = 1 and for the other rules)."""
     update = _update_of(hyper.rule)
+    sqrt_sum = 0.0
+    for k, p, g_hat, state in _g_hats(
+        hyper, dp, params, grad_samples, clip_factors, summed, states, offsets
+    ):
+        p32 = p.detach().float()
+        sqrt_sum += update(hyper, dp, p32, g_hat, state)
+        _store(p, p32, dp, offsets[k])  # one rounding to the parameter dtype
+    return sqrt_sum
+
+
+def _g_hats(hyper, dp, params, grad_samples, clip_factors, summed, states, offsets):
+    """(k, p, g_hat, state) for every parameter of the group: the shared prologue of pass 2
+    (clipped sum, + summed, noise; SPEC section 4) and the parameter's kernel states."""
     names = rules.of(hyper).kernel_state_names
     t = dp.step
     bc1_prev = 1.0 - hyper.beta1 ** (t - 1) if rules.of(hyper).whitening else 1.0
-    sqrt_sum = 0.0
     for k, p in enumerate(params):
         S = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
         if summed[k] is not None:
@@ -301,11 +315,53 @@ def step(
             device=p.device,
         ).reshape(p.shape)
         g_hat = (S + dp.noise_std * z) / dp.expected_batch_size
-        state = {name: states[name][k] for name in names}
+        yield k, p, g_hat, {name: states[name][k] for name in names}
+
+
+# --------------------------------------------------------------------------------------
+# Update RMS clipping over the model (SPEC 10.9): two passes, because the scale is a
+# function of every parameter's update direction U. Pass A (rms_clip_moments, one call
+# per group) draws the noise, updates the states and returns sum_j U_j^2 (float64); the
+# caller reduces it over all groups (and shards), forms s = 1 / max(1, RMS / d_u), and
+# pass B (rms_clip_apply) takes the step with U scaled by s.
+# --------------------------------------------------------------------------------------
+def rms_clip_moments(
+    hyper: Hyper,
+    dp: DPStep,
+    params: list[Tensor],
+    grad_samples: list[Tensor | None],
+    clip_factors: Tensor | None,
+    summed: list[Tensor | None],
+    states: dict[str, list[Tensor | None]],
+    offsets: list[int],
+) -> tuple[float, object]:
+    """Pass A of SPEC 10.9 for one group (arguments as :func:`step`): the states are
+    updated in place, the parameters are not. Returns (sum over the group of U_j^2, a
+    float accumulated in float64; the pending pass B, for :func:`rms_clip_apply`)."""
+    moments = _RMS_CLIP_MOMENTS[hyper.rule]
+    total, pending = 0.0, []
+    for k, p, g_hat, state in _g_hats(
+        hyper, dp, params, grad_samples, clip_factors, summed, states, offsets
+    ):
         p32 = p.detach().float()
-        sqrt_sum += update(hyper, dp, p32, g_hat, state)
-        _store(p, p32, dp, offsets[k])  # one rounding to the parameter dtype
-    return sqrt_sum
+        uu, apply = moments(hyper, dp, p32, g_hat, state)
+        total += uu
+        pending.append((p, p32, apply, offsets[k]))
+    return total, (dp, pending)
+
+
+def rms_clip_apply(pending, scale: float) -> None:
+    """Pass B of SPEC 10.9: each parameter's step with U scaled by ``scale`` (a Python
+    float in [0, 1]; 1.0 gives the unclipped step bit for bit), stored once."""
+    dp, params = pending
+    for p, p32, apply, offset in params:
+        apply(p32, scale)
+        _store(p, p32, dp, offset)
+
+
+def supports_rms_clip(rule: str) -> bool:
+    """Whether this backend implements ``update_rms_clip`` (SPEC 10.9) for ``rule``."""
+    return rule in _RMS_CLIP_MOMENTS
 
 
 # --------------------------------------------------------------------------------------
@@ -363,20 +419,39 @@ def update_adam_bc(h: Hyper, dp: DPStep, p: Tensor, g: Tensor, state) -> float:
     return 0.0
 
 
+def _adamw_direction(h: Hyper, dp: DPStep, g: Tensor, state) -> tuple[Tensor, Tensor]:
+    """Update m, v; (m_hat, denominator): sqrt(v_hat) + eps (DP-AdamW), or
+    sqrt(max(v_hat - phi_hat, gamma)) (DP-AdamW-BC). The direction is m_hat / denominator."""
+    m_hat, v_hat = _adam_moments(h, dp.step, g, state["exp_avg"], state["exp_avg_sq"])
+    if h.rule == "adamw_bc":
+        return m_hat, _bc_denominator(h, dp, v_hat)
+    return m_hat, v_hat.sqrt() + h.eps
+
+
 def update_adamw(h: Hyper, dp: DPStep, p: Tensor, g: Tensor, state) -> float:
     """DP-AdamW (SPEC 5.4): p <- p (1 - lr wd) first, then DP-Adam's step without decay."""
     p.mul_(1 - h.lr * h.weight_decay)
-    m_hat, v_hat = _adam_moments(h, dp.step, g, state["exp_avg"], state["exp_avg_sq"])
-    p.sub_(h.lr * m_hat / (v_hat.sqrt() + h.eps))
+    m_hat, denom = _adamw_direction(h, dp, g, state)
+    p.sub_(h.lr * m_hat / denom)
     return 0.0
 
 
 def update_adamw_bc(h: Hyper, dp: DPStep, p: Tensor, g: Tensor, state) -> float:
     """DP-AdamW-BC (SPEC 5.5): DP-AdamW with DP-AdamBC's denominator."""
-    p.mul_(1 - h.lr * h.weight_decay)
-    m_hat, v_hat = _adam_moments(h, dp.step, g, state["exp_avg"], state["exp_avg_sq"])
-    p.sub_(h.lr * m_hat / _bc_denominator(h, dp, v_hat))
-    return 0.0
+    return update_adamw(h, dp, p, g, state)
+
+
+def _rms_clip_moments_adamw(h: Hyper, dp: DPStep, p: Tensor, g: Tensor, state):
+    """SPEC 10.9, DP-AdamW and DP-AdamW-BC: (sum U^2 with U = m_hat / denominator, the step
+    p <- p (1 - lr wd) - ((lr s) m_hat) / denominator as a function of (p, s))."""
+    m_hat, denom = _adamw_direction(h, dp, g, state)
+    u = m_hat / denom
+
+    def apply(p: Tensor, s: float) -> None:
+        p.mul_(1 - h.lr * h.weight_decay)
+        p.sub_((h.lr * s) * m_hat / denom)
+
+    return float(_sum64(u * u)), apply
 
 
 def macadam_variance(h: Hyper, dp: DPStep, exp_var: Tensor, scale: Tensor) -> Tensor:
@@ -623,12 +698,35 @@ def update_adafactor(h: Hyper, dp: DPStep, p: Tensor, g: Tensor, state) -> float
     """DP-Adafactor (SPEC 10.7): decoupled decay, factored (>= 2-D) or unfactored second
     moment (phi subtracted where V is formed, floored at gamma, when correcting), update
     U = g / sqrt(max(V, eps1^2)) clipped to RMS d, step alpha_t = max(eps2, RMS(p)) rho_t."""
-    n = p.numel()
-    if n == 0:
+    if p.numel() == 0:
         return 0.0
+    alpha, denom, u, _ = _adafactor_direction(h, dp, p, g, state)
+    p.mul_(1 - h.lr * h.weight_decay)
+    p.sub_((alpha / denom) * u)
+    return 0.0
+
+
+def _rms_clip_moments_adafactor(h: Hyper, dp: DPStep, p: Tensor, g: Tensor, state):
+    """SPEC 10.9, DP-Adafactor: U = U_hat / max(1, RMS(U_hat) / d) (after its own clip), so
+    sum U^2 = ||U_hat||^2 / max(...)^2; the step p <- p (1 - lr wd) - ((alpha_t / max(...))
+    s) U_hat as a function of (p, s)."""
+    if p.numel() == 0:
+        return 0.0, lambda p, s: None
+    alpha, denom, u, uu = _adafactor_direction(h, dp, p, g, state)
+
+    def apply(p: Tensor, s: float) -> None:
+        p.mul_(1 - h.lr * h.weight_decay)
+        p.sub_(((alpha / denom) * s) * u)
+
+    return uu / (denom * denom), apply
+
+
+def _adafactor_direction(h: Hyper, dp: DPStep, p: Tensor, g: Tensor, state):
+    """Steps 2-3 of SPEC 10.7 on a non-empty parameter (p before the decay, unchanged): the
+    states updated; (alpha_t, max(1, RMS(U) / d), U, ||U||^2 as a float64 sum)."""
+    n = p.numel()
     w, one_m_w, rho = adafactor_scalars(h, dp.step)
     alpha = max(h.eps2, math.sqrt(float(_sum64(p * p))) / n**0.5) * rho
-    p.mul_(1 - h.lr * h.weight_decay)
     correct = rules.of(h).corrects(h)
     row, col = state["row_var"], state["col_var"]
     g2 = g * g
@@ -646,9 +744,17 @@ def update_adafactor(h: Hyper, dp: DPStep, p: Tensor, g: Tensor, state) -> float
         row.copy_(_lerp(row, g2, w, one_m_w))
         v = torch.clamp(row - dp.noise_var_avg, min=h.gamma) if correct else row
     u = g / torch.sqrt(torch.clamp(v, min=h.eps1 * h.eps1))
-    denom = max(1.0, math.sqrt(float(_sum64(u * u))) / (n**0.5 * h.d))
-    p.sub_((alpha / denom) * u)
-    return 0.0
+    uu = float(_sum64(u * u))
+    denom = max(1.0, math.sqrt(uu) / (n**0.5 * h.d))
+    return alpha, denom, u, uu
+
+
+#: The rules with update_rms_clip (SPEC 10.9): name -> pass A's per-parameter function.
+_RMS_CLIP_MOMENTS = {
+    "adamw": _rms_clip_moments_adamw,
+    "adamw_bc": _rms_clip_moments_adamw,
+    "adafactor": _rms_clip_moments_adafactor,
+}
 
 
 def _updates() -> dict:

@@ -242,7 +242,10 @@ def prepare_step(
     Returns (backend module, StepResult). Modifies nothing; raises ValueError /
     FloatingPointError as :func:`dp_step_groups`."""
     device = check_params(groups)
-    be = backends.resolve(backends.check_name(backend), device, groups[0].hyper.rule)
+    clip = check_update_rms_clip(groups)
+    be = backends.resolve(
+        backends.check_name(backend), device, groups[0].hyper.rule, update_rms_clip=clip
+    )
     pass1 = clip_and_check(
         groups,
         backend=be,
@@ -275,8 +278,10 @@ def apply_step(
     device = next((p.device for grp in groups for p in grp.params), torch.device("cpu"))
     macadam = rules.of(groups[0].hyper).whitening  # the global scale update follows
     noise_std = noise_multiplier * (1.0 if macadam else max_grad_norm)
+    clip = check_update_rms_clip(groups)
     sqrt_sum = 0.0
     steps = []
+    pending = []
     for grp in groups:
         dp = DPStep(
             key=key,
@@ -288,6 +293,20 @@ def apply_step(
             stochastic_rounding=stochastic_rounding,
         )
         steps.append(dp)
+        if clip is not None:  # SPEC 10.9, pass A: states and sum U^2, no parameter write
+            uu, todo = be.rms_clip_moments(
+                grp.hyper,
+                dp,
+                grp.params,
+                grp.grad_samples,
+                pass1.clip_factors,
+                grp.summed,
+                grp.states,
+                grp.offsets,
+            )
+            sqrt_sum += uu
+            pending.append(todo)
+            continue
         sqrt_sum += be.step(
             grp.hyper,
             dp,
@@ -298,6 +317,16 @@ def apply_step(
             grp.states,
             grp.offsets,
         )
+    if clip is not None:  # SPEC 10.9: one RMS over every group (and shard), then pass B
+        n = sum(p.numel() for grp in groups for p in grp.params)
+        if reduce is not None:
+            total = torch.tensor([sqrt_sum, float(n)], dtype=torch.float64, device=device)
+            reduce(total)
+            sqrt_sum, n = total.tolist()
+        scale = rms_clip_scale(sqrt_sum, n, clip)
+        for todo in pending:
+            be.rms_clip_apply(todo, scale)
+        return
     if macadam and reduce is not None:
         total = torch.tensor([sqrt_sum], dtype=torch.float64, device=device)
         reduce(total)
@@ -307,6 +336,26 @@ def apply_step(
             be.macadam_update_scale(
                 grp.hyper, dp, grp.states["exp_var"], grp.states["scale"], sqrt_sum
             )
+
+
+def check_update_rms_clip(groups: list[Group]) -> float | None:
+    """The step's ``update_rms_clip`` d_u (SPEC 10.9): None when off. Every group must hold
+    the same value (one RMS over the model). Raises ValueError naming the values."""
+    values = [getattr(grp.hyper, "update_rms_clip", None) for grp in groups]
+    if any(v != values[0] for v in values):
+        raise ValueError(
+            f"invalid update_rms_clip: the param groups hold {sorted(set(values), key=str)}; "
+            "the update's RMS is clipped over the whole model, so every param group must "
+            "hold the same value (None in all, or one float > 0) (SPEC 10.9)"
+        )
+    return values[0]
+
+
+def rms_clip_scale(sum_sq: float, numel: float, clip: float) -> float:
+    """s = 1 / max(1, RMS / d_u), RMS = sqrt(sum_sq / numel) (SPEC 10.9), in double. A NaN
+    RMS gives 1 (max(1, NaN) is 1: the unclipped step), an infinite one 0."""
+    rms = (sum_sq / numel) ** 0.5 if numel else 0.0
+    return 1.0 / max(1.0, rms / clip)
 
 
 def noise_var(max_grad_norm: float, noise_multiplier: float, expected_batch_size: float) -> float:

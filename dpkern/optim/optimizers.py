@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from .. import rules
-from ..hyper import check_betas3, check_positive
+from ..hyper import check_betas3, check_positive, check_update_rms_clip
 from ..sharding import local_shard
 from .base import DPOptimizer
 
@@ -74,6 +74,17 @@ _DP_ARGS = r"""
     (non-finite gradients, nonfinite="error"). A failed step changes nothing.
     ``stats`` holds exact counts in memory only (never in state_dict). "SPEC n" is a
     section of the contract, docs/SPEC.md (``python -m dpkern.spec`` prints it).
+"""
+
+_RMS_CLIP_ARG = r"""        update_rms_clip (float or None, keyword-only): d_u > 0, finite: the update
+            direction U of every parameter (all param groups together) is scaled by
+            1 / max(1, RMS / d_u), RMS = sqrt(sum of U^2 over all N elements / N) in
+            float64, so the update's RMS over the whole model is at most d_u; weight
+            decay is not scaled. None (default): off. Every param group must hold the same
+            value (ValueError at step()). Post-processing of the noisy gradient: the DP
+            guarantee is unchanged. Source: the global variant of StableAdamW's per-tensor
+            update clipping (Wortsman et al. 2023, arXiv 2304.13013, Algorithm 2) and of
+            Adafactor's (Shazeer & Stern 2018, Section 6); SPEC 10.9.
 """
 
 
@@ -267,6 +278,11 @@ class DPAdamW(_AdamFamily):
         + r"""        eps (float): epsilon > 0 (default 1e-8).
         weight_decay (float): lambda, decoupled (default 1e-2, torch.optim.AdamW's).
     """
+        + _RMS_CLIP_ARG
+        + r"""            Here U = m_hat / (sqrt(v_hat) + eps), and the step is
+            theta (1 - lr lambda) - (lr s) m_hat / (sqrt(v_hat) + eps).
+            Raises ValueError for a value that is not None nor a finite float > 0.
+    """
         + _DP_ARGS
         + r"""
     State: ``exp_avg``, ``exp_avg_sq`` (float32), ``step``.
@@ -283,6 +299,7 @@ class DPAdamW(_AdamFamily):
         eps=1e-8,
         weight_decay=1e-2,
         *,
+        update_rms_clip=None,
         max_grad_norm,
         noise_multiplier,
         expected_batch_size,
@@ -297,6 +314,7 @@ class DPAdamW(_AdamFamily):
             betas,
             eps=eps,
             weight_decay=weight_decay,
+            update_rms_clip=check_update_rms_clip(update_rms_clip),
             max_grad_norm=max_grad_norm,
             noise_multiplier=noise_multiplier,
             expected_batch_size=expected_batch_size,
@@ -384,6 +402,10 @@ class DPAdamWBC(_AdamFamily):
         + r"""        gamma (float): gamma_0 > 0, the floor inside the sqrt (default 1e-8).
         weight_decay (float): lambda, decoupled (default 1e-2).
     """
+        + _RMS_CLIP_ARG
+        + r"""            Here U = m_hat / sqrt(max(v_hat - phi_hat, gamma_0)).
+            Raises ValueError for a value that is not None nor a finite float > 0.
+    """
         + _DP_ARGS
         + r"""
     State: ``exp_avg``, ``exp_avg_sq`` (float32), ``noise_var_avg`` (phi, 0-dim), ``step``.
@@ -400,6 +422,7 @@ class DPAdamWBC(_AdamFamily):
         gamma=1e-8,
         weight_decay=1e-2,
         *,
+        update_rms_clip=None,
         max_grad_norm,
         noise_multiplier,
         expected_batch_size,
@@ -414,6 +437,7 @@ class DPAdamWBC(_AdamFamily):
             betas,
             gamma=gamma,
             weight_decay=weight_decay,
+            update_rms_clip=check_update_rms_clip(update_rms_clip),
             max_grad_norm=max_grad_norm,
             noise_multiplier=noise_multiplier,
             expected_batch_size=expected_batch_size,
@@ -1422,6 +1446,14 @@ class DPAdafactor(DPOptimizer):
         gamma (float, keyword-only): gamma_0 > 0, the floor of every corrected factor
             (default 1e-8, as DP-AdamBC).
     """
+        + _RMS_CLIP_ARG
+        + r"""            Here U = U_hat / max(1, RMS(U_hat) / d), the update after Adafactor's
+            own per-tensor clipping (so only d_u < d has an effect), and the step is
+            theta (1 - lr lambda) - (alpha_t / max(1, RMS(U_hat) / d)) s U_hat. Runs on
+            the reference backend only (backend="cpp" / "triton" raise
+            NotImplementedError; "auto" falls back with a warning).
+            Raises ValueError for a value that is not None nor a finite float > 0.
+    """
         + _DP_ARGS
         + r"""
     State (float32): ``row_var`` (shape ``p.shape[:-1]``; torch.optim keeps it as
@@ -1449,6 +1481,7 @@ class DPAdafactor(DPOptimizer):
         *,
         noise_bias_correction: bool = False,
         gamma: float = 1e-8,
+        update_rms_clip: float | None = None,
         max_grad_norm: float,
         noise_multiplier: float,
         expected_batch_size: float,
@@ -1465,6 +1498,7 @@ class DPAdafactor(DPOptimizer):
             weight_decay=weight_decay,
             noise_bias_correction=noise_bias_correction,
             gamma=gamma,
+            update_rms_clip=check_update_rms_clip(update_rms_clip),
         )
         super().__init__(
             params,

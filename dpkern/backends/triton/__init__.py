@@ -6,7 +6,9 @@ Same functions and signatures as :mod:`dpkern.backends.reference`:
 ``stochastic_round_bf16`` (noise.py), ``per_sample_norms``,
 ``whitened_norms`` (norms.py, pass 1), ``accumulate``, ``step``, ``macadam_update_scale``
 (step.py, pass 2: a shared prologue, then one ``update_<name>`` per rule in rules.py),
-``supports`` (whether a rule of :mod:`dpkern.rules` has a kernel here).
+``supports`` (whether a rule of :mod:`dpkern.rules` has a kernel here), and
+``rms_clip_moments``, ``rms_clip_apply``, ``supports_rms_clip`` (``update_rms_clip``'s
+two passes, SPEC 10.9: DP-AdamW and DP-AdamW-BC).
 Importing it raises ImportError when triton is not installed (the registry relies on it).
 Block sizes: :func:`configure` / :data:`_common.CONFIG` (results do not depend on them).
 """
@@ -22,7 +24,15 @@ from .noise import (
     stochastic_round_bf16,
 )
 from .norms import per_sample_norms, whitened_norms
-from .step import accumulate, macadam_update_scale, step, supports
+from .step import (
+    accumulate,
+    macadam_update_scale,
+    rms_clip_apply,
+    rms_clip_moments,
+    step,
+    supports,
+    supports_rms_clip,
+)
 
 __all__ = [
     "philox_words",
@@ -36,6 +46,9 @@ __all__ = [
     "step",
     "macadam_update_scale",
     "supports",
+    "supports_rms_clip",
+    "rms_clip_moments",
+    "rms_clip_apply",
     "Config",
     "config",
     "configure",

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from ... import rules
 from . import _common as C
-from .noise import rounding_bits_at
+from .noise import rounding_bits_at, tile_rounding_bits
 
 # Rule codes (constexpr): which update function a kernel is compiled with.
 SGD = tl.constexpr(0)
@@ -215,6 +215,13 @@ def update_adam_bc(
 
 
 @triton.jit
+def _rms_partial(partial, slot, inb, u):
+    """update_rms_clip's pass A (SPEC 10.9): the program's sum of U^2 (float64 terms of
+    float32 squares)."""
+    tl.store(partial + slot, tl.sum(tl.where(inb, (u * u).to(tl.float64), 0.0), axis=0))
+
+
+@triton.jit
 def update_adamw(
     row,
     offs,
@@ -231,13 +238,21 @@ def update_adamw(
     bc1,
     bc2,
     eps,
+    partial,
+    slot,
+    RMS_A: tl.constexpr,
     ALIGNED: tl.constexpr,
 ):
-    p = p * decay
     m_hat, v_hat = _adam_moments(
         row, offs, inb, g, m_prev, beta1, beta2, one_m_b1, one_m_b2, bc1, bc2, ALIGNED
     )
-    return p - lr * m_hat / (tl.math.sqrt_rn(v_hat) + eps)
+    denom = tl.math.sqrt_rn(v_hat) + eps
+    if RMS_A:  # update_rms_clip's pass A: the sum of U^2, the parameter unchanged
+        _rms_partial(partial, slot, inb, m_hat / denom)
+        out = p
+    else:
+        out = p * decay - lr * m_hat / denom
+    return out
 
 
 @triton.jit
@@ -258,13 +273,58 @@ def update_adamw_bc(
     bc2,
     gamma,
     phi_hat,
+    partial,
+    slot,
+    RMS_A: tl.constexpr,
     ALIGNED: tl.constexpr,
 ):
-    p = p * decay
     m_hat, v_hat = _adam_moments(
         row, offs, inb, g, m_prev, beta1, beta2, one_m_b1, one_m_b2, bc1, bc2, ALIGNED
     )
-    return p - lr * m_hat / tl.math.sqrt_rn(tl.maximum(v_hat - phi_hat, gamma))
+    denom = tl.math.sqrt_rn(tl.maximum(v_hat - phi_hat, gamma))
+    if RMS_A:
+        _rms_partial(partial, slot, inb, m_hat / denom)
+        out = p
+    else:
+        out = p * decay - lr * m_hat / denom
+    return out
+
+
+@triton.jit(do_not_specialize=["key_lo", "key_hi", "c2", "c3"])
+def rms_apply_kernel(table, chunks, lr, decay, bc1, bc2, eps, gamma, phi_hat, key_lo, key_hi,
+                     c2, c3, BC: tl.constexpr, P_DTYPE: tl.constexpr, SR: tl.constexpr,
+                     ALIGNED: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """update_rms_clip's pass B (SPEC 10.9), DP-AdamW / DP-AdamW-BC: p <- p (1 - lr wd) -
+    ((lr s) m_hat) / denom from the stored moments (``lr`` holds lr * s), the tiles laid
+    out as the step kernel's (the rounding bits of SR alike)."""
+    row, blk = C.chunk_row(table, chunks, tl.program_id(0))
+    numel = C.row_numel(row, ALIGNED)
+    if ALIGNED:
+        e0 = blk * BLOCK
+        offs = e0 + tl.arange(0, BLOCK)
+        inb = offs < numel
+    else:
+        e0 = blk * BLOCK - tl.load(row + C.COL_PHASE)
+        offs = e0 + tl.arange(0, BLOCK)
+        inb = (offs >= 0) & (offs < numel)
+    p_ptr = C.typed_ptr(row, C.COL_P, P_DTYPE, ALIGNED)
+    p = tl.load(p_ptr + offs, mask=inb, other=0.0).to(tl.float32)
+    m = tl.load(
+        C.typed_ptr(row, C.COL_S0 + EXP_AVG, tl.float32, ALIGNED) + offs, mask=inb, other=0.0
+    )
+    v = tl.load(C.typed_ptr(row, C.COL_S0 + EXP_AVG_SQ, tl.float32, ALIGNED) + offs, mask=inb,
+                other=0.0)  # fmt: skip
+    m_hat, v_hat = m / bc1, v / bc2
+    if BC:
+        denom = tl.math.sqrt_rn(tl.maximum(v_hat - phi_hat, gamma))
+    else:
+        denom = tl.math.sqrt_rn(v_hat) + eps
+    p = p * decay - lr * m_hat / denom
+    if SR:
+        rho = tile_rounding_bits(tl.load(row + C.COL_NOFF) + e0, key_lo, key_hi, c2, c3, BLOCK)
+        tl.store(p_ptr + offs, C.to_bf16_sr(p, rho), mask=inb)
+    else:
+        tl.store(p_ptr + offs, C.to_dtype_rne(p, P_DTYPE, C.EMULATE_RNE), mask=inb)
 
 
 def _moment_scalars(h, t) -> tuple:
@@ -1044,11 +1104,15 @@ def update(
             row, offs, inb, p, g, m_prev, s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, F0, ALIGNED
         )
     elif RULE == ADAMW:
-        p = update_adamw(row, offs, inb, p, g, m_prev, s0, s1, s2, s3, s4, s5, s6, s7, s8, ALIGNED)
+        p = update_adamw(
+            row, offs, inb, p, g, m_prev, s0, s1, s2, s3, s4, s5, s6, s7, s8, partial, slot, F0,
+            ALIGNED,
+        )  # fmt: skip
     elif RULE == ADAMW_BC:
         p = update_adamw_bc(
-            row, offs, inb, p, g, m_prev, s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, ALIGNED
-        )
+            row, offs, inb, p, g, m_prev, s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, partial, slot,
+            F0, ALIGNED,
+        )  # fmt: skip
     elif RULE == MACADAM:
         p = update_macadam(
             row,

@@ -25,6 +25,7 @@ element-wise result is bit-identical across configurations.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -109,6 +110,7 @@ def _step_kernel(
     HAS_PREV: tl.constexpr,
     LOAD_M: tl.constexpr,
     SR: tl.constexpr,
+    STORE_P: tl.constexpr,
     F0: tl.constexpr,
     F1: tl.constexpr,
     F2: tl.constexpr,
@@ -196,13 +198,14 @@ def _step_kernel(
             F3,
             ALIGNED,
         )
-        if SR:  # bf16, stochastic rounding (SPEC 3.2): the tile's bits, laid out as z's
-            rho = tile_rounding_bits(
-                tl.load(row + C.COL_NOFF) + e0, key_lo, key_hi, c2, c3_round, BLOCK
-            )
-            tl.store(p_ptr + offs, C.to_bf16_sr(p, rho), mask=inb)
-        else:
-            tl.store(p_ptr + offs, C.to_dtype_rne(p, P_DTYPE, C.EMULATE_RNE), mask=inb)
+        if STORE_P:  # (not in update_rms_clip's pass A, SPEC 10.9: p is unchanged there)
+            if SR:  # bf16, stochastic rounding (SPEC 3.2): the tile's bits, laid out as z's
+                rho = tile_rounding_bits(
+                    tl.load(row + C.COL_NOFF) + e0, key_lo, key_hi, c2, c3_round, BLOCK
+                )
+                tl.store(p_ptr + offs, C.to_bf16_sr(p, rho), mask=inb)
+            else:
+                tl.store(p_ptr + offs, C.to_dtype_rne(p, P_DTYPE, C.EMULATE_RNE), mask=inb)
 
 
 @triton.jit
@@ -230,9 +233,20 @@ def _scale_kernel(
 # Host side
 # --------------------------------------------------------------------------------------
 def _launch(
-    hyper, dp, params, grad_samples, clip_factors, summed, states, offsets, accumulate_only: bool
+    hyper,
+    dp,
+    params,
+    grad_samples,
+    clip_factors,
+    summed,
+    states,
+    offsets,
+    accumulate_only: bool,
+    rms_a: bool = False,
 ) -> float:
     args = R.kernel_args(hyper, dp)  # NotImplementedError for a rule without a kernel
+    if rms_a:  # update_rms_clip's pass A (SPEC 10.9): F0 = RMS_A, one sum of U^2 per program
+        args = dataclasses.replace(args, flags=(1, *args.flags[1:]), reduces=True)
     dev = C.first_device(params, *states.values(), summed)
     if dev is None:
         return 0.0  # no tensors at all
@@ -298,7 +312,8 @@ def _launch(
             HAS_PREV=t > 1,
             # the first state: read by the update (or, when accumulating, by the whitening)
             LOAD_M=(whiten and t > 1) if accumulate_only else args.load_first,
-            SR=sr and ln.dtypes[0] == torch.bfloat16,
+            SR=sr and ln.dtypes[0] == torch.bfloat16 and not rms_a,
+            STORE_P=not rms_a,
             F0=args.flags[0],
             F1=args.flags[1],
             F2=args.flags[2],
@@ -320,6 +335,81 @@ def _launch(
 def supports(rule: str) -> bool:
     """Whether this backend has a kernel for the update rule ``rule`` (``rules.RULES``)."""
     return R.supports(rule)
+
+
+def supports_rms_clip(rule: str) -> bool:
+    """Whether this backend implements ``update_rms_clip`` (SPEC 10.9) for ``rule``."""
+    return rule in _RMS_CLIP_RULES
+
+
+_RMS_CLIP_RULES = ("adamw", "adamw_bc")
+
+
+def rms_clip_moments(hyper, dp, params, grad_samples, clip_factors, summed, states, offsets):
+    """update_rms_clip's pass A (SPEC 10.9, ``reference.rms_clip_moments``): the fused
+    prologue and the moments, no parameter write. Returns (the group's sum of U^2, the
+    pending pass B for :func:`rms_clip_apply`)."""
+    if not supports_rms_clip(hyper.rule):
+        raise NotImplementedError(
+            f"dpkern backend='triton' does not implement update_rms_clip for {hyper.rule!r}"
+        )
+    uu = _launch(
+        hyper,
+        dp,
+        params,
+        grad_samples,
+        clip_factors,
+        summed,
+        states,
+        offsets,
+        accumulate_only=False,
+        rms_a=True,
+    )
+    return uu, (hyper, dp, params, states, offsets)
+
+
+def rms_clip_apply(pending, scale: float) -> None:
+    """update_rms_clip's pass B (SPEC 10.9): p <- p (1 - lr wd) - ((lr s) m_hat) / denom
+    from the stored moments, s = ``scale``; no noise is drawn."""
+    hyper, dp, params, states, offsets = pending
+    dev = C.first_device(params, *states.values())
+    if dev is None:
+        return
+    C.check_device(dev)
+    cfg = C.config()
+    names = R.STATES[hyper.rule]
+    inplace = C.InPlace()
+    entries = []
+    for k, p in enumerate(params):
+        bufs = (inplace(p), None, None) + tuple(C.readonly(states[n][k]) for n in names)
+        entries.append(C.Entry(k, p.numel(), int(offsets[k]), bufs))
+    t = dp.step
+    bc = hyper.rule == "adamw_bc"
+    phi_hat = dp.noise_var_avg / (1 - hyper.beta2**t) if bc else 0.0
+    c2, c3 = C.step_words(dp.noise_step, ROUNDING_STREAM)
+    for ln in C.plan(entries, typed=(0,), chunk=cfg.step_block, device=dev):
+        sr = dp.stochastic_rounding and ln.dtypes[0] == torch.bfloat16
+        R.rms_apply_kernel[(ln.n_chunks,)](
+            ln.table,
+            ln.chunks,
+            hyper.lr * scale,
+            1 - hyper.lr * hyper.weight_decay,
+            1 - hyper.beta1**t,
+            1 - hyper.beta2**t,
+            getattr(hyper, "eps", 0.0),
+            getattr(hyper, "gamma", 0.0),
+            phi_hat,
+            *(C.key_words(dp.key) if sr else (0, 0)),
+            c2,
+            c3,
+            BC=bc,
+            P_DTYPE=C.tl_dtype(ln.dtypes[0]),
+            SR=sr,
+            ALIGNED=ln.aligned,
+            BLOCK=cfg.step_block,
+            num_warps=cfg.num_warps,
+        )
+    inplace.finish()
 
 
 def step(hyper, dp, params, grad_samples, clip_factors, summed, states, offsets) -> float:
