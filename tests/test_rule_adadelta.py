@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 
 import pytest
 import torch
 
 import dpkern
-from dpkern import backends
 from dpkern.functional import gaussian_noise
+
+from twin import fresh_seed, need_backend, twin_run
 
 SHAPES = [(7,), (5, 3), (3, 4, 5)]
 TWIN_OPTIONS = {
@@ -24,65 +24,26 @@ TWIN_OPTIONS = {
 }
 
 
-def fresh_seed() -> int:
-    return int.from_bytes(os.urandom(4), "little")
-
-
-def _backend(name):
-    if name == "triton" and not (backends.triton_interpret() or torch.cuda.is_available()):
-        pytest.skip("triton: run with TRITON_INTERPRET=1")
-    if not backends.is_available(name):
-        pytest.skip(f"backend {name!r} not available")
-    return name
-
-
 def _twin_run(backend, options, *, correct=False, shapes=SHAPES, steps=5, B=6):
     """DPAdadelta (sigma = 0, no clipping, B_e = B) and torch.optim.Adadelta on the mean
     of the same per-sample gradients, two groups (the second with its own lr)."""
-    seed = fresh_seed()
-    gen = torch.Generator().manual_seed(seed)
-    a = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
-    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
-    groups = lambda ps: [dict(params=ps[:1]), dict(params=ps[1:], lr=0.5)]  # noqa: E731
-    dp = dpkern.DPAdadelta(
-        groups(a),
-        **options,
-        noise_bias_correction=correct,
-        max_grad_norm=1e6,
-        noise_multiplier=0.0,
-        expected_batch_size=B,
-        seed=seed,
-        backend=backend,
-    )
-    tw = torch.optim.Adadelta(groups(b), **options)
-    for t in range(1, steps + 1):
-        for p, q in zip(a, b):
-            g = torch.randn((B, *p.shape), generator=gen)
-            p.grad_sample = g
-            q.grad = g.mean(0)
-        dp.step()
-        tw.step()
-        for k, (p, q) in enumerate(zip(a, b)):
-            msg = f"{options} seed={seed} t={t} param {k}"
-            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=msg)
-            for name in ("square_avg", "acc_delta"):
-                torch.testing.assert_close(
-                    dp.state[p][name], tw.state[q][name], rtol=1e-5, atol=1e-7, msg=msg
-                )
-    return dp, a
+    return twin_run(dpkern.DPAdadelta, torch.optim.Adadelta,
+                    {**options, "noise_bias_correction": correct}, backend, shapes=shapes,
+                    steps=steps, B=B, lrs=(None, 0.5), states=("square_avg", "acc_delta"),
+                    state_atol=1e-7, check_step=True)  # fmt: skip
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpp"])
 @pytest.mark.parametrize("option", list(TWIN_OPTIONS))
 def test_torch_optim_adadelta_twin(backend, option):
-    _twin_run(_backend(backend), TWIN_OPTIONS[option])
+    _twin_run(backend, TWIN_OPTIONS[option])
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpp"])
 def test_correction_at_sigma_zero_is_the_twin(backend):
     """sigma = 0: phi = psi = 0; the numerator is torch's exactly, the denominator too
     wherever square_avg >= gamma (O(1) gradients: always after the first step's EMA)."""
-    dp, params = _twin_run(_backend(backend), dict(weight_decay=0.05), correct=True)
+    dp, params = _twin_run(backend, dict(weight_decay=0.05), correct=True)
     for p in params:
         assert float(dp.state[p]["noise_var_avg"]) == 0.0
         assert torch.equal(dp.state[p]["acc_delta_noise_var"], torch.zeros_like(p))
@@ -90,7 +51,7 @@ def test_correction_at_sigma_zero_is_the_twin(backend):
 
 @pytest.mark.triton
 def test_torch_optim_adadelta_twin_triton():
-    _twin_run(_backend("triton"), dict(weight_decay=0.1), shapes=[(3,), (2, 3)], steps=2, B=3)
+    _twin_run("triton", dict(weight_decay=0.1), shapes=[(3,), (2, 3)], steps=2, B=3)
 
 
 # ---------------------------------------------------------------------------------------
@@ -101,7 +62,7 @@ SCHEDULE = [(1.0, 1.0, 4.0), (2.0, 0.5, 3.0), (0.5, 2.0, 6.0), (0.0, 1.0, 4.0), 
 
 @pytest.mark.parametrize("backend", ["torch", "cpp"])
 def test_phi_and_psi_recursions_by_hand_with_a_noise_schedule(backend):
-    _backend(backend)
+    need_backend(backend)
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
     rho, eps, gamma, lr, wd = 0.85, 1e-4, 1e-3, 0.7, 0.02

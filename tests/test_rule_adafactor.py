@@ -14,6 +14,7 @@ noise bias correction of its factored second moment.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 
 import pytest
@@ -26,6 +27,7 @@ from dpkern.distributed.processes import end_worker
 from dpkern.hyper import AdafactorHyper, DPStep
 
 from conftest import backend_device, case_seed
+from twin import need_backend, twin_run
 
 SHAPES = [(7,), (5, 3), (3, 4, 5), (1, 9), ()]
 B = 4
@@ -39,49 +41,31 @@ OPTIONS = {
 
 
 def _fused_or_skip(name):
-    if name == "triton" and not (backends.triton_interpret() or torch.cuda.is_available()):
-        pytest.skip("triton column: run with TRITON_INTERPRET=1")
-    if name != "torch" and not backends.is_available(name):
-        pytest.skip(f"backend {name!r} not available")
+    need_backend(name)
     if name != "torch" and not backends._load(name)[0].supports("adafactor"):
         pytest.skip(f"backend {name!r} has no adafactor kernel")
 
 
-def _twin_run(backend, kw, shapes=SHAPES, steps=5, seed=0, device="cpu", dp_kw=None):
-    gen = torch.Generator().manual_seed(case_seed(seed))
-    a = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in shapes]
-    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
-    dp = dpkern.DPAdafactor(
-        [dict(params=a[:2]), dict(params=a[2:], lr=kw.get("lr", 1e-2) / 2)],
-        **kw,
-        **(dp_kw or {}),
-        max_grad_norm=1e10,
-        noise_multiplier=0.0,
-        expected_batch_size=B,
-        seed=1,
-        backend=backend,
-    )
-    tw = torch.optim.Adafactor(
-        [dict(params=b[:2]), dict(params=b[2:], lr=kw.get("lr", 1e-2) / 2)], **kw
-    )
-    for t in range(steps):
-        for p, q in zip(a, b):
-            gs = torch.randn((B, *p.shape), generator=gen).to(device)
-            p.grad_sample = gs
-            q.grad = gs.mean(0)
-        dp.step()
-        tw.step()
-        for k, (p, q) in enumerate(zip(a, b)):
-            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=f"t={t + 1} param {k}")
-            st, tst = dp.state[p], tw.state[q]
-            if p.dim() >= 2:  # torch keeps keepdim shapes (..., R, 1) and (..., 1, C)
-                torch.testing.assert_close(st["row_var"], tst["row_var"].squeeze(-1))
-                torch.testing.assert_close(st["col_var"], tst["col_var"].squeeze(-2))
-            else:  # our "row" state of a < 2-D parameter is torch's unfactored variance
-                torch.testing.assert_close(st["row_var"], tst["variance"])
-                assert st["col_var"].shape == () and float(st["col_var"]) == 0.0
-            assert int(st["step"]) == int(tst["step"]) == t + 1
-            assert ("noise_var_avg" in st) == bool(dp_kw)
+def _factored_states(correct, dp, a, twin, b, t, msg):
+    """Our (row, col) factors against torch's, the unfactored variance of a < 2-D
+    parameter in "row"; phi kept if and only if ``correct``."""
+    for k, (p, q) in enumerate(zip(a, b)):
+        st, tst = dp.state[p], twin.state[q]
+        if p.dim() >= 2:  # torch keeps keepdim shapes (..., R, 1) and (..., 1, C)
+            torch.testing.assert_close(st["row_var"], tst["row_var"].squeeze(-1))
+            torch.testing.assert_close(st["col_var"], tst["col_var"].squeeze(-2))
+        else:  # our "row" state of a < 2-D parameter is torch's unfactored variance
+            torch.testing.assert_close(st["row_var"], tst["variance"])
+            assert st["col_var"].shape == () and float(st["col_var"]) == 0.0
+        assert int(st["step"]) == int(tst["step"]) == t, f"{msg} param {k}"
+        assert ("noise_var_avg" in st) == correct, f"{msg} param {k}"
+
+
+def _twin_run(backend, kw, shapes=SHAPES, steps=5):
+    check = functools.partial(_factored_states, kw.get("noise_bias_correction", False))
+    twin_run(dpkern.DPAdafactor, torch.optim.Adafactor, kw, backend, shapes=shapes,
+             steps=steps, B=B, seed=case_seed(0), lrs=(None, kw.get("lr", 1e-2) / 2), split=2,
+             max_grad_norm=1e10, states=(), check=check)  # fmt: skip
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpp"])
@@ -95,14 +79,13 @@ def test_twin_is_torch_optim_adafactor(backend, option):
 @pytest.mark.parametrize("option", ["defaults", "eps_d_decay"])
 def test_twin_triton(option):
     _fused_or_skip("triton")
-    _twin_run("triton", OPTIONS[option], shapes=[(7,), (5, 3), (2, 3, 5), ()], steps=2,
-              device=backend_device("triton"))  # fmt: skip
+    _twin_run("triton", OPTIONS[option], shapes=[(7,), (5, 3), (2, 3, 5), ()], steps=2)
 
 
 def test_twin_with_correction_and_no_noise_is_the_twin():
     """phi = 0 without noise: the floors max(x - 0, gamma) are the only change (inactive
     for factors above gamma)."""
-    _twin_run("torch", dict(weight_decay=0.1), dp_kw=dict(noise_bias_correction=True, gamma=1e-30))
+    _twin_run("torch", dict(weight_decay=0.1, noise_bias_correction=True, gamma=1e-30))
 
 
 # ---------------------------------------------------------------------------------------

@@ -6,17 +6,17 @@ checkpoints and validation."""
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
 
 import dpkern
-from dpkern import backends, rules
+from dpkern import rules
 from dpkern import functional as F
 from dpkern.hyper import AdagradHyper
 
 from test_reference_spec import build, compare, make_grads, set_grad_samples
+from twin import fresh_seed, need_backend, twin_run
 
 SHAPES = [(7,), (5, 3), (3, 4, 5)]
 # torch.optim.Adagrad's options, each on its own and together (plus the correction with
@@ -32,55 +32,11 @@ TWIN_OPTIONS = {
 }
 
 
-def fresh_seed() -> int:
-    return int.from_bytes(os.urandom(4), "little")
-
-
-def _backend(name):
-    if name == "triton" and not (backends.triton_interpret() or torch.cuda.is_available()):
-        pytest.skip("triton: run with TRITON_INTERPRET=1 (tests/run.sh does)")
-    if not backends.is_available(name):
-        pytest.skip(f"backend {name!r} not available")
-    dev = "cuda" if name == "triton" and not backends.triton_interpret() else "cpu"
-    return torch.device(dev)
-
-
 def _twin_run(backend, options, shapes=SHAPES, steps=5, B=6):
     """DPAdagrad (sigma = 0, C huge) and torch.optim.Adagrad on the mean gradient."""
-    dev = _backend(backend)
-    seed = fresh_seed()
-    gen = torch.Generator().manual_seed(seed)
-    a = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dev)) for s in shapes]
-    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
-    twin_opts = {k: v for k, v in options.items() if k not in ("noise_bias_correction", "gamma")}
-    lrs = (0.1, 0.03)
-    split = len(shapes) // 2 + 1
-    dp = dpkern.DPAdagrad(
-        [dict(params=a[:split], lr=lrs[0]), dict(params=a[split:], lr=lrs[1])],
-        **options,
-        max_grad_norm=1e6,
-        noise_multiplier=0.0,
-        expected_batch_size=B,
-        seed=seed,
-        backend=backend,
-    )
-    tw = torch.optim.Adagrad(
-        [dict(params=b[:split], lr=lrs[0]), dict(params=b[split:], lr=lrs[1])], **twin_opts
-    )
-    for t in range(1, steps + 1):
-        for p, q in zip(a, b):
-            gs = torch.randn((B, *p.shape), generator=gen).to(dev)
-            p.grad_sample = gs
-            q.grad = gs.mean(0)
-        dp.step()
-        tw.step()
-        for k, (p, q) in enumerate(zip(a, b)):
-            msg = f"{backend} {options} seed={seed} t={t} param {k}"
-            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=msg)
-            torch.testing.assert_close(
-                dp.state[p]["sum"], tw.state[q]["sum"], rtol=1e-5, atol=1e-6, msg=msg
-            )
-            assert float(dp.state[p]["step"]) == float(tw.state[q]["step"]) == t
+    twin_run(dpkern.DPAdagrad, torch.optim.Adagrad, options, backend, shapes=shapes,
+             steps=steps, B=B, lrs=(0.1, 0.03), split=len(shapes) // 2 + 1, states=("sum",),
+             check_step=True)  # fmt: skip
 
 
 @pytest.mark.parametrize("options", list(TWIN_OPTIONS.values()), ids=list(TWIN_OPTIONS))
@@ -130,7 +86,7 @@ SCHEDULE = [(1.0, 1.0, 4.0), (2.5, 0.5, 3.0), (0.5, 2.0, 6.0), (0.0, 1.0, 4.0), 
 def test_phi_is_the_cumulative_noise_variance_under_a_schedule(backend):
     """phi_t = phi_{t-1} + (sigma_t C_t / B_e,t)^2, by hand; a parameter group added later
     starts its own phi at its first step."""
-    _backend(backend)
+    need_backend(backend)
     p, late = torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(3, 2))
     opt = dpkern.DPAdagrad(
         [p],
@@ -175,7 +131,7 @@ def test_noise_schedule_matches_the_spec_model(config):
 def _floored_case(backend):
     """One functional step with sigma = 0 and a given phi_t: some coordinates have
     sum_t - phi_t < gamma (floored), the others not; clr with lr_decay at t = 4."""
-    dev = _backend(backend)
+    dev = need_backend(backend)
     gen = torch.Generator().manual_seed(fresh_seed())
     h = AdagradHyper(
         lr=0.1, lr_decay=0.5, weight_decay=0.02, noise_bias_correction=True, gamma=0.05
@@ -289,7 +245,7 @@ def test_learning_does_not_stall_with_the_correction(backend="torch"):
     shrinks like lr / sqrt(t Phi) (halving from T/4 to T); with it the step stays several
     times larger and the signal reaches the optimum (mean x ~ 0) while the uncorrected
     run is still far from it."""
-    _backend(backend)
+    need_backend(backend)
     T, sigma, lr = 200, 2.0, 0.1
     plain = _quadratic(backend, False, T, sigma=sigma, lr=lr)
     fixed = _quadratic(backend, True, T, sigma=sigma, lr=lr)
@@ -316,7 +272,7 @@ def test_learning_does_not_stall_with_the_correction(backend="torch"):
 def test_state_dict_round_trip(backend, options):
     """Saved after 2 steps and loaded into a fresh optimizer, the next step equals the
     uninterrupted run's (seeded mode: the same noise)."""
-    _backend(backend)
+    need_backend(backend)
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
     init = [torch.randn(s, generator=gen) for s in SHAPES]

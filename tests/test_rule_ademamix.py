@@ -7,30 +7,19 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 
 import pytest
 import torch
 
 import dpkern
-from dpkern import backends, rules
+from dpkern import rules
 from dpkern.functional import gaussian_noise
 from dpkern.hyper import AdEMAMixHyper
 
+from twin import fresh_seed, need_backend, twin_run
+
 SHAPES = [(7,), (5, 3), (3, 4, 5)]
 F64 = torch.float64
-
-
-def fresh_seed() -> int:
-    return int.from_bytes(os.urandom(4), "little")
-
-
-def _backend(name):
-    if name == "triton" and not (backends.triton_interpret() or torch.cuda.is_available()):
-        pytest.skip("triton: run with TRITON_INTERPRET=1")
-    if not backends.is_available(name):
-        pytest.skip(f"backend {name!r} not available")
-    return name
 
 
 class Algorithm1:
@@ -82,95 +71,64 @@ OPTIONS = {
 }
 
 
+class Algorithm1Twin:
+    """Algorithm1 as the twin harness drives an optimizer: it steps on the .grad of its
+    (float64) parameters, which then hold theta, and keeps m1, m2, nu as state under
+    DP-AdEMAMix's names."""
+
+    def __init__(self, groups, lr, weight_decay=0.0, t_alpha_beta3=None, **kw):
+        self.params = [q for g in groups for q in g["params"]]
+        self.ref = Algorithm1(self.params, lr, **kw, wd=weight_decay, T=t_alpha_beta3)
+
+    def step(self):
+        self.ref.step([q.grad for q in self.params])
+        with torch.no_grad():
+            for q, theta in zip(self.params, self.ref.theta):
+                q.copy_(theta)
+
+    @property
+    def state(self):
+        r = self.ref
+        return {
+            q: dict(exp_avg=r.m1[k], exp_avg_slow=r.m2[k], exp_avg_sq=r.nu[k])
+            for k, q in enumerate(self.params)
+        }
+
+
 def _twin_run(backend, options, *, correct=False, shapes=SHAPES, steps=6, B=6):
-    seed = fresh_seed()
-    gen = torch.Generator().manual_seed(seed)
-    a = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
-    lr = 0.01
-    dp = dpkern.DPAdEMAMix(
-        a,
-        lr=lr,
-        **options,
-        noise_bias_correction=correct,
-        max_grad_norm=1e6,
-        noise_multiplier=0.0,
-        expected_batch_size=B,
-        seed=seed,
-        backend=backend,
-    )
-    kw = {k: v for k, v in options.items() if k in ("betas", "alpha", "eps")}
-    twin = Algorithm1(
-        a, lr, **kw, wd=options.get("weight_decay", 0.0), T=options.get("t_alpha_beta3")
-    )
-    for t in range(1, steps + 1):
-        grads = []
-        for p in a:
-            g = torch.randn((B, *p.shape), generator=gen)
-            p.grad_sample = g
-            grads.append(g.mean(0))
-        dp.step()
-        twin.step(grads)
-        for k, p in enumerate(a):
-            msg = f"{options} seed={seed} t={t} param {k}"
-            torch.testing.assert_close(p.double(), twin.theta[k], rtol=1e-5, atol=1e-6, msg=msg)
-            for name, want in (("exp_avg", twin.m1), ("exp_avg_slow", twin.m2)):
-                torch.testing.assert_close(
-                    dp.state[p][name].double(), want[k], rtol=1e-5, atol=1e-6, msg=msg
-                )
-            torch.testing.assert_close(
-                dp.state[p]["exp_avg_sq"].double(), twin.nu[k], rtol=1e-5, atol=1e-8, msg=msg
-            )
-    return dp, a
+    return twin_run(dpkern.DPAdEMAMix, Algorithm1Twin,
+                    {"lr": 0.01, **options, "noise_bias_correction": correct}, backend,
+                    shapes=shapes, steps=steps, B=B, twin_dtype=F64,
+                    states=("exp_avg", "exp_avg_slow", "exp_avg_sq"),
+                    state_atol={"exp_avg_sq": 1e-8})  # fmt: skip
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpp"])
 @pytest.mark.parametrize("option", list(OPTIONS))
 def test_algorithm_1_twin(backend, option):
-    _twin_run(_backend(backend), OPTIONS[option])
+    _twin_run(backend, OPTIONS[option])
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpp"])
 def test_correction_at_sigma_zero_is_algorithm_1(backend):
     """sigma = 0: phi = 0 and max(v_hat, gamma) = v_hat (gamma far below any v_hat of a
     random gradient: the default 1e-8 is above g^2 for |g| < 1e-4, about one run in 60)."""
-    dp, params = _twin_run(_backend(backend), dict(weight_decay=0.1, gamma=1e-30), correct=True)
+    dp, params = _twin_run(backend, dict(weight_decay=0.1, gamma=1e-30), correct=True)
     assert all(float(dp.state[p]["noise_var_avg"]) == 0.0 for p in params)
 
 
 @pytest.mark.triton
 def test_algorithm_1_twin_triton():
-    _twin_run(_backend("triton"), OPTIONS["warmup"], shapes=[(3,), (2, 3)], steps=2, B=3)
+    _twin_run("triton", OPTIONS["warmup"], shapes=[(3,), (2, 3)], steps=2, B=3)
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpp"])
 def test_alpha_zero_is_torch_adamw(backend):
     """alpha = 0 drops the slow EMA: AdEMAMix is then AdamW (decoupled decay)."""
-    _backend(backend)
-    seed = fresh_seed()
-    gen = torch.Generator().manual_seed(seed)
-    a = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
-    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
-    dp = dpkern.DPAdEMAMix(
-        a,
-        lr=0.01,
-        betas=(0.9, 0.99, 0.999),
-        alpha=0.0,
-        weight_decay=0.1,
-        max_grad_norm=1e6,
-        noise_multiplier=0.0,
-        expected_batch_size=4,
-        seed=seed,
-        backend=backend,
-    )
-    tw = torch.optim.AdamW(b, lr=0.01, betas=(0.9, 0.99), weight_decay=0.1)
-    for t in range(4):
-        for p, q in zip(a, b):
-            p.grad_sample = torch.randn((4, *p.shape), generator=gen)
-            q.grad = p.grad_sample.mean(0)
-        dp.step()
-        tw.step()
-        for p, q in zip(a, b):
-            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=f"seed={seed} t={t}")
+    adamw = lambda groups, betas, alpha, **kw: torch.optim.AdamW(groups, betas=betas[:2], **kw)
+    options = dict(lr=0.01, betas=(0.9, 0.99, 0.999), alpha=0.0, weight_decay=0.1)
+    twin_run(dpkern.DPAdEMAMix, adamw, options, backend, shapes=SHAPES, steps=4, B=4,
+             states=("exp_avg", "exp_avg_sq"), check_step=True)  # fmt: skip
 
 
 def test_schedulers():
@@ -202,7 +160,7 @@ def test_phi_and_denominator_by_hand_with_a_noise_schedule(backend):
     """phi_t = beta2 phi + (1 - beta2) Phi_t with Phi_t = (sigma_t C_t / B_e,t)^2, and the
     step with sqrt(max(v_hat - phi_hat, gamma)) + eps, by hand in float64 (the floor is hit:
     noise-dominated coordinates)."""
-    _backend(backend)
+    need_backend(backend)
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
     b1, b2, b3, alpha, eps, gamma, lr, wd, T = 0.8, 0.9, 0.95, 3.0, 1e-6, 1e-3, 0.01, 0.1, 3

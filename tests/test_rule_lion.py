@@ -11,12 +11,13 @@ import pytest
 import torch
 
 import dpkern
-from dpkern import backends, rules
+from dpkern import rules
 from dpkern.backends import reference as ref
 from dpkern.backends import resolve
 from dpkern.hyper import DPStep, LionHyper
 
 from conftest import backend_device, case_seed, run_step
+from twin import need_backend, twin_run
 
 lion_pytorch = pytest.importorskip("lion_pytorch")
 
@@ -28,45 +29,10 @@ TWIN_OPTIONS = {
 }
 
 
-def _need(backend):
-    if backend == "triton" and not (backends.triton_interpret() or torch.cuda.is_available()):
-        pytest.skip("triton column: run with TRITON_INTERPRET=1 (tests/run.sh does)")
-    if backend != "torch" and not backends.is_available(backend):
-        pytest.skip(f"backend {backend!r} not available")
-    return backend_device(backend)
-
-
 def _twin(backend, options, steps, shapes, seed):
     """sigma = 0 and a huge C: g_hat is the mean gradient, the twin's .grad."""
-    device = _need(backend)
-    gen = torch.Generator().manual_seed(seed)
-    a = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in shapes]
-    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
-    groups = lambda ps: [dict(params=ps[:1], lr=1e-3), dict(params=ps[1:], lr=3e-3)]
-    B = 5
-    dp = dpkern.DPLion(
-        groups(a),
-        **options,
-        max_grad_norm=1e6,
-        noise_multiplier=0.0,
-        expected_batch_size=B,
-        seed=seed,
-        backend=backend,
-    )
-    twin = lion_pytorch.Lion(groups(b), **options)
-    for t in range(1, steps + 1):
-        for p, q in zip(a, b):
-            gs = torch.randn((B, *p.shape), generator=gen).to(device)
-            p.grad_sample = gs
-            q.grad = gs.mean(0)
-        dp.step()
-        twin.step()
-        for k, (p, q) in enumerate(zip(a, b)):
-            msg = lambda m: f"{backend} {options} seed={seed} t={t} param {k}\n{m}"
-            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=msg)
-            torch.testing.assert_close(
-                dp.state[p]["exp_avg"], twin.state[q]["exp_avg"], rtol=1e-5, atol=1e-6, msg=msg
-            )
+    twin_run(dpkern.DPLion, lion_pytorch.Lion, options, backend, shapes=shapes, steps=steps,
+             B=5, seed=seed, lrs=(1e-3, 3e-3), states=("exp_avg",))  # fmt: skip
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpp"])
@@ -111,7 +77,7 @@ def test_sign_of_zero_and_nan_is_zero(fused_backend):
 @pytest.mark.parametrize("backend", ["torch", "cpp"])
 def test_every_coordinate_moves_by_exactly_lr_whatever_the_noise(backend):
     """No second moment to inflate: under heavy noise each coordinate moves by lr (wd = 0)."""
-    device = _need(backend)
+    device = need_backend(backend)
     p = torch.nn.Parameter(torch.zeros(1000, device=device))
     opt = dpkern.DPLion(
         [p], lr=2.0**-10, max_grad_norm=1.0, noise_multiplier=50.0, expected_batch_size=4.0,
@@ -201,7 +167,7 @@ def _steps(opt, params, n, gen):
 def test_state_dict_round_trip(backend):
     """Save after 2 steps, load into a fresh optimizer: the next step equals the
     uninterrupted run's, bit for bit (seeded)."""
-    _need(backend)
+    need_backend(backend)
     mk = lambda ps: dpkern.DPLion(
         [dict(params=ps[:1], lr=3e-3), dict(params=ps[1:])],
         lr=1e-3,

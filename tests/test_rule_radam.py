@@ -14,13 +14,14 @@ import pytest
 import torch
 
 import dpkern
-from dpkern import backends, rules
+from dpkern import rules
 from dpkern.backends import reference as ref
 from dpkern.backends import resolve
 from dpkern.hyper import RAdamHyper
 
 from conftest import backend_device, case_seed, run_step
 from test_backend_parity import assert_close, make_case
+from twin import need_backend, twin_run
 
 SHAPES = [(7,), (5, 3), (3, 4, 5)]
 TWIN_OPTIONS = {
@@ -31,48 +32,13 @@ TWIN_OPTIONS = {
 }
 
 
-def _need(backend):
-    if backend == "triton" and not (backends.triton_interpret() or torch.cuda.is_available()):
-        pytest.skip("triton column: run with TRITON_INTERPRET=1 (tests/run.sh does)")
-    if backend != "torch" and not backends.is_available(backend):
-        pytest.skip(f"backend {backend!r} not available")
-    return backend_device(backend)
-
-
 # ---------------------------------------------------------------------------------------
 # The twin: sigma = 0 and a huge C make g_hat the mean gradient
 # ---------------------------------------------------------------------------------------
 def _twin(backend, options, steps, shapes, seed):
-    device = _need(backend)
-    gen = torch.Generator().manual_seed(seed)
-    a = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in shapes]
-    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
-    groups = lambda ps: [dict(params=ps[:1], lr=0.01), dict(params=ps[1:], lr=0.03)]
-    B = 5
-    dp = dpkern.DPRAdam(
-        groups(a),
-        **options,
-        max_grad_norm=1e6,
-        noise_multiplier=0.0,
-        expected_batch_size=B,
-        seed=seed,
-        backend=backend,
-    )
-    twin = torch.optim.RAdam(groups(b), **options)
-    for t in range(1, steps + 1):
-        for p, q in zip(a, b):
-            gs = torch.randn((B, *p.shape), generator=gen).to(device)
-            p.grad_sample = gs
-            q.grad = gs.mean(0)
-        dp.step()
-        twin.step()
-        for k, (p, q) in enumerate(zip(a, b)):
-            msg = lambda m: f"{backend} {options} seed={seed} t={t} param {k}\n{m}"
-            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=msg)
-            for name in ("exp_avg", "exp_avg_sq"):
-                torch.testing.assert_close(
-                    dp.state[p][name], twin.state[q][name], rtol=1e-5, atol=1e-6, msg=msg
-                )
+    twin_run(dpkern.DPRAdam, torch.optim.RAdam, options, backend, shapes=shapes, steps=steps,
+             B=5, seed=seed, lrs=(0.01, 0.03), states=("exp_avg", "exp_avg_sq"),
+             check_step=True)  # fmt: skip
     assert rules.radam_rectification(options.get("betas", (0.9, 0.999))[1], steps) is not None
 
 
@@ -237,7 +203,7 @@ def test_corrected_denominator_is_max_of_v_hat_minus_phi_hat_and_gamma(backend):
     """Read off the optimizer's own state after each rectified step:
     p_t - p_{t-1} = -lr r_t m_hat / sqrt(max(v_hat - phi_hat, gamma)), with the floor
     active for some coordinates and not for others (noise comparable to the gradient)."""
-    _need(backend)
+    need_backend(backend)
     gen = torch.Generator().manual_seed(case_seed(5))
     p = torch.nn.Parameter(torch.zeros(300))
     lr, gamma, (beta1, beta2) = 1e-3, 1e-3, (0.9, 0.99)
@@ -280,7 +246,7 @@ def test_corrected_denominator_is_max_of_v_hat_minus_phi_hat_and_gamma(backend):
 def test_warm_up_does_not_read_v_so_the_correction_starts_at_the_first_rectified_step(backend):
     """SPEC 10.3's claim: the warm-up steps (rho_t <= 5, t <= 5) are the same with the
     correction on or off, bit for bit, under noise; from t = 6 they differ."""
-    device = _need(backend)
+    device = need_backend(backend)
     gen = torch.Generator().manual_seed(case_seed(6))
     start = [torch.randn(s, generator=gen).to(device) for s in SHAPES]
     runs = []
@@ -391,7 +357,7 @@ def _steps(opt, params, ts, gen):
 def test_state_dict_round_trip(backend, save_at):
     """Save after `save_at` steps, load into a fresh optimizer: the next steps (through
     the rectified ones) equal the uninterrupted run's, bit for bit (seeded)."""
-    _need(backend)
+    need_backend(backend)
     mk = lambda ps: dpkern.DPRAdam(
         [dict(params=ps[:2], noise_bias_correction=True, gamma=1e-4), dict(params=ps[2:])],
         lr=0.01,

@@ -5,17 +5,17 @@ second moment it claims), checkpoints and validation."""
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
 
 import dpkern
-from dpkern import backends, rules
+from dpkern import rules
 from dpkern import functional as F
 from dpkern.hyper import RMSpropHyper
 
 from test_reference_spec import build, compare, make_grads, set_grad_samples
+from twin import fresh_seed, need_backend, twin_run
 
 SHAPES = [(7,), (5, 3), (3, 4, 5)]
 # torch.optim.RMSprop's options, each on its own and together (plus the correction with
@@ -32,61 +32,14 @@ TWIN_OPTIONS = {
 }
 
 
-def fresh_seed() -> int:
-    return int.from_bytes(os.urandom(4), "little")
-
-
-def _backend(name):
-    if name == "triton" and not (backends.triton_interpret() or torch.cuda.is_available()):
-        pytest.skip("triton: run with TRITON_INTERPRET=1 (tests/run.sh does)")
-    if not backends.is_available(name):
-        pytest.skip(f"backend {name!r} not available")
-    dev = "cuda" if name == "triton" and not backends.triton_interpret() else "cpu"
-    return torch.device(dev)
-
-
 def _twin_run(backend, options, shapes=SHAPES, steps=5, B=6):
-    """DPRMSprop (sigma = 0, C huge) and torch.optim.RMSprop on the mean gradient."""
-    dev = _backend(backend)
-    seed = fresh_seed()
-    gen = torch.Generator().manual_seed(seed)
-    a = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dev)) for s in shapes]
-    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
-    twin_opts = {k: v for k, v in options.items() if k not in ("noise_bias_correction", "gamma")}
-    lrs = (0.01, 0.003)
-    split = len(shapes) // 2 + 1
-    dp = dpkern.DPRMSprop(
-        [dict(params=a[:split], lr=lrs[0]), dict(params=a[split:], lr=lrs[1])],
-        **options,
-        max_grad_norm=1e6,
-        noise_multiplier=0.0,
-        expected_batch_size=B,
-        seed=seed,
-        backend=backend,
-    )
-    tw = torch.optim.RMSprop(
-        [dict(params=b[:split], lr=lrs[0]), dict(params=b[split:], lr=lrs[1])], **twin_opts
-    )
-    for t in range(1, steps + 1):
-        for p, q in zip(a, b):
-            gs = torch.randn((B, *p.shape), generator=gen).to(dev)
-            p.grad_sample = gs
-            q.grad = gs.mean(0)
-        dp.step()
-        tw.step()
-        for k, (p, q) in enumerate(zip(a, b)):
-            msg = f"{backend} {options} seed={seed} t={t} param {k}"
-            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=msg)
-            names = {n for n in tw.state[q] if n != "step"}
-            assert names == set(dp.state[p]) - {"step", "noise_var_avg"}, msg
-            for n in names:
-                # the momentum buffer sums terms g / (sqrt(v) + eps) of order 1/sqrt(1 - alpha)
-                # that cancel: float32 rounding of those terms (~1e-6) is absolute there
-                atol = 1e-5 if n == "momentum_buffer" else 1e-6
-                torch.testing.assert_close(
-                    dp.state[p][n], tw.state[q][n], rtol=1e-5, atol=atol, msg=f"{msg} {n}"
-                )
-            assert float(dp.state[p]["step"]) == float(tw.state[q]["step"]) == t
+    """DPRMSprop (sigma = 0, C huge) and torch.optim.RMSprop on the mean gradient, every
+    state torch keeps (the DP optimizer keeps the same ones, and phi)."""
+    # the momentum buffer sums terms g / (sqrt(v) + eps) of order 1/sqrt(1 - alpha) that
+    # cancel: float32 rounding of those terms (~1e-6) is absolute there
+    twin_run(dpkern.DPRMSprop, torch.optim.RMSprop, options, backend, shapes=shapes,
+             steps=steps, B=B, lrs=(0.01, 0.003), split=len(shapes) // 2 + 1,
+             state_atol={"momentum_buffer": 1e-5}, check_step=True)  # fmt: skip
 
 
 @pytest.mark.parametrize("options", list(TWIN_OPTIONS.values()), ids=list(TWIN_OPTIONS))
@@ -128,7 +81,7 @@ SCHEDULE = [(1.0, 1.0, 4.0), (2.5, 0.5, 3.0), (0.5, 2.0, 6.0), (0.0, 1.0, 4.0), 
 def test_phi_recursion_follows_a_noise_schedule(backend):
     """phi_t = alpha phi_{t-1} + (1 - alpha) (sigma_t C_t / B_e,t)^2, by hand, per group
     alpha; a parameter group added later starts its own phi at its first step."""
-    _backend(backend)
+    need_backend(backend)
     ps = [torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(3, 2))]
     late = torch.nn.Parameter(torch.randn(4))
     alphas = (0.8, 0.95)
@@ -178,7 +131,7 @@ def test_noise_schedule_matches_the_spec_model(config):
 def _floored_case(backend, momentum):
     """One functional step with sigma = 0 and a given phi_t: some coordinates have
     v_t - phi_t < gamma (floored), the others not."""
-    dev = _backend(backend)
+    dev = need_backend(backend)
     gen = torch.Generator().manual_seed(fresh_seed())
     h = RMSpropHyper(lr=0.1, alpha=0.9, momentum=momentum, noise_bias_correction=True, gamma=0.05)
     phi = 0.3
@@ -290,7 +243,7 @@ def test_corrected_second_moment_is_unbiased_under_a_noise_schedule():
 def test_state_dict_round_trip(backend, options):
     """Saved after 2 steps and loaded into a fresh optimizer, the next step equals the
     uninterrupted run's (seeded mode: the same noise)."""
-    _backend(backend)
+    need_backend(backend)
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
     init = [torch.randn(s, generator=gen) for s in SHAPES]

@@ -21,11 +21,12 @@ import pytest
 import torch
 
 import dpkern
-from dpkern import backends, rules
+from dpkern import rules
 from dpkern.functional import gaussian_noise
 from dpkern.hyper import AdamWScheduleFreeHyper, SGDScheduleFreeHyper
 
-from conftest import backend_device, case_seed
+from conftest import case_seed
+from twin import feed, need_backend, twin_pair, twin_run
 
 schedulefree = pytest.importorskip("schedulefree")
 
@@ -50,88 +51,35 @@ ADAMW_OPTIONS = {
 TWIN_CASES = [("sgd", k) for k in SGD_OPTIONS] + [("adamw", k) for k in ADAMW_OPTIONS]
 
 
-def _backend_or_skip(name):
-    if name != "torch" and not backends.is_available(name):
-        pytest.skip(f"backend {name!r} not available")
-    return name
+#: kind: (dpkern class, schedulefree class, (lr of the first group, the constructor's lr))
+KINDS = {
+    "sgd": (dpkern.DPSGDScheduleFree, schedulefree.SGDScheduleFree, (0.3, 0.5)),
+    "adamw": (dpkern.DPAdamWScheduleFree, schedulefree.AdamWScheduleFree, (0.03, 0.01)),
+}
 
 
-def _pair(kind, options, backend, seed, shapes=SHAPES, device="cpu"):
-    """(dpkern optimizer, its params, schedulefree twin, its params) on the same start, two
-    param groups with different lr."""
-    gen = torch.Generator().manual_seed(seed)
-    a = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in shapes]
-    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
-    if kind == "sgd":
-        dp_cls, twin_cls, lrs = dpkern.DPSGDScheduleFree, schedulefree.SGDScheduleFree, (0.3, 0.5)
-    else:
-        dp_cls, twin_cls = dpkern.DPAdamWScheduleFree, schedulefree.AdamWScheduleFree
-        lrs = (0.03, 0.01)
-    groups = lambda ps: [dict(params=ps[:1], lr=lrs[0]), dict(params=ps[1:])]
-    dp = dp_cls(
-        groups(a),
-        lr=lrs[1],
-        **options,
-        max_grad_norm=1e6,
-        noise_multiplier=0.0,
-        expected_batch_size=B,
-        seed=seed,
-        backend=backend,
-    )
-    twin = twin_cls(groups(b), lr=lrs[1], **options)
-    return dp, a, twin, b
-
-
-def _fill(a, b, gen):
-    """Per-sample gradients for dpkern, their mean as the twin's .grad."""
-    for p, q in zip(a, b, strict=True):
-        gs = torch.randn((B, *p.shape), generator=gen).to(p.device)
-        p.grad_sample = gs
-        q.grad = gs.mean(0)
-
-
-def _assert_same(dp, a, twin, b, msg, rtol=1e-5, atol=1e-6):
-    for k, (p, q) in enumerate(zip(a, b, strict=True)):
-        torch.testing.assert_close(p.detach(), q.detach(), rtol=rtol, atol=atol,
-                                   msg=lambda m: f"{msg} param {k}\n{m}")  # fmt: skip
-        for name, val in twin.state[q].items():
-            torch.testing.assert_close(dp.state[p][name], val, rtol=rtol, atol=atol,
-                                       msg=lambda m: f"{msg} {name} {k}\n{m}")  # fmt: skip
+def _same_group_scalars(dp, a, twin, b, t, msg):
     for g, h in zip(dp.param_groups, twin.param_groups, strict=True):
         assert g["train_mode"] == h["train_mode"] and g["k"] == h["k"], msg
         for name in ("weight_sum", "lr_max", "scheduled_lr"):
             assert g[name] == pytest.approx(h[name], rel=1e-12), (msg, name)
 
 
-def _twin_run(kind, option, backend, steps=6, shapes=SHAPES, device="cpu"):
-    rtol, atol = 1e-5, 1e-6
+def _twin_run(kind, option, backend, steps=6, shapes=SHAPES):
+    """The parameters (y), the states and the group scalars after every step and around
+    the eval() / train() switches after SWAPS; the eval-mode x at the end. Two param
+    groups with different lr."""
     seed = case_seed(len(kind) * 100 + len(option) * 10 + len(backend))
     options = (SGD_OPTIONS if kind == "sgd" else ADAMW_OPTIONS)[option]
-    dp, a, twin, b = _pair(kind, options, backend, seed, shapes, device)
-    gen = torch.Generator().manual_seed(seed + 1)
-    dp.train()
-    twin.train()
-    for t in range(1, steps + 1):
-        _fill(a, b, gen)
-        dp.step()
-        twin.step()
-        _assert_same(dp, a, twin, b, f"{kind} {option} {backend} seed={seed} t={t}", rtol, atol)
-        if t in SWAPS:
-            dp.eval()
-            twin.eval()
-            _assert_same(dp, a, twin, b, f"eval t={t} seed={seed}", rtol, atol)
-            dp.train()
-            twin.train()
-            _assert_same(dp, a, twin, b, f"train t={t} seed={seed}", rtol, atol)
-    dp.eval()
-    twin.eval()
-    _assert_same(dp, a, twin, b, f"{kind} {option} final eval (x) seed={seed}", rtol, atol)
+    dp_cls, twin_cls, (lr0, lr) = KINDS[kind]
+    twin_run(dp_cls, twin_cls, {"lr": lr, **options}, backend, shapes=shapes, steps=steps, B=B,
+             seed=seed, lrs=(lr0, None), swaps=SWAPS, check=_same_group_scalars)  # fmt: skip
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpp"])
 @pytest.mark.parametrize("kind,option", TWIN_CASES, ids=[f"{k}-{o}" for k, o in TWIN_CASES])
 def test_twin_trajectory_and_eval_x(kind, option, backend):
-    _twin_run(kind, option, _backend_or_skip(backend))
+    _twin_run(kind, option, backend)
 
 
 @pytest.mark.triton
@@ -139,21 +87,19 @@ def test_twin_trajectory_and_eval_x(kind, option, backend):
     "kind,option", [("sgd", "wd_warmup_r_power"), ("adamw", "betas_eps_wd_warmup_r")]
 )
 def test_twin_triton(kind, option):
-    if not (backends.triton_interpret() or torch.cuda.is_available()):
-        pytest.skip("triton: run with TRITON_INTERPRET=1")
-    device = backend_device("triton")  # CPU tensors under the interpreter
-    _twin_run(kind, option, _backend_or_skip("triton"), steps=4, shapes=[(3,), (2, 3)],
-              device=device)  # fmt: skip
+    _twin_run(kind, option, "triton", steps=4, shapes=[(3,), (2, 3)])
 
 
 def test_reference_twin_is_bit_exact():
     """The reference mirrors schedulefree op by op (torch.lerp, add_ with alpha): equal bits."""
-    dp, a, twin, b = _pair("adamw", ADAMW_OPTIONS["betas_eps_wd_warmup_r"], "torch", 3)
-    gen = torch.Generator().manual_seed(4)
+    dp_cls, twin_cls, (lr0, lr) = KINDS["adamw"]
+    options = {"lr": lr, **ADAMW_OPTIONS["betas_eps_wd_warmup_r"]}
+    dp, a, twin, b, gen = twin_pair(dp_cls, twin_cls, options, "torch", shapes=SHAPES, B=B,
+                                    seed=3, lrs=(lr0, None))  # fmt: skip
     dp.train()
     twin.train()
     for _ in range(4):
-        _fill(a, b, gen)
+        feed(a, b, gen, B)
         dp.step()
         twin.step()
     dp.eval()
@@ -174,7 +120,7 @@ def test_phi_recursion_and_corrected_denominator_by_hand(backend):
     between steps, and y, z, v by hand in float64 from the noise of SPEC section 3, with
     the denominator sqrt(max(v_hat - phi_hat, gamma)) (the floor active in some
     coordinates, not in others)."""
-    _backend_or_skip(backend)
+    need_backend(backend)
     seed = case_seed(11)
     gen = torch.Generator().manual_seed(seed)
     n, beta1, beta2, gamma, wd, lr = 301, 0.9, 0.95, 2e-3, 0.05, 0.02
