@@ -194,8 +194,10 @@ def test_sensitivity_is_the_spread_of_validation_means(higher_is_better):
     assert [lr for lr, _ in lion["points"]] == sorted(vals)
     assert sgd["spread"] == math.inf and sgd["lr_best"] == 0.5
     table = compare.sensitivity_table([lion, sgd], SimpleNamespace(metric="accuracy (%)"))
-    assert "(x2-x30 in lr)" in table and "| dp-sgd | inf |" in table
-    assert f"| dp-lion | {lion['spread']:.2f} |" in table
+    assert "(x2-x30 in lr)" in table and "| dp-sgd | inf ↓ |" in table  # best: 0.5 < 1
+    mark = {1e-3: " ↓", 3e-2: " ↑"}.get(lion["lr_best"], "")
+    assert f"| dp-lion | {lion['spread']:.2f}{mark} |" in table
+    assert "the grid may not bracket" in table
 
 
 def test_train_one_refuses_overspent_epsilon():

@@ -272,9 +272,29 @@ def sensitivity_table(sens: list[dict], task: Task) -> str:
         "| optimizer | " + " | ".join(f"ε = {_fmt_eps(e)}" for e in epss) + " |",
         "|---|" + "---:|" * len(epss),
     ]
+    edges = 0
     for n in names:
-        cells = [f"{cell[n, e]['spread']:.2f}" if (n, e) in cell else "" for e in epss]
+        cells = []
+        for e in epss:
+            r = cell.get((n, e))
+            if r is None:
+                cells.append("")
+                continue
+            lrs = [lr for lr, _ in r["points"]]
+            mark = ""
+            if len(lrs) > 1 and r["lr_best"] == lrs[0]:
+                mark = " ↓"
+            elif len(lrs) > 1 and r["lr_best"] == lrs[-1]:
+                mark = " ↑"
+            edges += bool(mark)
+            cells.append(f"{r['spread']:.2f}{mark}")
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    if edges:
+        lines += [
+            "",
+            f"↓ / ↑: the best lr is the smallest / largest of the grid ({edges} cell(s)): "
+            "the grid may not bracket that optimizer's best lr there",
+        ]
     return "\n".join(lines) + "\n"
 
 
