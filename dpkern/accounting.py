@@ -23,6 +23,7 @@ still valid, epsilon); PLD is tighter.
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 from collections.abc import Mapping
@@ -31,6 +32,21 @@ import dp_accounting
 from dp_accounting import pld, rdp
 
 from .hyper import check_nonnegative, check_positive
+
+
+class _QuietExcludedOrders(logging.Filter):
+    """dp-accounting warns (absl, once per order and call) when the series of an RDP
+    order below 2 does not converge and leaves that order out. The epsilon stays a valid
+    upper bound (a minimum over fewer orders is never smaller), and a calibration logs
+    dozens of these lines: they are dropped; every other absl message passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "failed to converge" not in str(record.msg) or "Excluding this order" not in (
+            record.getMessage()
+        )
+
+
+logging.getLogger("absl").addFilter(_QuietExcludedOrders())
 
 ACCOUNTANTS = ("rdp", "pld")
 RDP_ORDERS = tuple([1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)))

@@ -299,3 +299,21 @@ def test_calibrate_extension_meets_the_target_from_any_guess(guess):
     assert sigma == pytest.approx(2.0, rel=2e-4) and get_epsilon(sigma, q, 20, delta) <= target
     with pytest.raises(ValueError, match="already spent the budget"):
         calibrate_extension([[0.5, q, 10]], q, 10, 0.5 * target, delta, "rdp", guess=guess)
+
+
+def test_excluded_rdp_orders_are_not_logged_other_absl_messages_are(caplog):
+    """dp-accounting's 'failed to converge ... Excluding this order' lines (dozens per
+    calibration at q = 0.25) are dropped; the epsilon is unchanged and other absl
+    warnings still reach the log."""
+    import logging
+
+    from dpkern.accounting import get_epsilon, get_noise_multiplier
+
+    with caplog.at_level(logging.WARNING, logger="absl"):
+        sigma = get_noise_multiplier(4.0, 1e-5, 0.25, 8)
+        eps = get_epsilon(sigma, 0.25, 8, 1e-5)
+        logging.getLogger("absl").warning("something else %s", "entirely")
+    assert eps <= 4.0 + 1e-9
+    texts = [r.getMessage() for r in caplog.records]
+    assert not any("failed to converge" in t for t in texts), texts[:3]
+    assert "something else entirely" in texts

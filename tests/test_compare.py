@@ -74,7 +74,9 @@ def test_quick_end_to_end(tmp_path, capsys):
     assert "(1 seed)" in rows[0] and "±" not in rows[0]  # no spread from one seed
     assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "lr_sensitivity.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "learning-rate sensitivity" in table and "| 0.00 |" in table  # (one lr each)
+    assert "learning-rate sensitivity" in table and "| 0.00 |" in table  # (one lr each:
+    assert "nothing measured, 0 by construction" in table  # said so)
+    assert "accuracy (%) on the validation split" in table and "validation test" not in table
     printed = capsys.readouterr().out
     assert "| dp-sgd |" in printed and "DP-SGD" not in printed
     # each run's noise key is its seed: every output says the runs are not private
@@ -194,7 +196,7 @@ def test_sensitivity_is_the_spread_of_validation_means(higher_is_better):
     assert [lr for lr, _ in lion["points"]] == sorted(vals)
     assert sgd["spread"] == math.inf and sgd["lr_best"] == 0.5
     table = compare.sensitivity_table([lion, sgd], SimpleNamespace(metric="accuracy (%)"))
-    assert "(x2-x30 in lr)" in table and "| dp-sgd | inf ↓ |" in table  # best: 0.5 < 1
+    assert "(a x2-x30 range of lr)" in table and "| dp-sgd | inf ↓ |" in table  # best: 0.5 < 1
     mark = {1e-3: " ↓", 3e-2: " ↑"}.get(lion["lr_best"], "")
     assert f"| dp-lion | {lion['spread']:.2f}{mark} |" in table
     assert "the grid may not bracket" in table

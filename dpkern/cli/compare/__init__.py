@@ -219,7 +219,7 @@ def _rebuild(args) -> int:
     setting = sorted({(r["steps"], r["sample_rate"]) for r in rows})
     steps = ", ".join(f"{s} steps at sample rate {q:.4g}" for s, q in setting)
     header = (
-        f"`dpkern compare --from-runs {files}`\n\n{len(rows)} runs rebuilt from "
+        f"`dpkern compare --from-runs {files} --out-dir {out}`\n\n{len(rows)} runs rebuilt from "
         f"{len(args.from_runs)} file(s) ({_fmt_time(cpu)} CPU in all), "
         f"{len({r['seed'] for r in rows})} seed(s), {steps}, δ = {delta:g}\n\n"
         f"Privacy: {NOISE_NOTE}.\n"

@@ -264,10 +264,15 @@ def sensitivity_table(sens: list[dict], task: Task) -> str:
     epss = sorted({r["epsilon"] for r in sens})
     cell = {(r["optimizer"], r["epsilon"]): r for r in sens}
     spans = [r["points"][-1][0] / r["points"][0][0] for r in sens if len(r["points"]) > 1]
-    span = f"x{min(spans):.0f}-x{max(spans):.0f}" if spans else "one lr"
+    span = (
+        f"a x{min(spans):.0f}-x{max(spans):.0f} range of lr"
+        if spans
+        else "one lr per optimizer: nothing measured, 0 by construction"
+    )
+    metric = task.metric.removeprefix("test ")
     lines = [
-        f"learning-rate sensitivity: best - worst validation {task.metric} (mean over "
-        f"seeds) across each optimizer's grid ({span} in lr); smaller is flatter",
+        f"learning-rate sensitivity: best - worst mean over seeds of the {metric} on the "
+        f"validation split across each optimizer's grid ({span}); smaller is flatter",
         "",
         "| optimizer | " + " | ".join(f"ε = {_fmt_eps(e)}" for e in epss) + " |",
         "|---|" + "---:|" * len(epss),
