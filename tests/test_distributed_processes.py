@@ -45,15 +45,21 @@ def test_markers_have_a_prefix_and_carry_text(tmp_path):
     assert finished_before_dying(_killed(0), tmp_path, 1, prefix="rc")
 
 
-def test_end_worker_flushes_and_skips_teardown(tmp_path):
-    """Buffered output survives; atexit handlers and finally blocks do not run; the code
+def test_end_worker_runs_exit_handlers_flushes_and_skips_teardown(tmp_path):
+    """Buffered output survives; atexit handlers run (a multiprocessing lock is cleaned
+    up: no leaked-semaphore warning); finally blocks and module teardown do not; the code
     is the process's exit status."""
     script = textwrap.dedent(
         """
-        import atexit, sys
+        import atexit, multiprocessing as mp, sys
         from dpkern.distributed.processes import end_worker
-        atexit.register(lambda: print("ATEXIT"))
-        sys.stdout.write("buffered")
+        class Teardown:
+            def __del__(self):
+                print("TEARDOWN")
+        keep = Teardown()
+        lock = mp.get_context("spawn").Lock()
+        atexit.register(lambda: print("ATEXIT", end=" "))
+        sys.stdout.write("buffered ")
         try:
             end_worker(3)
         finally:
@@ -62,4 +68,5 @@ def test_end_worker_flushes_and_skips_teardown(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert out.returncode == 3, out.stderr
-    assert out.stdout == "buffered"
+    assert out.stdout == "buffered ATEXIT ", out.stdout
+    assert "leaked" not in out.stderr, out.stderr

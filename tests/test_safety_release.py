@@ -228,6 +228,16 @@ def _two_groups(seed=0):
 def test_sigint_during_the_update_is_delivered_after_a_complete_step(monkeypatch):
     if sys.platform == "win32":
         pytest.skip("POSIX signals")
+    # Python's own SIGINT handler, whatever this process inherited (a job started in the
+    # background by a non-interactive shell ignores SIGINT, and Python keeps it ignored)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _sigint_during_update(monkeypatch)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _sigint_during_update(monkeypatch):
     expected, groups = _two_groups()
     ref = _make(dpkern.DPAdamW, groups, seed=9)
     _fill(expected)

@@ -8,8 +8,9 @@ thread still joinable when its static owner is destroyed. The run itself was com
 run a failure. Two defences, used together:
 
 - :func:`end_worker`: a worker that has written its results, destroyed its process group
-  and recorded that it finished calls this last: stdio is flushed and the process leaves
-  with ``os._exit``, skipping the interpreter teardown where the abort happens;
+  and recorded that it finished calls this last: the exit handlers run, stdio is flushed
+  and the process leaves with ``os._exit``, skipping the interpreter teardown where the
+  abort happens;
 - :func:`finished_before_dying`: the parent still treats a worker killed by a signal as a
   success only when every rank had recorded that it finished (a marker file each rank
   writes after its work and, for rank 0, its saves): a rank killed earlier is a failure.
@@ -46,10 +47,19 @@ def finished_before_dying(exc, tmp: str | os.PathLike, world: int, prefix: str =
 
 
 def end_worker(code: int = 0):
-    """Leave this worker process now with ``code`` (flushing stdout and stderr first),
-    without the interpreter teardown. Call it only as a worker's last statement, after
+    """Leave this worker process now with ``code``: run the Python exit handlers
+    (``atexit``: multiprocessing's finalizers unlink its semaphores, else the parent's
+    resource tracker warns of leaked ones), flush stdout and stderr, and ``os._exit``,
+    skipping the interpreter's teardown (module and C++ static destruction, where gloo
+    aborts). Call it only as a worker's last statement, after
     ``dist.destroy_process_group()`` and :func:`mark_finished`: nothing after it runs
-    (no ``finally``, no atexit handler)."""
+    (no ``finally`` block)."""
+    import atexit
+
+    try:
+        atexit._run_exitfuncs()
+    except BaseException:  # (a failing handler must not turn a finished run into a failure)
+        pass
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
