@@ -323,7 +323,7 @@ def plot_sensitivity(sens: list[dict], task: Task, path: Path) -> None:
         ax.set_xlabel("lr / best lr of the grid")
         ax.set_title(f"ε = {_fmt_eps(eps)}")
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel(f"validation {task.metric}")
+    axes[0][0].set_ylabel(f"validation {task.metric.removeprefix('test ')}")
     axes[0][-1].legend(fontsize=6, ncol=2)
     fig.suptitle(f"dpkern compare --task {task.name}: learning-rate sensitivity")
     fig.tight_layout()
