@@ -215,6 +215,15 @@ class SpecOptimizer:
         """Current trainable parameters (float64, shaped, already rounded to their dtype)."""
         return [self.p[sl].reshape(shape) for _, sl, shape, _ in self.entries]
 
+    def sync_params(self, tensors) -> None:
+        """Take ``tensors`` (the optimizer's trainable parameters, in order) as this model's
+        and its shadows' parameters: for bf16, where two correct implementations may round
+        a step's result to neighbouring bf16 values (one each way of a tie), so that each
+        step is compared from the same start and such one-ulp splits do not add up."""
+        for m in (self, *self.shadows):
+            for (_, sl, _, _), t in zip(m.entries, tensors):
+                m.p[sl] = t.detach().to(F64).reshape(-1)
+
     def state(self, k: int) -> dict[str, torch.Tensor]:
         """States of trainable parameter k (float64, shaped like it), torch.optim names."""
         _, sl, shape, _ = self.entries[k]
