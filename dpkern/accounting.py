@@ -41,9 +41,8 @@ class _QuietExcludedOrders(logging.Filter):
     dozens of these lines: they are dropped; every other absl message passes."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "failed to converge" not in str(record.msg) or "Excluding this order" not in (
-            record.getMessage()
-        )
+        msg = record.getMessage()
+        return not ("failed to converge" in msg and "Excluding this order" in msg)
 
 
 logging.getLogger("absl").addFilter(_QuietExcludedOrders())

@@ -279,7 +279,7 @@ def apply_step(
     macadam = rules.of(groups[0].hyper).whitening  # the global scale update follows
     noise_std = noise_multiplier * (1.0 if macadam else max_grad_norm)
     clip = check_update_rms_clip(groups)
-    sqrt_sum = 0.0
+    sqrt_sum = 0.0  # DP-MacAdam's sum of sqrt(S_hat_j); with update_rms_clip, sum of U^2
     steps = []
     pending = []
     for grp in groups:
@@ -293,21 +293,7 @@ def apply_step(
             stochastic_rounding=stochastic_rounding,
         )
         steps.append(dp)
-        if clip is not None:  # SPEC 10.9, pass A: states and sum U^2, no parameter write
-            uu, todo = be.rms_clip_moments(
-                grp.hyper,
-                dp,
-                grp.params,
-                grp.grad_samples,
-                pass1.clip_factors,
-                grp.summed,
-                grp.states,
-                grp.offsets,
-            )
-            sqrt_sum += uu
-            pending.append(todo)
-            continue
-        sqrt_sum += be.step(
+        args = (
             grp.hyper,
             dp,
             grp.params,
@@ -317,6 +303,12 @@ def apply_step(
             grp.states,
             grp.offsets,
         )
+        if clip is None:
+            sqrt_sum += be.step(*args)
+        else:  # SPEC 10.9, pass A: states and sum U^2, no parameter write
+            uu, todo = be.rms_clip_moments(*args)
+            sqrt_sum += uu
+            pending.append(todo)
     if clip is not None:  # SPEC 10.9: one RMS over every group (and shard), then pass B
         n = sum(p.numel() for grp in groups for p in grp.params)
         if reduce is not None:

@@ -133,6 +133,19 @@ def _fmt_eps(eps: float) -> str:
     return f"{eps:g}"
 
 
+def _eps_table(names, epss, text) -> list[str]:
+    """A markdown table, one row per optimizer and one column per epsilon; ``text(n, e)``
+    gives a cell (None: empty)."""
+    lines = [
+        "| optimizer | " + " | ".join(f"ε = {_fmt_eps(e)}" for e in epss) + " |",
+        "|---|" + "---:|" * len(epss),
+    ]
+    for n in names:
+        cells = [text(n, e) or "" for e in epss]
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def markdown_table(summary: list[dict], task: Task, delta: float, header: str = "") -> str:
     """The papers' table: one row per optimizer, one column per epsilon, cells
     ``mean ± std`` of the test metric over seeds (best mean per column in bold), then the
@@ -144,40 +157,27 @@ def markdown_table(summary: list[dict], task: Task, delta: float, header: str = 
     for e in epss:
         means = [cell[n, e]["test_mean"] for n in names if (n, e) in cell]
         best[e] = max(means) if task.higher_is_better else min(means)
+
+    def metric(n, e):
+        r = cell.get((n, e))
+        if r is None:
+            return None
+        txt = (  # one seed has no spread: say so rather than print ± 0.00
+            f"{r['test_mean']:.2f} ± {r['test_std']:.2f}"
+            if r["seeds"] > 1
+            else f"{r['test_mean']:.2f} (1 seed)"
+        )
+        return f"**{txt}**" if r["test_mean"] == best[e] else txt
+
+    def chosen(n, e):
+        r = cell.get((n, e))
+        return None if r is None else f"{r['lr']:g} / {r['epsilon_spent_max']:.3f}"
+
     lines = [header] if header else []
-    lines += [
-        f"{task.metric}, mean ± std over seeds (lr chosen on the validation split)",
-        "",
-        "| optimizer | " + " | ".join(f"ε = {_fmt_eps(e)}" for e in epss) + " |",
-        "|---|" + "---:|" * len(epss),
-    ]
-    for n in names:
-        cells = []
-        for e in epss:
-            r = cell.get((n, e))
-            if r is None:
-                cells.append("")
-                continue
-            txt = (  # one seed has no spread: say so rather than print ± 0.00
-                f"{r['test_mean']:.2f} ± {r['test_std']:.2f}"
-                if r["seeds"] > 1
-                else f"{r['test_mean']:.2f} (1 seed)"
-            )
-            cells.append(f"**{txt}**" if r["test_mean"] == best[e] else txt)
-        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    lines += [f"{task.metric}, mean ± std over seeds (lr chosen on the validation split)", ""]
+    lines += _eps_table(names, epss, metric)
     lines += ["", f"chosen learning rate / largest ε spent over seeds (δ = {delta:g})", ""]
-    lines += [
-        "| optimizer | " + " | ".join(f"ε = {_fmt_eps(e)}" for e in epss) + " |",
-        "|---|" + "---:|" * len(epss),
-    ]
-    for n in names:
-        cells = [
-            f"{cell[n, e]['lr']:g} / {cell[n, e]['epsilon_spent_max']:.3f}"
-            if (n, e) in cell
-            else ""
-            for e in epss
-        ]
-        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    lines += _eps_table(names, epss, chosen)
     return "\n".join(lines) + "\n"
 
 
@@ -274,26 +274,20 @@ def sensitivity_table(sens: list[dict], task: Task) -> str:
         f"learning-rate sensitivity: best - worst mean over seeds of the {metric} on the "
         f"validation split across each optimizer's grid ({span}); smaller is flatter",
         "",
-        "| optimizer | " + " | ".join(f"ε = {_fmt_eps(e)}" for e in epss) + " |",
-        "|---|" + "---:|" * len(epss),
     ]
-    edges = 0
-    for n in names:
-        cells = []
-        for e in epss:
-            r = cell.get((n, e))
-            if r is None:
-                cells.append("")
-                continue
-            lrs = [lr for lr, _ in r["points"]]
-            mark = ""
-            if len(lrs) > 1 and r["lr_best"] == lrs[0]:
-                mark = " ↓"
-            elif len(lrs) > 1 and r["lr_best"] == lrs[-1]:
-                mark = " ↑"
-            edges += bool(mark)
-            cells.append(f"{r['spread']:.2f}{mark}")
-        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+
+    def edge(r):  # the best lr at the smallest / largest of the grid
+        lrs = [lr for lr, _ in r["points"]]
+        if len(lrs) > 1 and r["lr_best"] == lrs[0]:
+            return " ↓"
+        return " ↑" if len(lrs) > 1 and r["lr_best"] == lrs[-1] else ""
+
+    def spread(n, e):
+        r = cell.get((n, e))
+        return None if r is None else f"{r['spread']:.2f}{edge(r)}"
+
+    lines += _eps_table(names, epss, spread)
+    edges = sum(bool(edge(r)) for r in sens)
     if edges:
         lines += [
             "",
