@@ -68,23 +68,27 @@ def backend_device(name: str) -> torch.device:
     return torch.device("cpu")
 
 
-def _backend_params():
-    out = []
-    for name in ("cpp", "triton"):
-        marks = [pytest.mark.triton] if name == "triton" else []
-        out.append(pytest.param(name, marks=marks, id=name))
-    return out
-
-
-@pytest.fixture(params=_backend_params())
-def fused_backend(request):
-    """Name of a fused backend to compare against the reference; skipped if unavailable."""
-    name = request.param
+def require_backend(name: str) -> str:
+    """Skip the calling test unless backend ``name`` runs here (Triton: under
+    TRITON_INTERPRET=1 or on CUDA; a fused backend: built/installed); returns ``name``."""
     if name == "triton" and not (triton_interpret() or torch.cuda.is_available()):
         pytest.skip("triton column: run with TRITON_INTERPRET=1 (tests/run.sh does)")
     if not is_available(name):
         pytest.skip(f"backend {name!r} not available")
     return name
+
+
+def backend_params(names=("cpp", "triton")):
+    """pytest params of backend names, the Triton one marked ``triton``."""
+    return [
+        pytest.param(n, marks=[pytest.mark.triton] if n == "triton" else [], id=n) for n in names
+    ]
+
+
+@pytest.fixture(params=backend_params())
+def fused_backend(request):
+    """Name of a fused backend to compare against the reference; skipped if unavailable."""
+    return require_backend(request.param)
 
 
 def state_in_domain(state: rules.StateSpec, x: torch.Tensor) -> torch.Tensor:

@@ -39,15 +39,7 @@ def make_data(n: int = N) -> list[dict]:
     return out
 
 
-def collate(features):
-    """Right padding (drops ``idx``)."""
-    T = max(len(f["input_ids"]) for f in features)
-    ids = torch.zeros(len(features), T, dtype=torch.long)
-    mask = torch.zeros(len(features), T, dtype=torch.long)
-    for i, f in enumerate(features):
-        ids[i, : len(f["input_ids"])] = f["input_ids"]
-        mask[i, : len(f["input_ids"])] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+collate = hf_tiny.collate  # (it drops ``idx``)
 
 
 def run(out, *, steps=STEPS, noise_seed=NOISE_SEED, lr=0.5, n=N, resume=None, save_steps=None):

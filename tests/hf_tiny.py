@@ -357,3 +357,16 @@ def lora_llama(seed: int = 0) -> Tiny | None:
     model = peft.get_peft_model(base.model, cfg)
     model.train()
     return Tiny("lora_llama", model, "causal", base.pad)
+
+
+def collate(features: list[dict]) -> dict:
+    """Right padding with id 0 to the longest example of the batch (dynamic padding): the
+    Trainer tests' collator. ``input_ids`` [B, T] long, ``attention_mask`` 1 on real
+    tokens, ``labels`` the ids with padding set to -100; other fields are dropped."""
+    T = max(len(f["input_ids"]) for f in features)
+    ids = torch.zeros(len(features), T, dtype=torch.long)
+    mask = torch.zeros(len(features), T, dtype=torch.long)
+    for i, f in enumerate(features):
+        ids[i, : len(f["input_ids"])] = f["input_ids"]
+        mask[i, : len(f["input_ids"])] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}

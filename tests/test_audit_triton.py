@@ -5,10 +5,9 @@ and passes its calibration; a run with the noise off is caught by the bound."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from dpkern.audit import _faults
-from dpkern.backends import is_available, triton_interpret
+from conftest import require_backend
 from test_audit_whitebox import STRONG, run_audit
 
 #: Small enough for the interpreter (per-sample norms of B ~ 116 rows); noise off still
@@ -20,10 +19,7 @@ pytestmark = pytest.mark.triton
 
 @pytest.fixture(autouse=True)
 def _triton_column():
-    if not (triton_interpret() or torch.cuda.is_available()):
-        pytest.skip("triton column: run with TRITON_INTERPRET=1 (tests/run.sh does)")
-    if not is_available("triton"):
-        pytest.skip("backend 'triton' not available")
+    require_backend("triton")
 
 
 @pytest.mark.parametrize("path", ["step", "ghost"])

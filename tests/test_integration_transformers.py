@@ -61,15 +61,7 @@ def make_data(n: int, max_len: int = 12, seed: int = 0) -> list[dict]:
     return out
 
 
-def collate(features: list[dict]) -> dict:
-    """Right padding with id 0 to the longest example of the batch (dynamic padding)."""
-    T = max(len(f["input_ids"]) for f in features)
-    ids = torch.zeros(len(features), T, dtype=torch.long)
-    mask = torch.zeros(len(features), T, dtype=torch.long)
-    for i, f in enumerate(features):
-        ids[i, : len(f["input_ids"])] = f["input_ids"]
-        mask[i, : len(f["input_ids"])] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+collate = hf_tiny.collate
 
 
 def targs(out, **kw) -> TrainingArguments:

@@ -18,7 +18,7 @@ import torch
 import dpkern
 from dpkern import functional as F
 from dpkern import rules
-from dpkern.backends import is_available, resolve, triton_interpret
+from dpkern.backends import resolve
 from dpkern.backends import reference as ref
 from dpkern.hyper import (
     ROUNDING_STREAM,
@@ -29,27 +29,23 @@ from dpkern.hyper import (
     SGDHyper,
 )
 
-from conftest import backend_device, case_seed, random_states, run_step
+from conftest import (
+    backend_device,
+    backend_params,
+    case_seed,
+    random_states,
+    require_backend,
+    run_step,
+)
 
 KEY = 0xDEADBEEF12345678
 M32 = 0xFFFFFFFF
 
 
-def _backend_params():
-    out = [pytest.param("torch", id="torch"), pytest.param("cpp", id="cpp")]
-    out.append(pytest.param("triton", marks=[pytest.mark.triton], id="triton"))
-    return out
-
-
-@pytest.fixture(params=_backend_params())
+@pytest.fixture(params=backend_params(("torch", "cpp", "triton")))
 def backend(request):
     """Every backend, the reference included (the fused ones skipped when unavailable)."""
-    name = request.param
-    if name == "triton" and not (triton_interpret() or torch.cuda.is_available()):
-        pytest.skip("triton column: run with TRITON_INTERPRET=1 (tests/run.sh does)")
-    if not is_available(name):
-        pytest.skip(f"backend {name!r} not available")
-    return name
+    return require_backend(request.param)
 
 
 def _module(name):
@@ -354,8 +350,7 @@ def test_nonfinite_parameters(backend):
 def test_triton_result_independent_of_block_size():
     """The bits of an element do not depend on the tile it falls in (odd offsets: the
     shifted tiles; element counts that are multiples of 16: the aligned launch group)."""
-    if not (triton_interpret() or torch.cuda.is_available()) or not is_available("triton"):
-        pytest.skip("triton column: run with TRITON_INTERPRET=1 (tests/run.sh does)")
+    require_backend("triton")
     from dpkern.backends import triton as tr
 
     dev = backend_device("triton")

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import os
 
-import pytest
 import torch
 
-from dpkern import backends
 
-from conftest import backend_device
+from conftest import backend_device, require_backend
 
 #: Options of the DP optimizer that its twin does not have (the noise bias correction):
 #: left out of the twin's options (with sigma = 0, phi = 0 and the twin's update is the
@@ -31,11 +29,7 @@ def need_backend(name: str) -> torch.device:
     """The device of backend ``name``'s tests (conftest's ``backend_device``); skips the
     test where the backend is not available (Triton: outside TRITON_INTERPRET=1 without
     CUDA)."""
-    if name == "triton" and not (backends.triton_interpret() or torch.cuda.is_available()):
-        pytest.skip("triton column: run with TRITON_INTERPRET=1 (tests/run.sh does)")
-    if name != "torch" and not backends.is_available(name):
-        pytest.skip(f"backend {name!r} not available")
-    return backend_device(name)
+    return backend_device(require_backend(name))
 
 
 def _groups(params, lrs, split):
