@@ -152,7 +152,10 @@ def test_bf16_parameters_match_the_model(rule):
     d_u = 0.3 * _rms_of(rule, params, gss)
     got, _ = _run(rule, params, gss, 1, update_rms_clip=d_u)
     model = Model(rule, params, d_u)
-    model.step(gss[0])
+    # The model sees the gradients the optimizer saw: rounded to the parameters' bf16. Fed
+    # the float32 draws instead, DP-AdamW-BC elements near the gamma floor of
+    # sqrt(max(v_hat - phi_hat, gamma)) moved by ~5 % (21 of 900 draws failed).
+    model.step([g.to(torch.bfloat16) for g in gss[0]])
     assert model.scales[0] < 0.9
     for a, b in zip(got, model.p, strict=True):
         assert a.dtype == torch.bfloat16
