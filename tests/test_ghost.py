@@ -21,6 +21,7 @@ from dpkern.ghost import GhostClipping, supports
 from dpkern.ghost.capture import Capture
 from dpkern.ghost.norms import index_norm_sq, outer_method, outer_norm_sq, param_norm_sq
 from dpkern.grad_sample import compute_grad_sample
+from conftest import case_seed
 
 transformers = pytest.importorskip("transformers")
 
@@ -84,7 +85,7 @@ def ghost_param_norms(model, params, loss_of, inputs, **kw):
     cap = Capture(model, params, **kw)
     cap.attach()
     try:
-        B, uses, _ = cap.backward(loss_of(model, inputs))
+        B, uses, _, _ = cap.backward(loss_of(model, inputs), early=False)  # uses, all
     finally:
         cap.detach()
     return [param_norm_sq(u, p.shape, B) if u else torch.zeros(B) for p, u in zip(params, uses)]
@@ -124,7 +125,7 @@ def test_gpt2_tied_cross_term_is_needed():
     w = model.transformer.wte.weight
     cap = Capture(model, [w])
     cap.attach()
-    B, uses, _ = cap.backward(gpt2_loss(model, ids))
+    B, uses, _, _ = cap.backward(gpt2_loss(model, ids), early=False)
     cap.detach()
     kinds = sorted(type(u).__name__ for u in uses[0])
     assert kinds == ["IndexUse", "OuterUse"]
@@ -313,29 +314,41 @@ def test_parameter_used_outside_any_torch_function_is_an_error():
             gc.backward(model(torch.randn(2, 3)).sum(1))
 
 
-def test_inplace_output_is_an_error():
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(3, 3)
+class _InPlace(nn.Module):
+    """Recorded outputs modified in place afterwards: ``y.mul_(2)`` (the output is
+    returned, so it stays alive) and ``h += y`` (Falcon's parallel attention)."""
 
-        def forward(self, x):
-            y = self.lin(x)
-            y.mul_(2)
-            return y
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 4)
+        self.lin2 = nn.Linear(4, 4)
 
-    model = Net()
+    def forward(self, x):
+        y = self.lin(x)
+        y.mul_(2)
+        h = self.lin2(torch.tanh(y))
+        h += torch.sin(y)
+        h.mul_(torch.tanh(h.detach()) + 1.5)
+        return h
+
+
+def test_outputs_modified_in_place_keep_exact_norms():
+    """The capture takes each output gradient from the graph edge of the op that made the
+    output, which an in-place change later does not move (it used to be refused)."""
+    torch.manual_seed(case_seed(33))
+    model = _InPlace()
+    x = torch.randn(5, 3)
+    assert_norms_match(model, lambda m, xb: m(xb).square().sum(1), x)
+    params, ref = loop_grads(model, lambda m, xb: m(xb).square().sum(1), x)
     opt = dpkern.DPSGD(
-        model.parameters(),
-        lr=0.1,
-        max_grad_norm=1.0,
-        noise_multiplier=0.0,
-        expected_batch_size=2,
-        seed=0,
-    )
+        model.parameters(), lr=0.1, max_grad_norm=1e9, noise_multiplier=0.0,
+        expected_batch_size=5, seed=0,
+    )  # fmt: skip
     with GhostClipping(model, opt) as gc:
-        with pytest.raises(RuntimeError, match="in place"):
-            gc.backward(model(torch.randn(2, 3)).sum(1))
+        out = model(x)  # held: the output stays alive through the backward
+        sums, _ = gc.clipped_sums(out.square().sum(1))
+    for s, r in zip(sums, ref):
+        torch.testing.assert_close(s.double(), r.sum(0), rtol=1e-5, atol=1e-6)
 
 
 def test_macadam_and_bad_arguments_are_refused():

@@ -39,7 +39,7 @@ def _uses(model, params, loss_of, inputs):
     cap = Capture(model, params)
     cap.attach()
     try:
-        return cap.backward(loss_of(model, inputs))[:2]
+        return cap.backward(loss_of(model, inputs), early=False)[:2]  # every use returned
     finally:
         cap.detach()
 
@@ -59,6 +59,12 @@ def _cases():
     ]
 
 
+def _atol(ref):
+    """fp32 sums that cancel to a small element: 16 float32 ulps of the largest one (a
+    fixed 1e-7 failed about 1 run in 3 on the tied GPT-2's embedding, at 2.4e-7)."""
+    return 16 * torch.finfo(torch.float32).eps * float(ref.abs().max())
+
+
 @pytest.mark.parametrize("case", range(2), ids=["gpt2", "seq"])
 def test_kept_per_sample_gradients_equal_the_loop(case):
     name, model, loss_of, x = _cases()[case]
@@ -69,12 +75,14 @@ def test_kept_per_sample_gradients_equal_the_loop(case):
         got = torch.empty(B, p.numel())
         form_into(got, us, p.shape)
         torch.testing.assert_close(
-            got.double(), r.reshape(B, -1), rtol=RTOL, atol=1e-7, msg=lambda m: names[id(p)] + m
+            got.double(), r.reshape(B, -1), rtol=RTOL, atol=_atol(r), msg=lambda m: names[id(p)] + m
         )
     # into a row-strided block shared with other parameters, as Plan does
     block = torch.full((B, 3 + params[0].numel() + 2), float("nan"))
     form_into(block[:, 3:-2], uses[0], params[0].shape)
-    torch.testing.assert_close(block[:, 3:-2].double(), ref[0].reshape(B, -1), rtol=RTOL, atol=1e-7)
+    torch.testing.assert_close(
+        block[:, 3:-2].double(), ref[0].reshape(B, -1), rtol=RTOL, atol=_atol(ref[0])
+    )
     assert block[:, :3].isnan().all() and block[:, -2:].isnan().all()
 
 

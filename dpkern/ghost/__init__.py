@@ -244,7 +244,9 @@ class GhostClipping:
         pending = (
             self._verifier.exact(losses, self.capture) if self._verifier.due(losses) else None
         )  # before the graph is consumed
-        B, uses, summed = self.capture.backward(losses, check=self.check)
+        B, uses, summed, formed = self.capture.backward(
+            losses, check=self.check, keep_bytes=self.keep_bytes, early=not self.sharded
+        )
         device = losses.device
         plan = Plan(
             params,
@@ -255,6 +257,7 @@ class GhostClipping:
             keep_bytes=self.keep_bytes,
             keep_uses=summed is not None,
             device=device,
+            formed=formed,
         )
         each = None
         if pending is not None:

@@ -1,6 +1,10 @@
 """Capture by operation: every use of a trainable parameter is recorded by the operation that
 consumes it, whatever module, subclass or functional call it came from; one backward
-(``torch.autograd.grad`` with respect to the recorded outputs) gives the output gradients.
+(``torch.autograd.grad`` with respect to the graph edges of the recorded outputs) gives the
+output gradients. A record keeps the edge, not the output tensor (activations the model is
+done with are freed during the forward; an output changed in place later still yields its
+op's own output gradient); the uses of parameters formed early (:func:`.plan.plan_early`)
+are taken by a pre-hook on the edge's node as the backward reaches it.
 
 A ``TorchFunctionMode`` is active during the wrapped model's forward (with grad enabled).
 It sees every torch call and keeps two kinds of facts (:mod:`.batch` holds the rules):
@@ -39,16 +43,19 @@ forward is detected in the same backward.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import weakref
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
 from torch.overrides import TorchFunctionMode
 
 from .batch import _CASTS as CASTS
 from .batch import _one as layout_one
-from .batch import FLAT, INPLACE_ADDS, LEAD, Form, Tracker, param_form, propagate
+from .batch import FLAT, LEAD, Form, Tracker, param_form, propagate
 from .rules import Rec, RULES, pending_uses, uses_of
 
 __all__ = ["Capture", "module_kind", "KINDS"]
@@ -152,6 +159,7 @@ class Capture:
         self._handles = []
         self._active = False
         self._in_backward = False
+        self._early_cache: dict = {}  # shapes of a step -> its plan_early choice
         self._reset()
 
     def _reset(self) -> None:
@@ -161,7 +169,6 @@ class Capture:
         self.layouts = Tracker()  # tensor -> LEAD / FLAT / "unknown"
         self._fd, self._pd, self._ld = self.forms._d, self._pending._d, self.layouts._d
         self._unknown: dict[int, str] = {}  # id(param) -> first unknown consumer
-        self._by_output = Tracker()  # recorded output -> its records
         self._generic_records: list[_ModuleRecord] = []
         self._stack: list[nn.Module] = []
         self._batch: int | None = None
@@ -312,9 +319,6 @@ class Capture:
             if e is not None and e[0]() is t:
                 tainted.append((t, e[1]))
         if not forms and not pend and not tainted:  # nothing tracked depends on it
-            if single and func in INPLACE_ADDS:
-                for rec in self._by_output.get(out) or ():
-                    rec.version = out._version
             return out
         if forms and not any(f.param.requires_grad for _, f in forms):
             return out
@@ -326,9 +330,6 @@ class Capture:
         if derived is not None:
             self.forms.put(out, derived)
             return out
-        if single and func in INPLACE_ADDS:
-            for rec in self._by_output.get(out) or ():  # x += b leaves x's gradient as is
-                rec.version = out._version
         if pend:
             self._consume_pending(func, args, kwargs, out, pend)
         if forms:
@@ -399,27 +400,40 @@ class Capture:
                 self._add(r)
 
     def _add(self, rec) -> None:
-        rec.version = rec.output._version
+        # The record keeps the graph edge of the output, not the output: the activation is
+        # freed when the model is done with it, and the edge's gradient is that of the
+        # op's own output even when the tensor is modified in place afterwards
+        # (``y.mul_(2)``, Falcon's ``mlp_output += attention_output``).
+        out = rec.output
+        rec.edge = get_gradient_edge(out)
+        rec.meta = (out.shape, out.dtype, out.device)
+        rec.output = None
         self._records.append(rec)
-        same = self._by_output.get(rec.output)
-        if same is None:
-            self._by_output.put(rec.output, [rec])
-        else:
-            same.append(rec)
 
     # -- the backward ------------------------------------------------------------------------
-    def backward(self, losses: Tensor, *, check: bool = False):
+    def backward(
+        self,
+        losses: Tensor,
+        *,
+        check: bool = False,
+        keep_bytes: int | None = None,
+        early: bool = True,
+    ):
         """Back-propagate ``losses.sum()`` once and turn the records into uses.
 
         Args:
             losses: float ``[B]``, the per-sample losses of the recorded forward(s).
             check: also compute autograd's summed gradient of every parameter, returned
                 for :func:`dpkern.ghost.GhostClipping` to compare (a debugging aid).
-        Returns: ``(B, uses, summed)``: uses = one list per entry of ``params`` (empty:
-            unused, zero gradient); summed = autograd's gradients (``check``) or None.
+            keep_bytes: memory allowed for per-sample gradients formed during the
+                backward (:func:`.plan.plan_early`; 0: none); early: allow them at all
+                (off under FSDP2 and with ``check``).
+        Returns: ``(B, uses, summed, formed)``: uses = one list per entry of ``params``
+            (empty: unused, zero gradient, or formed); summed = autograd's gradients
+            (``check``) or None; formed = a :class:`.plan.Formed` or None.
         Raises: ValueError (losses not ``[B]``, no record, batch mismatch, a parameter
             consumed by an operation without a rule or used outside the recorded forward),
-            RuntimeError (a recorded output modified in place).
+            RuntimeError (autograd errors of the backward itself).
         """
         records, generic = self._records, self._generic_records
         unknown = self._unknown
@@ -450,7 +464,7 @@ class Capture:
             generic = [g for g in generic if g.module in generic_modules]
         else:
             generic = []
-        outputs = [r.output for r in records] + [g.output for g in generic]
+        outputs = [r.edge for r in records] + [g.output for g in generic]
         if B == 0:  # an empty micro-batch: zero gradient
             if losses.requires_grad and outputs:  # still back-propagated: under FSDP2 the
                 self._in_backward = True  # backward runs collectives (parameter
@@ -458,29 +472,39 @@ class Capture:
                     torch.autograd.grad(losses.sum(), outputs, allow_unused=True)
                 finally:
                     self._in_backward = False
-            return 0, [[] for _ in self.params], None
+            return 0, [[] for _ in self.params], None, None
         if not losses.requires_grad:
             raise ValueError(
                 "ghost clipping: the losses do not require grad (computed under "
                 "torch.no_grad(), or from frozen parameters only)"
             )
-        for r in records:
-            if r.output._version != r.version:
-                raise RuntimeError(
-                    f"ghost clipping: the output of {r.where} was modified in "
-                    "place after its forward; its output gradient is then not "
-                    "recoverable"
-                )
         used = {id(p) for r in records for p in r.params}
         used |= {id(p) for g in generic for p in self.owners[g.module].values()}
         extra = list(self.params) if check else [p for p in self.params if id(p) not in used]
+        uses: dict[int, list] = {id(p): [] for p in self.params}
+        formed, hooked = None, set()
+        if early and not check:
+            formed = self._plan_early(records, generic, B, keep_bytes)
+        handles, early_ps = [], []
+        if formed is not None:
+            early_ps = [self.params[k] for k, _, _ in formed.members]
+            for r in records:
+                if r.g_map is None and any(id(p) in formed.slot for p in r.params):
+                    hooked.add(id(r))
+                    handles.append(r.edge.node.register_prehook(_taker(r, B, formed, uses)))
+        outputs = [r.edge for r in records if id(r) not in hooked]
+        outputs += [g.output for g in generic]
         self._in_backward = True
         try:
-            grads = torch.autograd.grad(losses.sum(), outputs + extra, allow_unused=True)
+            # the early parameters' summed gradients are requested only so that the
+            # backward reaches their uses (their hooks then form them); not used
+            grads = torch.autograd.grad(losses.sum(), outputs + extra + early_ps, allow_unused=True)
         finally:
             self._in_backward = False
+            for h in handles:
+                h.remove()
         n = len(outputs)
-        gouts, gparams = grads[:n], grads[n:]
+        gouts, gparams = grads[:n], grads[n : n + len(extra)]
         summed = list(gparams) if check else None
         if not check:
             bad = [self._pname(p) for p, g in zip(extra, gparams) if g is not None]
@@ -491,22 +515,101 @@ class Capture:
                     "operation that bypasses torch functions): their per-sample "
                     "norm cannot be recorded; use the per-sample path"
                 )
-        if not outputs:
+        if not outputs and not hooked:
             raise ValueError(
                 "ghost clipping: no forward was recorded (run the model's "
                 "forward with grad enabled while the hooks are attached)"
             )
-        uses: dict[int, list] = {id(p): [] for p in self.params}
-        for r, g in zip(records, gouts[: len(records)]):
-            if g is None:
-                continue
-            for p, use in r.make(g, B):
-                uses[id(p)].append(use)
-        for rec, g in zip(generic, gouts[len(records) :]):
+        rest = [r for r in records if id(r) not in hooked]
+        for r, g in zip(rest, gouts[: len(rest)]):
+            if g is not None:
+                _take(r, g, B, formed, uses)
+        for rec, g in zip(generic, gouts[len(rest) :]):
             if g is not None:
                 for p, use in self._generic(rec, g, B):
                     uses[id(p)].append(use)
-        return B, [uses[id(p)] for p in self.params], summed
+        return B, [uses[id(p)] for p in self.params], summed, formed
+
+    def _plan_early(self, records, generic, B: int, keep_bytes):
+        """The :class:`.plan.Formed` block of the parameters worth forming during the
+        backward (:func:`.plan.plan_early`, decided on shape-only copies of the uses),
+        or None. Only plain-tensor parameters whose every use comes from a record with
+        the batch in its own inputs (not a pending one, not a module of ``generic``)."""
+        from .plan import Formed
+
+        if keep_bytes == 0 or not B or any(type(p.data) is not Tensor for p in self.params):
+            return None
+        # Cheap pre-filter (this runs every step): weights and embeddings (biases and norm
+        # weights hold only [B, n] rows) whose float32 per-sample gradients are smaller than
+        # what their records hold at most (outputs and every tensor input).
+        bound: dict[int, int] = {}
+        for r in records:
+            size = math.prod(r.meta[0]) * r.meta[1].itemsize
+            size += sum(x.numel() * x.element_size() for x in r.inputs if isinstance(x, Tensor))
+            for p in r.params:
+                bound[id(p)] = bound.get(id(p), 0) + size
+        cand = {
+            id(p) for p in self.params if p.dim() >= 2 and 4 * B * p.numel() < bound.get(id(p), 0)
+        }
+        if not cand:
+            return None
+        recs = [r for r in records if any(id(p) in cand for p in r.params)]
+        ruled_out = {id(p) for g in generic for p in self.owners[g.module].values()}
+        key = (B, keep_bytes, frozenset(ruled_out)) + tuple(
+            (
+                r.where,
+                r.g_map is None,
+                tuple(id(p) for p in r.params),
+                tuple(r.meta[0]),
+                r.meta[1],
+                tuple((tuple(x.shape), x.dtype) for x in r.inputs if isinstance(x, Tensor)),
+            )
+            for r in recs
+        )
+        decided = self._early_cache.get(key)
+        if decided is None:  # (the same shapes give the same choice: decided once)
+            decided = self._decide_early(recs, cand, ruled_out, B, keep_bytes)
+            if len(self._early_cache) >= 64:
+                self._early_cache.clear()
+            self._early_cache[key] = decided
+        chosen, dtype = decided
+        if chosen is None:
+            return None
+        device = recs[0].meta[2]
+        return Formed(self.params, chosen, B, dtype, device)
+
+    def _decide_early(self, recs, cand, ruled_out, B, keep_bytes):
+        """``(chosen, dtype)`` of :meth:`_plan_early` from shape-only (meta) copies of the
+        candidates' uses; ``(None, None)``: none."""
+        from .norms import acc_dtype
+        from .plan import _floats, plan_early
+
+        slot = {id(p): k for k, p in enumerate(self.params)}
+        meta: list[list] = [[] for _ in self.params]
+        ruled_out = set(ruled_out)
+        for r in recs:
+            try:
+                if r.g_map is not None:
+                    raise ValueError("pending")
+                g = torch.empty(r.meta[0], dtype=r.meta[1], device="meta")
+                ins = [x.to("meta") if isinstance(x, Tensor) else x for x in r.inputs]
+                for p, use in dataclasses.replace(r, inputs=ins).make(g, B):
+                    meta[slot[id(p)]].append(use)
+            except Exception:  # (any doubt: this record's parameters stay on the old path)
+                ruled_out |= {id(p) for p in r.params}
+        chosen = plan_early(
+            self.params,
+            [
+                us if id(p) in cand and id(p) not in ruled_out else []
+                for p, us in zip(self.params, meta)
+            ],
+            B,
+            keep_bytes,
+        )
+        if not any(chosen):
+            return None, None
+        floats = [t for k, us in enumerate(meta) if chosen[k] for u in us for t in _floats(u)]
+        return chosen, acc_dtype(*floats)
 
     def _pname(self, p) -> str:
         return f"{self.param_names.get(id(p), '?')} (shape {tuple(p.shape)})"
@@ -548,6 +651,33 @@ class Capture:
             self._active = bool(self._handles)
         for n in names:
             yield own[n], RowsUse(rows[n])
+
+
+def _take(r, g: Tensor, B: int, formed, uses: dict) -> None:
+    """Turn record ``r`` and its output gradient into uses: a formed parameter's are added
+    to its per-sample gradient at once, the others' kept in ``uses``."""
+    slot = formed.slot if formed is not None else {}
+    for p, use in r.make(g, B):
+        k = slot.get(id(p))
+        if k is None:
+            uses[id(p)].append(use)
+        else:
+            formed.add(k, use)
+
+
+def _taker(r, B: int, formed, uses: dict):
+    """The pre-hook (on the output's graph node) of a record with a formed parameter: its
+    uses are taken as soon as its output gradient arrives, then its inputs (the
+    activations) are let go."""
+    nr = r.edge.output_nr
+
+    def hook(grad_outputs):
+        g = grad_outputs[nr]
+        if g is not None:
+            _take(r, g, B, formed, uses)
+        r.inputs = None
+
+    return hook
 
 
 # re-exported for the rules' users

@@ -20,6 +20,15 @@ al. 2023's per-layer choice between ghost norm and instantiation, with the insta
 gradients also reused for the sum. Small kept parameters (biases, norm weights) share one
 ``[B, n]`` block, so their norms and sums are one reduction each.
 
+A kept parameter can also be formed **early** (:func:`plan_early`, :class:`Formed`):
+during the backward, each use added into its per-sample gradient as its output gradient
+arrives (a pre-hook on the op's graph node), after which the use's activation and output
+gradient are let go instead of being held to the end of the backward. Chosen where the
+per-sample gradients take fewer bytes than the tensors of the uses (LoRA adapters: ``B r
+(d + p)`` against ``B T (d + p)``) and the kept route still wins with the parameter's
+summed gradient added (autograd computes it: requesting it is what makes the backward reach
+the uses). Not under FSDP2 (DTensor parameters) nor with ``check``.
+
 Cost model (multiply-add equivalents, calibrated on CPU; every choice is exact, the model
 only picks the faster): a Gram flop counts :data:`GRAM_WEIGHT`, a pass over one element
 :data:`ELEMENT`, a torch call :data:`CALL`. For a Linear ``[B, T, d] -> [B, T, p]`` the
@@ -46,7 +55,7 @@ from .norms import (
     param_norm_sq,
 )
 
-__all__ = ["DEFAULT_KEEP_BYTES", "Plan", "plan_routes", "route_costs"]
+__all__ = ["DEFAULT_KEEP_BYTES", "Formed", "Plan", "plan_early", "plan_routes", "route_costs"]
 
 #: Floor of the memory for kept per-sample gradients (``keep_bytes=None`` allows the
 #: larger of this and the bytes of the recorded activations and output gradients).
@@ -118,12 +127,15 @@ def _recorded_bytes(uses) -> int:
     return total
 
 
-def plan_routes(params, uses, B: int, keep_bytes: int | None = None) -> list[bool]:
+def plan_routes(
+    params, uses, B: int, keep_bytes: int | None = None, reserved: int = 0
+) -> list[bool]:
     """Which parameters take the kept route (True) rather than the ghost route.
 
     Args: params / uses: the capture's parameters and their uses (empty: unused);
     B: the batch; keep_bytes: memory allowed for kept per-sample gradients (None: the
-    larger of :data:`DEFAULT_KEEP_BYTES` and the recorded tensors' bytes; 0: none)."""
+    larger of :data:`DEFAULT_KEEP_BYTES` and the recorded tensors' bytes; 0: none);
+    reserved: bytes of that allowance already taken (:class:`Formed`)."""
     if keep_bytes is None:
         keep_bytes = max(DEFAULT_KEEP_BYTES, _recorded_bytes(uses))
     cands = []
@@ -136,7 +148,7 @@ def plan_routes(params, uses, B: int, keep_bytes: int | None = None) -> list[boo
             nbytes = B * p.numel() * torch.finfo(dt).bits // 8
             cands.append(((ghost - kept) / max(nbytes, 1), k, nbytes))
     chosen = [False] * len(params)
-    left = keep_bytes
+    left = keep_bytes - reserved
     for _, k, nbytes in sorted(cands, key=lambda c: (-c[0], c[1])):
         if nbytes <= left:
             chosen[k] = True
@@ -150,41 +162,105 @@ def _floats(u):
     return (u.g,) if isinstance(u, IndexUse) else (u.rows,)
 
 
+_KIND_ORDER = {OuterUse: 0, IndexUse: 1, RowsUse: 2}
+
+
+def add_use(v: Tensor, u, first: bool) -> None:
+    """Add one use's per-sample gradient into ``v`` ``[B, numel]`` (a row-strided view
+    whose rows are contiguous), in ``v``'s dtype; ``first``: write instead (``v``'s old
+    values are ignored)."""
+    B, dt = v.shape[0], v.dtype
+    if isinstance(u, OuterUse):
+        o, x = _outer3(u)
+        w = v.view(B, o.shape[2], x.shape[2])
+        ot, xt = o.to(dt).transpose(1, 2), x.to(dt)
+        if first:
+            torch.bmm(ot, xt, out=w)
+        else:
+            w.baddbmm_(ot, xt)
+    elif isinstance(u, IndexUse):
+        if first:
+            v.zero_()
+        Bi, T, P1 = u.g.shape
+        rows = torch.arange(B, device=v.device).unsqueeze(1).expand(B, T)
+        v.view(B, u.num_rows, P1).index_put_(
+            (rows.reshape(-1), u.ids.reshape(-1).long()),
+            u.g.reshape(B * T, P1).to(dt),
+            accumulate=True,
+        )
+    else:
+        r = u.rows.reshape(B, -1)
+        if first:
+            v.copy_(r)
+        else:
+            v.add_(r)
+
+
 def form_into(v: Tensor, uses: list, shape) -> None:
     """Write the per-sample gradient of one parameter (the sum of its uses) into ``v``
     ``[B, numel]`` (a row-strided view whose rows are contiguous), in ``v``'s dtype."""
-    B, dt = v.shape[0], v.dtype
-    started = False
-    for u in uses:
-        if isinstance(u, OuterUse):
-            o, x = _outer3(u)
-            w = v.view(B, o.shape[2], x.shape[2])
-            ot, xt = o.to(dt).transpose(1, 2), x.to(dt)
-            if started:
-                w.baddbmm_(ot, xt)
-            else:
-                torch.bmm(ot, xt, out=w)
-            started = True
-    for u in uses:
-        if isinstance(u, IndexUse):
-            if not started:
-                v.zero_()
-                started = True
-            Bi, T, P1 = u.g.shape
-            rows = torch.arange(B, device=v.device).unsqueeze(1).expand(B, T)
-            v.view(B, u.num_rows, P1).index_put_(
-                (rows.reshape(-1), u.ids.reshape(-1).long()),
-                u.g.reshape(B * T, P1).to(dt),
-                accumulate=True,
-            )
-    for u in uses:
-        if isinstance(u, RowsUse):
-            r = u.rows.reshape(B, -1)
-            if started:
-                v.add_(r)
-            else:
-                v.copy_(r)
-                started = True
+    ordered = sorted(uses, key=lambda u: _KIND_ORDER[type(u)])  # (stable)
+    for k, u in enumerate(ordered):
+        add_use(v, u, k == 0)
+
+
+def plan_early(params, uses, B: int, keep_bytes: int | None = None) -> list[bool]:
+    """Which parameters to form *during* the backward, each use added as its output
+    gradient arrives, so that the activation and output gradient it holds are freed at
+    once instead of kept to the end of the backward (the memory of the book-keeping
+    route; LoRA adapters: ``B x r x (d + p)`` formed instead of ``B x T x (d + p)`` held).
+
+    A parameter is formed early when the kept route wins by :func:`route_costs` even with
+    its summed weight gradient added (autograd computes it: requesting it is what makes
+    the backward reach the parameter's uses) and its per-sample gradients take fewer
+    bytes than the tensors of its uses; greedy by bytes saved within ``keep_bytes``
+    (None: :data:`DEFAULT_KEEP_BYTES`; 0: none). ``uses``: shape-only (e.g. meta) uses."""
+    if keep_bytes == 0 or B == 0:
+        return [False] * len(params)
+    left = DEFAULT_KEEP_BYTES if keep_bytes is None else keep_bytes
+    cands = []
+    for k, (p, us) in enumerate(zip(params, uses)):
+        if not us:
+            continue
+        ghost, kept = route_costs(us, tuple(p.shape), B)
+        gemm = 0
+        for u in us:
+            if isinstance(u, OuterUse):
+                o, x = _outer3(u)
+                gemm += B * o.shape[1] * o.shape[2] * x.shape[2]
+        held = sum(t.numel() * t.element_size() for u in us for t in _floats(u))
+        nbytes = (
+            B * p.numel() * torch.finfo(acc_dtype(*(t for u in us for t in _floats(u)))).bits // 8
+        )
+        if kept + gemm < ghost and nbytes < held:
+            cands.append((held - nbytes, k, nbytes))
+    chosen = [False] * len(params)
+    for _, k, nbytes in sorted(cands, key=lambda c: (-c[0], c[1])):
+        if nbytes <= left:
+            chosen[k] = True
+            left -= nbytes
+    return chosen
+
+
+class Formed:
+    """Per-sample gradients formed during the backward (:func:`plan_early`): one zeroed
+    ``[B, sum numel]`` block of ``dtype``, members ``(k, offset, numel)`` in ``params``'
+    order; :meth:`add` adds one use of parameter ``k``."""
+
+    def __init__(self, params, chosen, B: int, dtype, device):
+        self.members, a = [], 0
+        for k, keep in enumerate(chosen):
+            if keep:
+                self.members.append((k, a, params[k].numel()))
+                a += params[k].numel()
+        self.buf = torch.zeros(B, a, dtype=dtype, device=device)
+        self._views = {k: self.buf[:, o : o + n] for k, o, n in self.members}
+        self.slot = {id(params[k]): k for k, _, _ in self.members}
+        self.nbytes = self.buf.numel() * self.buf.element_size()
+
+    def add(self, k: int, use) -> None:
+        with no_tf32():
+            add_use(self._views[k], use, first=False)
 
 
 class Plan:
@@ -197,7 +273,8 @@ class Plan:
         outer_fn, chunk_bytes: the ghost route's Gram options (:func:`.norms.param_norm_sq`).
         keep_bytes: see :func:`plan_routes`; keep_uses: keep the kept parameters' uses
             (for ``GhostClipping(check=True)``), else they are dropped once formed;
-            device: of the norms when no parameter is used.
+            device: of the norms when no parameter is used; formed: per-sample gradients
+            formed during the backward (their parameters' ``uses`` are empty).
     The kept per-sample gradients are formed (and their norms taken) on construction."""
 
     def __init__(
@@ -211,15 +288,21 @@ class Plan:
         keep_bytes: int | None = None,
         keep_uses: bool = False,
         device: torch.device | None = None,
+        formed: Formed | None = None,
     ):
         self.params, self.B, self.device = list(params), B, device
         self.uses = uses if isinstance(uses, list) else list(uses)
         self.outer_fn, self.chunk_bytes = outer_fn, chunk_bytes
-        self.kept = plan_routes(self.params, self.uses, B, keep_bytes)
+        reserved = formed.nbytes if formed is not None else 0
+        self.kept = plan_routes(self.params, self.uses, B, keep_bytes, reserved)
         ks = [k for k, keep in enumerate(self.kept) if keep]
         self.blocks: list[tuple[Tensor, list[tuple[int, int, int]]]] = []
         self._norms: dict[int, Tensor] = {}  # kept big parameter -> [B]
         self._block_norms: list[Tensor] = []
+        if formed is not None and formed.members:
+            for k, _, _ in formed.members:
+                self.kept[k] = True
+            self._add_block(formed.buf, formed.members)
         if not ks:
             return
         dt = acc_dtype(*(t for k in ks for u in self.uses[k] for t in _floats(u)))

@@ -41,7 +41,8 @@ class Rec:
     g_map: Callable | None = None
     where: str = ""
     module: object = None
-    version: int = 0
+    edge: object = None  # the output's GradientEdge (set when recorded; output then None)
+    meta: tuple = ()  # the output's (shape, dtype, device)
 
     def make(self, g: Tensor, B: int):
         if self.g_map is not None:
