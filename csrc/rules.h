@@ -184,8 +184,10 @@ struct Consts {
   double af_rho, af_eps2, af_d;
   bool af_correct, af_lerp_low;
   // update_rms_clip (SPEC 10.9), set by the host: 0 = off; 1 = pass A (states and the
-  // blocks' sums of U^2, no parameter write); 2 = pass B (the step with lr * rms_scale).
+  // blocks' / tensors' sums of U^2, no parameter write); 2 = pass B (the step with
+  // lr * rms_scale; DP-Adafactor's with (alpha_t / denom) * rms_scale, in its tensor phase).
   int rms_phase;
+  double rms_scale;  // s (pass B); DP-Adafactor's step size is (alpha_t / denom) s
 };
 
 // (alpha_t, beta3_t) of DP-AdEMAMix at step t (dpkern.rules.ademamix_schedule, in double).
@@ -297,6 +299,7 @@ inline Consts make_consts(const Hyper& h, const DP& dp) {
   c.af_d = h.d;
   c.af_correct = h.noise_bias_correction;
   c.rms_phase = int(h.rms_phase);
+  c.rms_scale = h.rms_scale;
   if (c.rms_phase == 2) c.lr = float(h.lr * h.rms_scale);  // (lr s) m_hat / denom
   return c;
 }
@@ -743,19 +746,43 @@ DPK_INLINE float adafactor_floor(const Consts& c, float x) {
   return y < c.gamma ? c.gamma : y;  // clamp(min=gamma); NaN stays NaN
 }
 
+// alpha_t = max(eps2, RMS(p)) rho_t, of the parameter before the decay.
 template <int PT>
-DPK_INLINE void adafactor_tensor(const Consts c, const Param& prm) {
+DPK_INLINE double adafactor_alpha(const Consts& c, const Param& prm) {
   const int64_t n = prm.numel;
-  if (n == 0) return;
-  auto* __restrict p = static_cast<typename Storage<PT>::type*>(prm.data);
-  float* __restrict g = prm.state[GHAT];
-  float* __restrict row = prm.state[ROW_VAR];
+  const auto* __restrict p = static_cast<const typename Storage<PT>::type*>(prm.data);
   double pp = 0.0;
   for (int64_t j = 0; j < n; ++j) {
     const float x = load<PT>(p, j);
     pp += double(x * x);
   }
-  const double alpha = std::max(c.af_eps2, std::sqrt(pp) / std::sqrt(double(n))) * c.af_rho;
+  return std::max(c.af_eps2, std::sqrt(pp) / std::sqrt(double(n))) * c.af_rho;
+}
+
+// max(1, RMS(U) / d) from ||U||^2.
+DPK_INLINE double adafactor_denom(const Consts& c, double uu, int64_t n) {
+  return std::max(1.0, std::sqrt(uu) / (std::sqrt(double(n)) * c.af_d));
+}
+
+// Step 4 of SPEC 10.7: p <- p (1 - lr wd) - step U (U in the scratch), one rounding.
+template <int PT>
+DPK_INLINE void adafactor_store(const Consts& c, const Param& prm, float step) {
+  auto* __restrict p = static_cast<typename Storage<PT>::type*>(prm.data);
+  const float* __restrict g = prm.state[GHAT];
+  for (int64_t j = 0; j < prm.numel; ++j) store<PT>(p, j, load<PT>(p, j) * c.decay - step * g[j]);
+}
+
+// Steps 2-3 of SPEC 10.7 on one non-empty tensor (the parameter read, not written): the
+// states updated, U formed in the scratch GHAT; alpha_t and max(1, RMS(U) / d) out, ||U||^2
+// returned (float64 sums of float32 terms, in element order).
+template <int PT>
+DPK_INLINE double adafactor_direction(const Consts& c, const Param& prm, double& alpha,
+                                      double& denom) {
+  const int64_t n = prm.numel;
+  float* __restrict g = prm.state[GHAT];
+  float* __restrict row = prm.state[ROW_VAR];
+  alpha = adafactor_alpha<PT>(c, prm);
+  double uu = 0.0;
   if (prm.ndim >= 2) {  // factored over the trailing (R, C) matrix, L matrices
     float* __restrict col = prm.state[COL_VAR];
     const int64_t C = prm.inner, R = prm.matrix / prm.inner, L = n / prm.matrix;
@@ -775,7 +802,6 @@ DPK_INLINE void adafactor_tensor(const Consts c, const Param& prm) {
       row[i] = adafactor_lerp(c, row[i], float(rs[size_t(i)] / double(C)));
     for (int64_t i = 0; i < L * C; ++i)
       col[i] = adafactor_lerp(c, col[i], float(cs[size_t(i)] / double(R)));
-    double uu = 0.0;
     for (int64_t l = 0; l < L; ++l) {
       double msum = 0.0;
       for (int64_t r = 0; r < R; ++r) msum += double(adafactor_floor(c, row[l * R + r]));
@@ -792,11 +818,7 @@ DPK_INLINE void adafactor_tensor(const Consts c, const Param& prm) {
         }
       }
     }
-    const double denom = std::max(1.0, std::sqrt(uu) / (std::sqrt(double(n)) * c.af_d));
-    const float step = float(alpha / denom);
-    for (int64_t j = 0; j < n; ++j) store<PT>(p, j, load<PT>(p, j) * c.decay - step * g[j]);
   } else {  // unfactored: row_var holds the variance (p.shape)
-    double uu = 0.0;
     for (int64_t j = 0; j < n; ++j) {
       row[j] = adafactor_lerp(c, row[j], g[j] * g[j]);
       const float v = adafactor_floor(c, row[j]);
@@ -804,19 +826,47 @@ DPK_INLINE void adafactor_tensor(const Consts c, const Param& prm) {
       g[j] = u;
       uu += double(u * u);
     }
-    const double denom = std::max(1.0, std::sqrt(uu) / (std::sqrt(double(n)) * c.af_d));
-    const float step = float(alpha / denom);
-    for (int64_t j = 0; j < n; ++j) store<PT>(p, j, load<PT>(p, j) * c.decay - step * g[j]);
   }
+  denom = adafactor_denom(c, uu, n);
+  return uu;
+}
+
+// The tensor phase. rms_phase 0: the step with step size alpha_t / denom. update_rms_clip
+// (SPEC 10.9): pass A (1) stops before the parameter write and adds ||U||^2 / denom^2 to
+// *uu_out (U stays in the scratch, which the host keeps for pass B); pass B (2) re-forms
+// alpha_t from the unchanged parameter and denom from the stored U (the same sums in the
+// same order, so the same doubles) and steps with ((alpha_t / denom) s), a double rounded
+// once: s = 1 is the unclipped step bit for bit.
+template <int PT>
+DPK_INLINE void adafactor_tensor(const Consts c, const Param& prm, double* uu_out) {
+  const int64_t n = prm.numel;
+  if (n == 0) return;
+  double alpha, denom;
+  if (c.rms_phase == 2) {
+    alpha = adafactor_alpha<PT>(c, prm);
+    const float* __restrict g = prm.state[GHAT];
+    double uu = 0.0;
+    for (int64_t j = 0; j < n; ++j) uu += double(g[j] * g[j]);
+    denom = adafactor_denom(c, uu, n);
+    adafactor_store<PT>(c, prm, float((alpha / denom) * c.rms_scale));
+    return;
+  }
+  const double uu = adafactor_direction<PT>(c, prm, alpha, denom);
+  if (c.rms_phase == 1) {
+    *uu_out = uu / (denom * denom);
+    return;
+  }
+  adafactor_store<PT>(c, prm, float(alpha / denom));
 }
 
 // Whether the rule has a tensor phase (update_tensor) after its block phase; step.cpp then
 // gives each parameter an fp32 scratch of its size in the slot GHAT.
 DPK_INLINE bool has_tensor_pass(int rule) { return rule == ADAFACTOR; }
 
-DPK_INLINE void update_tensor(const Consts& c, const Param& p) {
+// uu_out: update_rms_clip's pass A stores the tensor's sum of U^2 there (SPEC 10.9).
+DPK_INLINE void update_tensor(const Consts& c, const Param& p, double* uu_out) {
   switch (c.rule) {
-    case ADAFACTOR: DPK_DISPATCH_PARAM_DTYPE(p.dtype, adafactor_tensor, c, p) break;
+    case ADAFACTOR: DPK_DISPATCH_PARAM_DTYPE(p.dtype, adafactor_tensor, c, p, uu_out) break;
     default: break;
   }
 }
@@ -863,7 +913,10 @@ DPK_INLINE double update(const Consts& c, const float* __restrict S, float* __re
 
 // update_rms_clip's pass B on one block (SPEC 10.9); rules without the option do nothing
 // (cpp.py never asks them).
-DPK_INLINE bool has_rms_clip(int rule) { return rule == ADAMW || rule == ADAMW_BC; }
+// DP-Adafactor's is its tensor phase (adafactor_tensor), not a block function.
+DPK_INLINE bool has_rms_clip(int rule) {
+  return rule == ADAMW || rule == ADAMW_BC || rule == ADAFACTOR;
+}
 
 template <int PT>
 DPK_INLINE void rms_apply_adamw(const Consts c, const Param& p, int64_t begin, int64_t len) {

@@ -98,14 +98,15 @@ DPK_CLONES double step_block(const Consts& c, const DP& dp, const Param& p, int6
   return out;
 }
 
-// The tensor phase of one parameter (rules.h, update_tensor); a BF16_SR parameter's
-// stores read the rounding bits of the whole tensor.
-void tensor_phase(const Consts& c, const DP& dp, const Param& p) {
-  if (p.dtype != BF16_SR) return update_tensor(c, p);
+// The tensor phase of one parameter (rules.h, update_tensor; uu_out: update_rms_clip's
+// pass A puts the tensor's sum of U^2 there); a BF16_SR parameter's stores read the
+// rounding bits of the whole tensor.
+void tensor_phase(const Consts& c, const DP& dp, const Param& p, double* uu_out) {
+  if (p.dtype != BF16_SR) return update_tensor(c, p, uu_out);
   std::vector<uint16_t> rho(size_t(p.numel));
   rounding_range(dp.key, dp.noise_step, p.offset, p.numel, rho.data());
   sr_bits = rho.data();
-  update_tensor(c, p);
+  update_tensor(c, p, uu_out);
   sr_bits = nullptr;
 }
 
@@ -153,13 +154,16 @@ double step(const Hyper& h, const DP& dp, const std::vector<Param>& given, const
             int64_t batch) {
   const Consts c = make_consts(h, dp);
   // A rule with a tensor phase (rules.h, DP-Adafactor): its blocks store g_hat into an fp32
-  // scratch per parameter (slot GHAT), then update_tensor runs once per tensor.
+  // scratch per parameter (slot GHAT), then update_tensor runs once per tensor. The host
+  // provides that scratch for update_rms_clip (pass A leaves U there for pass B); else it
+  // is allocated here.
   const bool tensor_pass = has_tensor_pass(c.rule);
   std::vector<std::vector<float>> scratch(tensor_pass ? given.size() : 0);
   std::vector<Param> with_scratch;
   if (tensor_pass) {
     with_scratch = given;
     for (size_t k = 0; k < given.size(); ++k) {
+      if (given[k].state[GHAT] != nullptr || given[k].numel == 0) continue;
       scratch[k].resize(size_t(given[k].numel));
       with_scratch[k].state[GHAT] = scratch[k].data();
     }
@@ -175,6 +179,12 @@ double step(const Hyper& h, const DP& dp, const std::vector<Param>& given, const
   const std::vector<Param>& params = tensor_pass || sr ? with_scratch : given;
   const std::vector<Block> blocks = param_blocks(params);
   const int64_t nb = int64_t(blocks.size());
+  if (c.rms_phase == 2 && tensor_pass) {  // pass B of a tensor-phase rule: per tensor
+    const int64_t nt = int64_t(params.size());
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads()) if (nt > 1)
+    for (int64_t k = 0; k < nt; ++k) tensor_phase(c, dp, params[size_t(k)], nullptr);
+    return 0.0;
+  }
   if (c.rms_phase == 2) {  // update_rms_clip's pass B (SPEC 10.9): no prologue, no noise
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads()) if (nb > 1)
     for (int64_t n = 0; n < nb; ++n) {
@@ -189,13 +199,15 @@ double step(const Hyper& h, const DP& dp, const std::vector<Param>& given, const
     const Block& blk = blocks[size_t(n)];
     partial[size_t(n)] = step_block(c, dp, params[size_t(blk.tensor)], blk.begin, blk.len, clip, batch);
   }
+  std::vector<double> tensor_uu(tensor_pass ? params.size() : 0, 0.0);
   if (tensor_pass) {
     const int64_t nt = int64_t(params.size());
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads()) if (nt > 1)
-    for (int64_t k = 0; k < nt; ++k) tensor_phase(c, dp, params[size_t(k)]);
+    for (int64_t k = 0; k < nt; ++k) tensor_phase(c, dp, params[size_t(k)], &tensor_uu[size_t(k)]);
   }
   double total = 0.0;
   for (double x : partial) total += x;  // block order: independent of the thread count
+  for (double x : tensor_uu) total += x;  // tensor order (pass A of a tensor-phase rule)
   return total;
 }
 

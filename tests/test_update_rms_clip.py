@@ -20,7 +20,7 @@ import dpkern
 from dpkern import functional as F
 from dpkern.functional import gaussian_noise
 
-from conftest import backend_device, case_seed
+from conftest import backend_device, case_seed, require_backend
 
 SHAPES = [(5, 3), (7,), (2, 3, 4), (1,), (3, 1)]  # odd sizes, 1-D, 3-D, single elements
 CLASSES = {"adamw": dpkern.DPAdamW, "adamw_bc": dpkern.DPAdamWBC, "adafactor": dpkern.DPAdafactor}
@@ -298,17 +298,29 @@ def _functional_case(rule, B, dtype, device, seed, d_u):
     g = torch.Generator().manual_seed(case_seed(seed))
     params = [torch.randn(s, generator=g).to(dtype).to(device) for s in SHAPES]
     gss = [(2 * torch.randn((B, *s), generator=g)).to(dtype).to(device) for s in SHAPES]
-    states = {
-        "exp_avg": [0.1 * torch.randn(s, generator=g).to(device) for s in SHAPES],
-        "exp_avg_sq": [0.1 * torch.rand(s, generator=g).to(device) for s in SHAPES],
-    }
+    if rule == "adafactor":  # row_var / col_var as the registry shapes them (>= 0)
+        states = {
+            st.name: [0.1 * torch.rand(st.shape_for(s), generator=g).to(device) for s in SHAPES]
+            for st in dpkern.rules.get(rule).kernel_states
+        }
+    else:
+        states = {
+            "exp_avg": [0.1 * torch.randn(s, generator=g).to(device) for s in SHAPES],
+            "exp_avg_sq": [0.1 * torch.rand(s, generator=g).to(device) for s in SHAPES],
+        }
     offsets = [0]
     for s in SHAPES[:-1]:
         offsets.append(offsets[-1] + math.prod(s))
-    hyper_cls = dpkern.hyper.AdamWHyper if rule == "adamw" else dpkern.hyper.AdamWBCHyper
+    hyper_cls = {
+        "adamw": dpkern.hyper.AdamWHyper,
+        "adamw_bc": dpkern.hyper.AdamWBCHyper,
+        "adafactor": dpkern.hyper.AdafactorHyper,
+    }[rule]
     groups = []
-    for lo, hi, lr, t in ((0, 2, 0.05, 3), (2, len(SHAPES), 0.01, 2)):
-        hyper = hyper_cls(lr=lr, weight_decay=0.1, update_rms_clip=d_u)
+    for lo, hi, lr, t, d in ((0, 2, 0.05, 3, 1.0), (2, len(SHAPES), 0.01, 2, 4.0)):
+        # DP-Adafactor's own clip by d: active in the first group (d = 1), not in the second
+        extra = dict(d=d) if rule == "adafactor" else {}
+        hyper = hyper_cls(lr=lr, weight_decay=0.1, update_rms_clip=d_u, **extra)
         sl = slice(lo, hi)
         groups.append(
             F.Group(hyper, params[sl], gss[sl], [None] * (hi - lo),
@@ -342,8 +354,11 @@ def _run_functional(groups, backend):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("B", [0, 3])
-@pytest.mark.parametrize("rule", ["adamw", "adamw_bc"])
+@pytest.mark.parametrize(
+    ("rule", "B"),
+    [("adamw", 0), ("adamw", 3), ("adamw_bc", 0), ("adamw_bc", 3), ("adafactor", 0),
+     ("adafactor", 1)],
+)  # fmt: skip
 def test_fused_backend_matches_the_reference(fused_backend, rule, B, dtype):
     device = backend_device(fused_backend)
     rms = _functional_rms(_functional_case(rule, B, dtype, device, 100 + B, 1.0))
@@ -364,34 +379,69 @@ def test_fused_backend_matches_the_reference(fused_backend, rule, B, dtype):
             for a, b, c in zip(gg.params, gw.params, go.params, strict=True):
                 torch.testing.assert_close(a.float().cpu(), b.float().cpu(), **tol)
                 same.append(torch.equal(a, c))
-            for name in ("exp_avg", "exp_avg_sq"):
-                for a, b in zip(gg.states[name], gw.states[name], strict=True):
+            for name in gw.states:
+                for a, b, c in zip(gg.states[name], gw.states[name], go.states[name], strict=True):
                     torch.testing.assert_close(a.cpu(), b.cpu(), rtol=1e-5, atol=1e-6)
+                    assert torch.equal(a, c), name  # the states of the unclipped fused run
         assert all(same) != active  # active: the step changed; inactive: bit for bit
 
 
-def test_fused_backends_refuse_adafactor_clip(fused_backend):
+@pytest.mark.parametrize("rule", list(CLASSES))
+def test_fused_backends_implement_every_rule_with_the_option(fused_backend, rule):
+    """Every rule with ``update_rms_clip`` runs it fused: explicitly, and under "auto"
+    without the reference fallback's warning."""
+    module = dpkern.backends.resolve(fused_backend, backend_device(fused_backend))
+    assert module.supports_rms_clip(rule)
     params, gss = _draw(110, 2)
     device = backend_device(fused_backend)
-    ps = [torch.nn.Parameter(p.clone().to(device)) for p in params]
-    opt = _optimizer("adafactor", ps, fused_backend, update_rms_clip=0.1)
-    for p, gs in zip(ps, gss[0], strict=True):
-        p.grad_sample = gs.to(device).clone()
-    with pytest.raises(NotImplementedError, match=f"backend='{fused_backend}'.*update_rms_clip"):
-        opt.step()
-    assert opt.dp_step == 0
-    for p, q in zip(ps, params, strict=True):
-        assert torch.equal(p.detach().cpu(), q)
-    if device.type == "cpu" and fused_backend == "cpp":  # auto: the reference, with a warning
-        opt.backend = "auto"
+    backends = [fused_backend] + (["auto"] if fused_backend == "cpp" else [])
+    for backend in backends:
+        ps = [torch.nn.Parameter(p.clone().to(device)) for p in params]
+        opt = _optimizer(rule, ps, backend, update_rms_clip=0.1)
+        for p, gs in zip(ps, gss[0], strict=True):
+            p.grad_sample = gs.to(device).clone()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             opt.step()
         assert opt.dp_step == 1
-        assert any("update_rms_clip" in str(w.message) for w in caught)
+        assert not any("update_rms_clip" in str(w.message) for w in caught), backend
 
 
-@pytest.mark.parametrize("rule", ["adamw", "adamw_bc"])
+def test_fused_backends_refuse_a_rule_without_the_option(fused_backend):
+    """The backend's pass A refuses a rule it has no update_rms_clip for (DP-Adam: the
+    option is not one of its hyper-parameters), before anything changes."""
+    device = backend_device(fused_backend)
+    module = dpkern.backends.resolve(fused_backend, device)
+    assert not module.supports_rms_clip("adam")
+    p = torch.randn(3, 2, device=device)
+    states = {"exp_avg": [torch.zeros_like(p)], "exp_avg_sq": [torch.zeros_like(p)]}
+    dp = dpkern.hyper.DPStep(key=SEED, step=1, noise_step=1, noise_std=1.0,
+                             expected_batch_size=2.0)  # fmt: skip
+    before = p.clone()
+    with pytest.raises(NotImplementedError, match=f"backend='{fused_backend}'.*update_rms_clip"):
+        module.rms_clip_moments(dpkern.hyper.AdamHyper(lr=1e-3), dp, [p], [None], None,
+                                [torch.ones_like(p)], states, [0])  # fmt: skip
+    assert torch.equal(p, before)
+
+
+def test_auto_falls_back_where_a_fused_backend_lacks_the_option(monkeypatch):
+    """SPEC 10.9: "auto" runs a rule whose clipped step a fused backend lacks on the
+    reference (with a warning); the explicit backend refuses it (simulated: every rule
+    with the option is implemented by both fused backends)."""
+    from dpkern import backends
+
+    require_backend("cpp")
+    module = backends.resolve("cpp", torch.device("cpu"))
+    monkeypatch.setattr(module, "supports_rms_clip", lambda rule: False)
+    monkeypatch.setattr(backends, "_warned_rules", set())
+    cpu = torch.device("cpu")
+    with pytest.raises(NotImplementedError, match="update_rms_clip"):
+        backends.resolve("cpp", cpu, "adafactor", 0.1)
+    with pytest.warns(RuntimeWarning, match="update_rms_clip"):
+        assert backends.resolve("auto", cpu, "adafactor", 0.1) is backends.resolve("torch", cpu)
+
+
+@pytest.mark.parametrize("rule", list(CLASSES))
 def test_fused_stochastic_rounding_matches_the_reference(fused_backend, rule):
     device = backend_device(fused_backend)
     groups = _functional_case(rule, 3, torch.bfloat16, device, 120, 0.3)

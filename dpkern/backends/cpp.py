@@ -89,7 +89,7 @@ def supports_rms_clip(rule: str) -> bool:
     return rule in _RMS_CLIP_RULES and supports(rule)
 
 
-_RMS_CLIP_RULES = ("adamw", "adamw_bc")
+_RMS_CLIP_RULES = ("adamw", "adamw_bc", "adafactor")
 
 
 def set_num_threads(n: int) -> None:
@@ -465,20 +465,28 @@ def rms_clip_moments(
             f"dpkern backend='cpp' does not implement update_rms_clip for {hyper.rule!r}"
         )
     hd = {**_hyper_dict(hyper), "rms_phase": 1.0}
-    uu = _step(hd, hyper, dp, params, grad_samples, clip_factors, summed, states, offsets)
-    return uu, (hyper, dp, params, states, offsets)
+    # DP-Adafactor (a tensor phase): pass A leaves U in an fp32 scratch per parameter,
+    # kept here for pass B (the kernel's slot after the states)
+    scratch = None
+    if hyper.rule == "adafactor":
+        scratch = [torch.empty(p.shape, dtype=torch.float32) for p in params]
+    uu = _step(hd, hyper, dp, params, grad_samples, clip_factors, summed, states, offsets,
+               scratch)  # fmt: skip
+    return uu, (hyper, dp, params, states, offsets, scratch)
 
 
 def rms_clip_apply(pending, scale: float) -> None:
-    """update_rms_clip's pass B (SPEC 10.9): p <- p (1 - lr wd) - ((lr s) m_hat) / denom
-    from the stored moments, s = ``scale``; no noise is drawn."""
-    hyper, dp, params, states, offsets = pending
+    """update_rms_clip's pass B (SPEC 10.9), s = ``scale``, no noise drawn: DP-AdamW(-BC)
+    p <- p (1 - lr wd) - ((lr s) m_hat) / denom from the stored moments; DP-Adafactor
+    p <- p (1 - lr wd) - ((alpha_t / denom) s) U from pass A's U."""
+    hyper, dp, params, states, offsets, scratch = pending
     hd = {**_hyper_dict(hyper), "rms_phase": 2.0, "rms_scale": float(scale)}
     none = [None] * len(params)
-    _step(hd, hyper, dp, params, none, None, none, states, offsets)
+    _step(hd, hyper, dp, params, none, None, none, states, offsets, scratch)
 
 
-def _step(hyper_dict, hyper, dp, params, grad_samples, clip_factors, summed, states, offsets):
+def _step(hyper_dict, hyper, dp, params, grad_samples, clip_factors, summed, states, offsets,
+          scratch=None):  # fmt: skip
     n = len(params)
     if not (len(grad_samples) == len(summed) == len(offsets) == n):
         raise ValueError(
@@ -494,6 +502,9 @@ def _step(hyper_dict, hyper, dp, params, grad_samples, clip_factors, summed, sta
         for k, (s, p) in enumerate(zip(summed, ps, strict=True))
     ]
     st = _states(hyper, states, ps)
+    if scratch is not None:  # a tensor phase's g_hat / U buffer, in the slot after the states
+        for row, buf in zip(st, scratch, strict=True):
+            row.append(buf)
     end = 0
     for k, (off, p) in enumerate(zip(offsets, ps, strict=True)):
         if isinstance(off, bool) or not isinstance(off, int) or off < 0:

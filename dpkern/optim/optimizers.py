@@ -1449,9 +1449,8 @@ class DPAdafactor(DPOptimizer):
         + _RMS_CLIP_ARG
         + r"""            Here U = U_hat / max(1, RMS(U_hat) / d), the update after Adafactor's
             own per-tensor clipping (so only d_u < d has an effect), and the step is
-            theta (1 - lr lambda) - (alpha_t / max(1, RMS(U_hat) / d)) s U_hat. Runs on
-            the reference backend only (backend="cpp" / "triton" raise
-            NotImplementedError; "auto" falls back with a warning).
+            theta (1 - lr lambda) - (alpha_t / max(1, RMS(U_hat) / d)) s U_hat. Fused
+            (two passes) on backend="cpp" and "triton", as on the reference.
             Raises ValueError for a value that is not None nor a finite float > 0.
     """
         + _DP_ARGS

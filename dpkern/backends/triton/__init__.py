@@ -8,7 +8,7 @@ Same functions and signatures as :mod:`dpkern.backends.reference`:
 (step.py, pass 2: a shared prologue, then one ``update_<name>`` per rule in rules.py),
 ``supports`` (whether a rule of :mod:`dpkern.rules` has a kernel here), and
 ``rms_clip_moments``, ``rms_clip_apply``, ``supports_rms_clip`` (``update_rms_clip``'s
-two passes, SPEC 10.9: DP-AdamW and DP-AdamW-BC).
+two passes, SPEC 10.9: DP-AdamW, DP-AdamW-BC and DP-Adafactor).
 Importing it raises ImportError when triton is not installed (the registry relies on it).
 Block sizes: :func:`configure` / :data:`_common.CONFIG` (results do not depend on them).
 """

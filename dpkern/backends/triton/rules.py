@@ -992,10 +992,14 @@ def _af_apply_kernel(p_ptr, u_ptr, n, decay, step, noff, key_lo, key_hi, c2, c3,
         tl.store(p_ptr + offs, C.to_dtype_rne(p, P_DTYPE, C.EMULATE_RNE), mask=inb)
 
 
-def adafactor_tensor_pass(h, dp, bufs, offsets) -> None:
+def adafactor_tensor_pass(h, dp, bufs, offsets, apply: bool = True) -> list:
     """The tensor phase of DP-Adafactor (SPEC 10.7) for each parameter: ``bufs`` holds, per
     parameter, (param, grad_sample, summed, row_var, col_var, g_hat scratch), contiguous;
-    ``offsets`` their global noise offsets (the rounding stream's indices, SPEC 3.2)."""
+    ``offsets`` their global noise offsets (the rounding stream's indices, SPEC 3.2).
+
+    Returns, per parameter, (alpha_t, max(1, RMS(U) / d), ||U||^2) (None for an empty one).
+    ``apply=False`` is update_rms_clip's pass A (SPEC 10.9): the states updated and U left
+    in the scratch, the parameter not written; :func:`adafactor_apply` is then pass B."""
     import math
 
     import torch
@@ -1008,12 +1012,11 @@ def adafactor_tensor_pass(h, dp, bufs, offsets) -> None:
     phi = float(dp.noise_var_avg)
     low = w < 0.5
     block = C.config().step_block
-    from ...hyper import ROUNDING_STREAM
-
-    c2, c3 = C.step_words(dp.noise_step, ROUNDING_STREAM)
+    out = []
     for (p, _, _, row, col, g), noff in zip(bufs, offsets, strict=True):
         n = p.numel()
         if n == 0:
+            out.append(None)
             continue
         dev = p.device
         if p.dim() >= 2:
@@ -1043,12 +1046,27 @@ def adafactor_tensor_pass(h, dp, bufs, offsets) -> None:
         sum_pp, sum_uu = torch.stack([pp.sum(), uu.sum()]).tolist()
         alpha = max(h.eps2, math.sqrt(sum_pp) / n**0.5) * rho
         denom = max(1.0, math.sqrt(sum_uu) / (n**0.5 * h.d))
-        sr = dp.stochastic_rounding and p.dtype == torch.bfloat16
-        _af_apply_kernel[(triton.cdiv(n, block),)](
-            p, g, n, 1 - h.lr * h.weight_decay, alpha / denom, noff,
-            *(C.key_words(dp.key) if sr else (0, 0)), c2, c3,
-            P_DTYPE=C.tl_dtype(p.dtype), SR=sr, BLOCK=block,
-        )  # fmt: skip
+        if apply:
+            adafactor_apply(h, dp, p, g, noff, alpha / denom)
+        out.append((alpha, denom, sum_uu))
+    return out
+
+
+def adafactor_apply(h, dp, p, u, noff: int, step: float) -> None:
+    """Step 4 of SPEC 10.7 on one non-empty contiguous parameter: p <- p (1 - lr wd) -
+    step U (``step`` a double, rounded once to float32 by the launch)."""
+    import torch
+
+    from ...hyper import ROUNDING_STREAM
+
+    block = C.config().step_block
+    c2, c3 = C.step_words(dp.noise_step, ROUNDING_STREAM)
+    sr = dp.stochastic_rounding and p.dtype == torch.bfloat16
+    _af_apply_kernel[(triton.cdiv(p.numel(), block),)](
+        p, u, p.numel(), 1 - h.lr * h.weight_decay, step, noff,
+        *(C.key_words(dp.key) if sr else (0, 0)), c2, c3,
+        P_DTYPE=C.tl_dtype(p.dtype), SR=sr, BLOCK=block,
+    )  # fmt: skip
 
 
 #: rule name -> its tensor phase, run by step.py after the fused kernel stored g_hat in an

@@ -243,9 +243,15 @@ def _launch(
     offsets,
     accumulate_only: bool,
     rms_a: bool = False,
+    tensor_out: list | None = None,
 ) -> float:
+    """The fused step. ``rms_a``: update_rms_clip's pass A (SPEC 10.9); a rule with a
+    tensor phase then appends (param index, g_hat / U scratch, noise offset, its tensor
+    phase's result) per parameter to ``tensor_out``, for pass B."""
     args = R.kernel_args(hyper, dp)  # NotImplementedError for a rule without a kernel
-    if rms_a:  # update_rms_clip's pass A (SPEC 10.9): F0 = RMS_A, one sum of U^2 per program
+    # a rule with a tensor phase (DP-Adafactor): the kernel stores g_hat into a scratch
+    tensor_pass = None if accumulate_only else R.TENSOR_PASSES.get(hyper.rule)
+    if rms_a and tensor_pass is None:  # pass A: F0 = RMS_A, one sum of U^2 per program
         args = dataclasses.replace(args, flags=(1, *args.flags[1:]), reduces=True)
     dev = C.first_device(params, *states.values(), summed)
     if dev is None:
@@ -258,8 +264,6 @@ def _launch(
     has_gs = clip_factors is not None
     inplace = C.InPlace()
     entries = []
-    # a rule with a tensor phase (DP-Adafactor): the kernel stores g_hat into a scratch
-    tensor_pass = None if accumulate_only else R.TENSOR_PASSES.get(hyper.rule)
     for k, p in enumerate(params):
         gs = C.readonly(grad_samples[k]) if has_gs else None
         if accumulate_only:
@@ -325,7 +329,16 @@ def _launch(
         )
         slot0 += ln.n_chunks
     if tensor_pass is not None:
-        tensor_pass(hyper, dp, [e.bufs for e in entries], [e.noise_offset for e in entries])
+        noffs = [e.noise_offset for e in entries]
+        done = tensor_pass(hyper, dp, [e.bufs for e in entries], noffs, apply=not rms_a)
+        if rms_a:  # pass A: the sum over the group of ||U_hat||^2 / denom^2 (SPEC 10.9)
+            inplace.finish()
+            total = 0.0
+            for e, noff, res in zip(entries, noffs, done, strict=True):
+                if res is not None:
+                    total += res[2] / (res[1] * res[1])
+                    tensor_out.append((e.index, e.bufs[-1], noff, res))
+            return total
     inplace.finish()
     if partial is None:
         return 0.0
@@ -342,7 +355,7 @@ def supports_rms_clip(rule: str) -> bool:
     return rule in _RMS_CLIP_RULES
 
 
-_RMS_CLIP_RULES = ("adamw", "adamw_bc")
+_RMS_CLIP_RULES = ("adamw", "adamw_bc", "adafactor")
 
 
 def rms_clip_moments(hyper, dp, params, grad_samples, clip_factors, summed, states, offsets):
@@ -353,6 +366,7 @@ def rms_clip_moments(hyper, dp, params, grad_samples, clip_factors, summed, stat
         raise NotImplementedError(
             f"dpkern backend='triton' does not implement update_rms_clip for {hyper.rule!r}"
         )
+    tensors = [] if hyper.rule in R.TENSOR_PASSES else None
     uu = _launch(
         hyper,
         dp,
@@ -364,14 +378,23 @@ def rms_clip_moments(hyper, dp, params, grad_samples, clip_factors, summed, stat
         offsets,
         accumulate_only=False,
         rms_a=True,
+        tensor_out=tensors,
     )
-    return uu, (hyper, dp, params, states, offsets)
+    return uu, (hyper, dp, params, states, offsets, tensors)
 
 
 def rms_clip_apply(pending, scale: float) -> None:
-    """update_rms_clip's pass B (SPEC 10.9): p <- p (1 - lr wd) - ((lr s) m_hat) / denom
-    from the stored moments, s = ``scale``; no noise is drawn."""
-    hyper, dp, params, states, offsets = pending
+    """update_rms_clip's pass B (SPEC 10.9), s = ``scale``, no noise drawn: DP-AdamW(-BC)
+    p <- p (1 - lr wd) - ((lr s) m_hat) / denom from the stored moments; DP-Adafactor
+    p <- p (1 - lr wd) - ((alpha_t / denom) s) U from pass A's U (the step size a double
+    rounded once, so s = 1 is the unclipped step bit for bit)."""
+    hyper, dp, params, states, offsets, tensors = pending
+    if tensors is not None:
+        inplace = C.InPlace()
+        for k, u, noff, (alpha, denom, _) in tensors:
+            R.adafactor_apply(hyper, dp, inplace(params[k]), u, noff, (alpha / denom) * scale)
+        inplace.finish()
+        return
     dev = C.first_device(params, *states.values())
     if dev is None:
         return
