@@ -693,6 +693,24 @@ def test_poisson_training_loop_equals_single_process_on_union(run):
 # ------------------------------------------------------------------------------------
 # single-process unit tests
 # ------------------------------------------------------------------------------------
+ADAM_LR, ADAM_BETA2, ADAM_EPS = 0.05, 0.999, 1e-8  # _make_opt's Adam-type optimizers
+
+
+def _param_atol(state: dict, t: int, drifted: bool = False):
+    """Per element: 1e-6, except where an Adam-type step divides by sqrt(v_hat) + eps with
+    sqrt(v_hat) < 100 eps. There m_hat / (sqrt(v_hat) + eps) amplifies the float32 rounding
+    of a cancelling sum by up to 1 / eps (seen once in ~50 runs: MacAdam, step 1, a g~ of
+    3.5 eps, 1.9e-5 off); those elements get 0.1 lr (a step is at most lr), and after such
+    a step (``drifted``) every element gets 1e-4: the next gradients, and MacAdam's global
+    scale, carry that difference (1.5e-6 seen). Any sharding error (a shard noised twice,
+    a wrong offset) moves elements by O(lr) = 0.05."""
+    base = 1e-4 if drifted else 1e-6
+    if "exp_avg_sq" not in state:
+        return torch.tensor(base)
+    ill = (state["exp_avg_sq"] / (1 - ADAM_BETA2**t)).sqrt() < 100 * ADAM_EPS
+    return torch.where(ill, 0.1 * ADAM_LR, base)
+
+
 @pytest.mark.parametrize("name", list(FSDP_CASES))
 def test_fsdp2_sharded_steps_equal_single_process(run, name):
     world, data, results = run
@@ -705,9 +723,13 @@ def test_fsdp2_sharded_steps_equal_single_process(run, name):
             assert got.keys() == w.keys()
             for k in w:  # state_dict(full=True): the single-process states, full shape
                 torch.testing.assert_close(got[k], w[k], atol=1e-6, rtol=1e-6, msg=k)
+        drifted = False  # an ill-conditioned element earlier: the trajectory drifts
         for t, (got, w) in enumerate(zip(r[f"fsdp_{name}"]["snaps"], want)):
-            for a, b in zip(got, w["params"]):
-                torch.testing.assert_close(a, b, atol=1e-6, rtol=0, msg=f"step {t + 1}")
+            tols = [_param_atol(st, t + 1, drifted) for st in w["state"]]
+            for a, b, tol in zip(got, w["params"], tols):
+                bad = ((a - b).abs() > tol).nonzero().tolist()
+                assert not bad, (t + 1, bad[:5], (a - b).abs().max().item())
+            drifted = drifted or any(bool((tol > 1e-6).any()) for tol in tols)
     # the shards tile the global index space exactly (no index twice, none skipped) ...
     numel = sum(p.numel() for p in want[-1]["params"])
     ranges = sorted((off, n) for r in results for off, n, _ in r[f"fsdp_{name}"]["shards"] if n)
