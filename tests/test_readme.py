@@ -22,6 +22,17 @@ def test_readme_python_example_runs(tmp_path, capsys):
     assert eps <= 3.0 + 1e-6 and acc > 0.75
 
 
+def test_readme_ghost_clipping_example_runs(tmp_path):
+    """The Ghost clipping section's snippet runs as written and takes one DP step."""
+    section = README.read_text().split("## Ghost clipping", 1)[1].split("\n## ", 1)[0]
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", section, flags=re.S) if "gc." in b]
+    assert blocks, "README.md's Ghost clipping section has no runnable python block"
+    script = tmp_path / "ghost_example.py"
+    script.write_text(blocks[0])
+    ns = runpy.run_path(str(script), run_name="__main__")
+    assert ns["optimizer"].state_dict()["state"], "no step was taken"
+
+
 def test_docs_spec_extends_the_shared_contract():
     """docs/SPEC.md began as the project contract (shared/SPEC.md) and extends it: every
     paragraph of the shared contract is still there, word for word; additions are marked
