@@ -37,6 +37,7 @@ N, D_IN, D_OUT = 13, 5, 3
 # global batches of the fixed-batch scenarios: sizes 7, 5, 1 (some ranks empty), 0, 8
 BATCHES = [[0, 2, 3, 5, 8, 9, 12], [1, 4, 6, 7, 11], [10], [], [0, 1, 3, 4, 6, 9, 10, 12]]
 SIGMA = 0.8
+ADAM_LR, ADAM_BETA2, ADAM_EPS = 0.05, 0.999, 1e-8  # _make_opt's Adam-type optimizers
 POISSON = dict(num_samples=60, sample_rate=0.05, steps=12)  # training loop, W <= 3
 SAMPLER = dict(num_samples=200, sample_rate=0.05, steps=300)  # statistics only
 NOISE_NUMEL, NOISE_SIGMA, NOISE_C, NOISE_BE = 30_000, 2.0, 0.5, 10.0
@@ -65,15 +66,15 @@ def _make_opt(name: str, params, seed, expected_batch_size=float(N) / 2, sigma=S
         expected_batch_size=expected_batch_size,
     )
     if name == "adamw":
-        return DPAdamW(params, lr=0.05, weight_decay=0.1, **common)
+        return DPAdamW(params, lr=ADAM_LR, weight_decay=0.1, **common)
     if name == "adamw_bc":
-        return DPAdamWBC(params, lr=0.05, weight_decay=0.1, gamma=1e-3, **common)
+        return DPAdamWBC(params, lr=ADAM_LR, weight_decay=0.1, gamma=1e-3, **common)
     if name == "sgd":
         return DPSGD(params, lr=0.2, momentum=0.9, nesterov=True, **common)
     if name == "radam":  # decoupled decay and phi (a per-parameter scalar on every shard)
         return DPRAdam(
             params,
-            lr=0.05,
+            lr=ADAM_LR,
             weight_decay=0.1,
             decoupled_weight_decay=True,
             noise_bias_correction=True,
@@ -84,7 +85,7 @@ def _make_opt(name: str, params, seed, expected_batch_size=float(N) / 2, sigma=S
         return DPLion(params, lr=0.01, weight_decay=0.1, **common)
     return DPMacAdam(
         params,
-        lr=0.05,
+        lr=ADAM_LR,
         noise_multiplier=sigma,
         expected_batch_size=expected_batch_size,
         seed=seed,
@@ -693,9 +694,6 @@ def test_poisson_training_loop_equals_single_process_on_union(run):
 # ------------------------------------------------------------------------------------
 # single-process unit tests
 # ------------------------------------------------------------------------------------
-ADAM_LR, ADAM_BETA2, ADAM_EPS = 0.05, 0.999, 1e-8  # _make_opt's Adam-type optimizers
-
-
 def _param_atol(state: dict, t: int, drifted: bool = False):
     """Per element: 1e-6, except where an Adam-type step divides by sqrt(v_hat) + eps with
     sqrt(v_hat) < 100 eps. There m_hat / (sqrt(v_hat) + eps) amplifies the float32 rounding

@@ -492,8 +492,8 @@ class Capture:
                 if r.g_map is None and any(id(p) in formed.slot for p in r.params):
                     hooked.add(id(r))
                     handles.append(r.edge.node.register_prehook(_taker(r, B, formed, uses)))
-        outputs = [r.edge for r in records if id(r) not in hooked]
-        outputs += [g.output for g in generic]
+        rest = [r for r in records if id(r) not in hooked]  # their gradients are returned
+        outputs = [r.edge for r in rest] + [g.output for g in generic]
         self._in_backward = True
         try:
             # the early parameters' summed gradients are requested only so that the
@@ -520,7 +520,6 @@ class Capture:
                 "ghost clipping: no forward was recorded (run the model's "
                 "forward with grad enabled while the hooks are attached)"
             )
-        rest = [r for r in records if id(r) not in hooked]
         for r, g in zip(rest, gouts[: len(rest)]):
             if g is not None:
                 _take(r, g, B, formed, uses)
@@ -588,9 +587,10 @@ class Capture:
         meta: list[list] = [[] for _ in self.params]
         ruled_out = set(ruled_out)
         for r in recs:
+            if r.g_map is not None:  # pending: its gradient comes from where it met the batch
+                ruled_out |= {id(p) for p in r.params}
+                continue
             try:
-                if r.g_map is not None:
-                    raise ValueError("pending")
                 g = torch.empty(r.meta[0], dtype=r.meta[1], device="meta")
                 ins = [x.to("meta") if isinstance(x, Tensor) else x for x in r.inputs]
                 for p, use in dataclasses.replace(r, inputs=ins).make(g, B):

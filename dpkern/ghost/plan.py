@@ -147,8 +147,13 @@ def plan_routes(
             dt = acc_dtype(*(t for u in us for t in _floats(u)))
             nbytes = B * p.numel() * torch.finfo(dt).bits // 8
             cands.append(((ghost - kept) / max(nbytes, 1), k, nbytes))
-    chosen = [False] * len(params)
-    left = keep_bytes - reserved
+    return _greedy(cands, len(params), keep_bytes - reserved)
+
+
+def _greedy(cands, n: int, left: int) -> list[bool]:
+    """``cands`` ``(gain, k, nbytes)`` taken largest gain first (ties: lower k) while their
+    bytes fit in ``left``; a mask over ``n`` parameters."""
+    chosen = [False] * n
     for _, k, nbytes in sorted(cands, key=lambda c: (-c[0], c[1])):
         if nbytes <= left:
             chosen[k] = True
@@ -228,18 +233,12 @@ def plan_early(params, uses, B: int, keep_bytes: int | None = None) -> list[bool
             if isinstance(u, OuterUse):
                 o, x = _outer3(u)
                 gemm += B * o.shape[1] * o.shape[2] * x.shape[2]
-        held = sum(t.numel() * t.element_size() for u in us for t in _floats(u))
-        nbytes = (
-            B * p.numel() * torch.finfo(acc_dtype(*(t for u in us for t in _floats(u)))).bits // 8
-        )
+        floats = [t for u in us for t in _floats(u)]
+        held = sum(t.numel() * t.element_size() for t in floats)
+        nbytes = B * p.numel() * torch.finfo(acc_dtype(*floats)).bits // 8
         if kept + gemm < ghost and nbytes < held:
             cands.append((held - nbytes, k, nbytes))
-    chosen = [False] * len(params)
-    for _, k, nbytes in sorted(cands, key=lambda c: (-c[0], c[1])):
-        if nbytes <= left:
-            chosen[k] = True
-            left -= nbytes
-    return chosen
+    return _greedy(cands, len(params), left)
 
 
 class Formed:
