@@ -347,6 +347,39 @@ def _functional_rms(groups) -> float:
     return math.sqrt(total / sum(p.numel() for grp in groups for p in grp.params))
 
 
+def _state_slack(before, want, got, gi):
+    """Per element of group ``gi``'s parameters: the part of a float32 parameter difference
+    that the two runs' moment differences explain (the moments are checked on their own,
+    to 1e-5). An Adam-type step is lr s m_hat / D, s = min(1, d_u / rms(U)), U = m_hat / D:
+    U's relative error is |dm| / |m| + |dD| / D, with dD / D = |dv| / (2 |v - phi|) (phi 0 for
+    DP-AdamW; 0 where DP-AdamW-BC floors the denominator at gamma), and s's is the U^2-weighted
+    mean of those. A cancelling m (|m| << its terms) floored at sqrt(gamma) = 1e-4 makes a
+    step of ~lr d_u sqrt(n) with the m error's relative size: 1.4e-5 on a 1.75 step seen once
+    in ~40 runs. A wrong formula or index moves a parameter by O(step), which no moment
+    difference of 1e-5 explains. Zero for DP-Adafactor (factored states: the plain bound)."""
+    grp, gw, gg = before[gi], want[gi], got[gi]
+    if "exp_avg" not in gw.states:
+        return [torch.zeros(()) for _ in gw.params]
+    h = grp.hyper
+    bc2 = 1 - h.beta2**grp.step
+    phi = grp.noise_var_avg if h.rule == "adamw_bc" else 0.0
+    steps, rels = [], []
+    for k, (p0, p1) in enumerate(zip(grp.params, gw.params, strict=True)):
+        m, dm = gw.states["exp_avg"][k], (gg.states["exp_avg"][k] - gw.states["exp_avg"][k])
+        v, dv = (
+            gw.states["exp_avg_sq"][k],
+            (gg.states["exp_avg_sq"][k] - gw.states["exp_avg_sq"][k]),
+        )
+        rel_d = dv.abs() / (2 * (v - phi).abs().clamp_min(1e-30))
+        if h.rule == "adamw_bc":
+            rel_d = torch.where(v - phi > h.gamma * bc2, rel_d, 0.0)
+        rels.append(dm.abs() / m.abs().clamp_min(1e-30) + rel_d)
+        steps.append((p0.float() * (1 - h.lr * h.weight_decay) - p1.float()).abs())  # lr s |U|
+    w = torch.cat([x.flatten() for x in steps]) ** 2
+    rel_s = float((w * torch.cat([r.flatten() for r in rels])).sum() / w.sum().clamp_min(1e-30))
+    return [4 * st * (r + rel_s) for st, r in zip(steps, rels, strict=True)]
+
+
 def _run_functional(groups, backend):
     groups = copy.deepcopy(groups)
     F.dp_step_groups(groups, key=SEED, step=4, **PRIV, backend=backend)
@@ -375,10 +408,16 @@ def test_fused_backend_matches_the_reference(fused_backend, rule, B, dtype):
         )
         tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-3)
         same = []
-        for gw, gg, go in zip(want, got, off, strict=True):
-            for a, b, c in zip(gg.params, gw.params, go.params, strict=True):
-                torch.testing.assert_close(a.float().cpu(), b.float().cpu(), **tol)
-                same.append(torch.equal(a, c))
+        for gi, (gw, gg, go) in enumerate(zip(want, got, off, strict=True)):
+            slack = _state_slack(groups, want, got, gi) if dtype == torch.float32 else None
+            for k, (a, b, c) in enumerate(zip(gg.params, gw.params, go.params, strict=True)):
+                a, b = a.float().cpu(), b.float().cpu()
+                if slack is not None:  # what the (checked) state differences explain
+                    bad = (a - b).abs() > tol["atol"] + tol["rtol"] * b.abs() + slack[k]
+                    assert not bad.any(), (gi, k, bad.nonzero().tolist(), (a - b).abs().max())
+                else:
+                    torch.testing.assert_close(a, b, **tol)
+                same.append(torch.equal(gg.params[k], c))
             for name in gw.states:
                 for a, b, c in zip(gg.states[name], gw.states[name], go.states[name], strict=True):
                     torch.testing.assert_close(a.cpu(), b.cpu(), rtol=1e-5, atol=1e-6)
