@@ -360,3 +360,20 @@ def test_from_runs_rebuilds_the_report_of_several_files(tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and msg in err, err
         assert not out.exists()
+
+
+def test_first_seed_runs_later_seeds_and_echoes_them():
+    """--first-seed 1 --seeds 2 plans seeds 1 and 2 only (to merge with seed 0's runs by
+    --from-runs); the echoed command plans the same runs."""
+    task = compare._task("digits")
+    args = _parse("dpkern compare --task digits --epsilons 3 --seeds 2 --first-seed 1 "
+                  "--optimizers dp-sgd")  # fmt: skip
+    ran = compare.plan(args, task)
+    assert sorted({c.seed for c in ran}) == [1, 2]
+    command = compare.command_line(args, task, ran)
+    assert "--first-seed 1" in command
+    assert compare.plan(_parse(command), task) == ran
+    zero = compare.plan(_parse("dpkern compare --task digits --epsilons 3 --seeds 2 "
+                               "--optimizers dp-sgd"), task)  # fmt: skip
+    assert sorted({c.seed for c in zero}) == [0, 1]
+    assert "--first-seed" not in compare.command_line(_parse("dpkern compare"), task, zero)

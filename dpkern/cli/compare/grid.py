@@ -19,10 +19,15 @@ def plan(args: argparse.Namespace, task: Task) -> list[RunConfig]:
     Raises: ValueError when no noise multiplier reaches an epsilon (see
     :func:`dpkern.accounting.get_noise_multiplier`)."""
     names = list(OPTIMIZERS) if "all" in args.optimizers else list(dict.fromkeys(args.optimizers))
-    epsilons, seeds = list(dict.fromkeys(args.epsilons)), range(args.seeds)
+    first = getattr(args, "first_seed", 0)
+    epsilons, seeds = list(dict.fromkeys(args.epsilons)), range(first, first + args.seeds)
     epochs = args.epochs or task.epochs
     if args.quick:
-        epsilons, seeds, epochs = epsilons[:1], range(1), args.epochs or task.quick_epochs
+        epsilons, seeds, epochs = (
+            epsilons[:1],
+            range(first, first + 1),
+            args.epochs or task.quick_epochs,
+        )
         if len(names) > 2:
             names = [n for n in names if n in QUICK_OPTIMIZERS] or names[:2]
     q = min(1.0, args.batch_size / task.num_train)
@@ -66,6 +71,7 @@ def command_line(args: argparse.Namespace, task: Task, configs: list[RunConfig])
     """The ``dpkern compare`` command that runs exactly ``configs`` (the plan of ``args``):
     the epsilons, seeds and optimizers that ran (with --quick: its subset) and every other
     option that changes a result, each value printed so that it reads back exactly."""
+    first = min((c.seed for c in configs), default=0)
     parts = [
         "dpkern",
         "compare",
@@ -75,6 +81,7 @@ def command_line(args: argparse.Namespace, task: Task, configs: list[RunConfig])
         *(_num(e) for e in dict.fromkeys(c.epsilon for c in configs)),
         "--seeds",
         str(len({c.seed for c in configs})),
+        *(["--first-seed", str(first)] if first else []),
         "--optimizers",
         *dict.fromkeys(c.optimizer for c in configs),
     ]

@@ -34,6 +34,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
 def _unit_interval(text: str) -> float:
     value = _positive_float(text)
     if value >= 1:
@@ -64,8 +74,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--seeds",
         type=_positive_int,
         default=3,
-        help="seeds per cell, 0..N-1; a seed fixes the init, the sampling "
-        "AND the noise key (not private, see above) (default: 3)",
+        help="seeds per cell, 0..N-1 (from --first-seed); a seed fixes the init, the "
+        "sampling AND the noise key (not private, see above) (default: 3)",
+    )
+    parser.add_argument(
+        "--first-seed",
+        type=_nonnegative_int,
+        default=0,
+        help="the first seed (default 0): --first-seed 1 --seeds 2 runs seeds 1 and 2, "
+        "to add to earlier runs with --from-runs",
     )
     parser.add_argument(
         "--optimizers",
