@@ -5,8 +5,14 @@
 - :mod:`dpkern.optim.inputs`: what a step consumes (``p.grad_sample``, released once;
   clipped sums from elsewhere, checked); :mod:`dpkern.optim.checkpoint`: the checks of a
   state_dict before ``load_state_dict`` changes anything;
-- :mod:`dpkern.optim.optimizers`: one class per update rule of :mod:`dpkern.rules`
-  (DPSGD, DPAdam, DPAdamBC, DPAdamW, DPAdamWBC, DPMacAdam), all exported here.
+- one module per family of update rules of :mod:`dpkern.rules`, as torch.optim:
+  :mod:`~dpkern.optim.sgd` (DPSGD), :mod:`~dpkern.optim.adam` (DPAdam, DPAdamW, DPAdamBC,
+  DPAdamWBC), :mod:`~dpkern.optim.macadam`, :mod:`~dpkern.optim.schedule_free`
+  (DPSGDScheduleFree, DPAdamWScheduleFree), :mod:`~dpkern.optim.rmsprop`,
+  :mod:`~dpkern.optim.adagrad`, :mod:`~dpkern.optim.adadelta`,
+  :mod:`~dpkern.optim.ademamix`, :mod:`~dpkern.optim.radam`, :mod:`~dpkern.optim.lion`,
+  :mod:`~dpkern.optim.adafactor`; :mod:`dpkern.optim._docs` holds their shared docstring
+  fragments; :mod:`dpkern.optim.optimizers` re-exports every class, all exported here.
 """
 
 from . import optimizers as _optimizers

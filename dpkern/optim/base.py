@@ -1,9 +1,9 @@
 """DPOptimizer: state, the noise key, validation and step counting for every DP optimizer.
 
-The classes (:mod:`dpkern.optim.optimizers`) add one update rule each (``rule``, its spec
-in :mod:`dpkern.rules`, which says which states to allocate and how); the math lives in
-:mod:`dpkern.functional` and the backends. What this layer guarantees (README, "what
-dpkern refuses, and why"):
+The classes (one module per family, re-exported by :mod:`dpkern.optim.optimizers`) add
+one update rule each (``rule``, its spec in :mod:`dpkern.rules`, which says which states
+to allocate and how); the math lives in :mod:`dpkern.functional` and the backends. What
+this layer guarantees (README, "what dpkern refuses, and why"):
 
 - ``step()`` and ``accumulate()`` consume ``p.grad_sample``: a sample's gradient is
   released once; a step with no fresh per-sample gradients or clipped sums raises;
