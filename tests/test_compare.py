@@ -200,6 +200,10 @@ def test_sensitivity_is_the_spread_of_validation_means(higher_is_better):
     mark = {1e-3: " ↓", 3e-2: " ↑"}.get(lion["lr_best"], "")
     assert f"| dp-lion | {lion['spread']:.2f}{mark} |" in table
     assert "the grid may not bracket" in table
+    huge = dict(sgd, spread=2.6224e30, lr_best=1.0)  # a run diverged to a huge perplexity
+    assert "| dp-sgd | 2.6e+30 ↑ |" in compare.sensitivity_table(
+        [huge], SimpleNamespace(metric="x")
+    )
 
 
 def test_train_one_refuses_overspent_epsilon():

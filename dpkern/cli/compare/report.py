@@ -284,7 +284,10 @@ def sensitivity_table(sens: list[dict], task: Task) -> str:
 
     def spread(n, e):
         r = cell.get((n, e))
-        return None if r is None else f"{r['spread']:.2f}{edge(r)}"
+        if r is None:
+            return None
+        x = r["spread"]  # a run that diverged to a huge perplexity: its order of magnitude
+        return (f"{x:.2f}" if not math.isfinite(x) or x < 1e4 else f"{x:.1e}") + edge(r)
 
     lines += _eps_table(names, epss, spread)
     edges = sum(bool(edge(r)) for r in sens)
