@@ -9,6 +9,7 @@ import dataclasses
 import math
 import random
 import shlex
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -381,3 +382,54 @@ def test_first_seed_runs_later_seeds_and_echoes_them():
                                "--optimizers dp-sgd"), task)  # fmt: skip
     assert sorted({c.seed for c in zero}) == [0, 1]
     assert "--first-seed" not in compare.command_line(_parse("dpkern compare"), task, zero)
+
+
+def test_text_without_transformers_is_one_line_error(tmp_path, capsys, monkeypatch):
+    """--task text without transformers: one line naming the extra, exit 2, nothing
+    written (not a traceback from inside the run after runs.csv was opened); --from-runs
+    of text runs still reports (it trains nothing)."""
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers fails
+    out = tmp_path / "res"
+    assert main(["compare", "--task", "text", "--quick", "--out-dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "transformers" in err and "dpkern[llm]" in err, err
+    assert not out.exists()
+    _runs_csv(
+        tmp_path / "text.csv", [dict(_full_row("dp-sgd", 3.0, 0, 0.1, 20.0, 21.0), task="text")]
+    )
+    assert main(["compare", "--from-runs", str(tmp_path / "text.csv"), "--out-dir", str(out)]) == 0
+    assert "perplexity" in (out / "table.md").read_text()
+
+
+def test_from_runs_warns_about_the_options_it_ignores(tmp_path, capsys):
+    rows = [_full_row("dp-sgd", 1.0, s, lr, 60.0 + s, 70.0) for s in range(2) for lr in (0.1, 1)]
+    _runs_csv(tmp_path / "a.csv", rows)
+    argv = ["compare", "--from-runs", str(tmp_path / "a.csv"), "--out-dir", str(tmp_path / "o")]
+    assert main(argv) == 0
+    assert "warning" not in capsys.readouterr().err  # only --out-dir given: it is used
+    assert main([*argv, "--epsilons", "2", "--seeds", "5", "--quick", "--task", "text"]) == 0
+    warnings = [ln for ln in capsys.readouterr().err.splitlines() if "warning" in ln]
+    assert len(warnings) == 1, warnings
+    for option in ("--epsilons", "--seeds", "--quick", "--task"):
+        assert option in warnings[0]
+    assert "--out-dir" not in warnings[0] and "--optimizers" not in warnings[0]
+
+
+def test_help_says_what_runs():
+    """The help of the options and the description match what the command does."""
+    parser = argparse.ArgumentParser()
+    compare.add_arguments(parser)
+    helps = {a.option_strings[-1]: a.help or "" for a in parser._actions if a.option_strings}
+    assert (
+        "--first-seed .. --first-seed+N-1" in helps["--seeds"] and "0..N-1" not in helps["--seeds"]
+    )
+    for name in compare.TASKS:  # --quick: each task's own short run, not "one epoch"
+        task = compare._task(name, training=False)
+        assert f"{name} {task.quick_epochs:g} epoch" in helps["--quick"]
+        assert f"{task.epochs:g} for {name}" in helps["--epochs"]
+    assert "one epoch" not in helps["--quick"]
+    for option, default in (("--task", "digits"), ("--delta", "1e-5"), ("--accountant", "rdp")):
+        assert f"(default: {default})" in helps[option], option
+    assert "lr_sensitivity.png" in helps["--out-dir"]
+    doc = " ".join(compare.__doc__.split())
+    assert "after --from-runs the first line is the rebuild command" in doc

@@ -33,8 +33,9 @@ Optimizer names are finetune's, the command-line names of the rule registry
 (:mod:`dpkern.rules`): dp-sgd, dp-adam, dp-adambc, dp-adamw, dp-adamw-bc, dp-macadam and
 the families of SPEC section 10 (dp-rmsprop, dp-adagrad, dp-radam, dp-lion, ...); each
 rule's learning-rate grid is its ``RuleSpec.lr_grid``. NAME+bc (dp-rmsprop+bc, ...) runs a
-family with noise_bias_correction=True, on its grid divided by 30. The command echoed at the top of
-table.md is the one that ran (rerunning it runs the same grid).
+family with noise_bias_correction=True, on its grid divided by 30. The command echoed at the
+top of table.md is the one that ran (rerunning it runs the same grid); after --from-runs the
+first line is the rebuild command (the runs.csv files hold each run's settings).
 
 Example:  dpkern compare --task digits --epsilons 1 3 7 --seeds 3 --optimizers all
 """
@@ -52,7 +53,7 @@ import time
 from pathlib import Path
 
 from .grid import QUICK_OPTIMIZERS, command_line, plan
-from .options import add_arguments
+from .options import add_arguments, ignored_by_from_runs
 from .report import (
     CSV_RUN_FIELDS,
     CSV_SUMMARY_FIELDS,
@@ -72,6 +73,7 @@ from .tasks import (
     TEXT_BLOCK_SIZE,
     TEXT_VAL_FRACTION,
     DigitsCNN,
+    MissingExtra,
     Task,
     _task,
     digits_splits,
@@ -127,11 +129,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"dpkern compare: error: {exc}", file=sys.stderr)
         return 2
     except ImportError as exc:  # scikit-learn (digits) or transformers (text) missing
-        print(
-            f"dpkern compare: error: --task {args.task} needs {exc.name}: "
-            "pip install 'dpkern[compare]'",
-            file=sys.stderr,
-        )
+        msg = exc if isinstance(exc, MissingExtra) else f"--task {args.task} needs {exc.name}"
+        print(f"dpkern compare: error: {msg}", file=sys.stderr)
         return 2
     if args.delta >= 1.0 / task.num_train:
         print(
@@ -196,9 +195,16 @@ def _report(out: Path, rows, summary, task, delta, header, written) -> None:
 
 def _rebuild(args) -> int:
     """``--from-runs``: the report of earlier runs, nothing trained."""
+    ignored = ignored_by_from_runs(args)
+    if ignored:
+        print(
+            f"dpkern compare: warning: --from-runs ignores {', '.join(ignored)} (the runs.csv "
+            "files hold each run's settings)",
+            file=sys.stderr,
+        )
     try:
         rows = read_runs(args.from_runs)
-        task = _task(rows[0]["task"])
+        task = _task(rows[0]["task"], training=False)  # (transformers not needed to report)
     except (ValueError, KeyError) as exc:
         print(f"dpkern compare: error: {exc}", file=sys.stderr)
         return 2

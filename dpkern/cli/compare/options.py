@@ -10,7 +10,7 @@ from pathlib import Path
 from ... import rules
 from ...accounting import ACCOUNTANTS
 from ...backends import BACKENDS
-from .tasks import TASKS
+from .tasks import EPOCHS, TASKS
 from .training import OPTIMIZERS
 
 
@@ -61,7 +61,12 @@ def _optimizer_name(text: str) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``dpkern compare`` (see the module docstring)."""
-    parser.add_argument("--task", choices=sorted(TASKS), default="digits")
+    parser.add_argument(
+        "--task",
+        choices=sorted(TASKS),
+        default="digits",
+        help="the benchmark, see above (default: digits)",
+    )
     parser.add_argument(
         "--epsilons",
         type=_positive_float,
@@ -74,8 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--seeds",
         type=_positive_int,
         default=3,
-        help="seeds per cell, 0..N-1 (from --first-seed); a seed fixes the init, the "
-        "sampling AND the noise key (not private, see above) (default: 3)",
+        metavar="N",
+        help="N seeds per cell: --first-seed .. --first-seed+N-1; a seed fixes the init, "
+        "the sampling AND the noise key (not private, see above) (default: 3)",
     )
     parser.add_argument(
         "--first-seed",
@@ -105,7 +111,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--epochs",
         type=_positive_float,
         default=None,
-        help="expected passes over the training set (default: 15 for digits, 1 for text)",
+        help="expected passes over the training set (default: "
+        + ", ".join(f"{e:g} for {name}" for name, (e, _) in EPOCHS.items())
+        + ")",
     )
     parser.add_argument(
         "--batch-size",
@@ -113,7 +121,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=64,
         help="expected (Poisson) batch size (default: 64)",
     )
-    parser.add_argument("--delta", type=_unit_interval, default=1e-5)
+    parser.add_argument(
+        "--delta",
+        type=_unit_interval,
+        default=1e-5,
+        help="the delta of (epsilon, delta)-DP, in (0, 1), well below 1/N (default: 1e-5)",
+    )
     parser.add_argument(
         "--max-grad-norm",
         type=_positive_float,
@@ -130,8 +143,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         + ", ".join(s.title for s in rules.RULES.values() if s.decoupled_decay)
         + " (default: 0.01, torch.optim.AdamW's)",
     )
-    parser.add_argument("--accountant", choices=ACCOUNTANTS, default="rdp")
-    parser.add_argument("--backend", choices=BACKENDS, default="auto")
+    parser.add_argument(
+        "--accountant",
+        choices=ACCOUNTANTS,
+        default="rdp",
+        help="the accountant that calibrates sigma and reports epsilon spent (default: rdp)",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="auto",
+        help="the optimizers' kernels (default: auto)",
+    )
     parser.add_argument(
         "--jobs",
         type=_positive_int,
@@ -142,7 +165,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--out-dir",
         type=Path,
         default=Path("compare_results"),
-        help="where runs.csv, summary.csv, table.md and plot.png go (default ./compare_results)",
+        help="where runs.csv, summary.csv, table.md, plot.png and lr_sensitivity.png go "
+        "(default: ./compare_results)",
     )
     parser.add_argument(
         "--from-runs",
@@ -151,11 +175,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="CSV",
         help="train nothing: rebuild summary.csv, table.md and the plots in --out-dir from "
         "the runs.csv of earlier runs (several files are concatenated, e.g. runs of "
-        "different optimizers with the same settings); the other options are ignored",
+        "different optimizers with the same settings); the other options are ignored "
+        "(a warning names those given)",
     )
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="smoke test in seconds: first epsilon, one seed, two optimizers, "
-        "one learning rate, one epoch",
+        help="smoke test in seconds: first epsilon, one seed, two optimizers, one learning "
+        "rate (the middle of each grid), and the task's short run unless --epochs is given: "
+        + ", ".join(f"{name} {q:g} epoch" for name, (_, q) in EPOCHS.items())
+        + " (a few steps)",
     )
+
+
+def ignored_by_from_runs(args: argparse.Namespace) -> list[str]:
+    """The options of ``args`` that --from-runs ignores and that were given (a value other
+    than the default), e.g. ``["--epsilons", "--quick"]``; --out-dir is used, not listed."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return [
+        "--" + dest.replace("_", "-")
+        for dest, default in vars(parser.parse_args([])).items()
+        if dest not in ("from_runs", "out_dir") and getattr(args, dest, default) != default
+    ]

@@ -4,6 +4,7 @@ job's model and data)."""
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,12 +30,20 @@ class Task:
     make_model: Callable[[int], nn.Module]
     loss_fn: Callable
     evaluate: Callable[[nn.Module, str], float]
-    epochs: float = 15.0  # default expected passes over the training set
-    quick_epochs: float = 1.0  # --quick's
+    epochs: float = 15.0  # default expected passes over the training set (EPOCHS)
+    quick_epochs: float = 1.0  # --quick's (EPOCHS)
 
     @property
     def num_train(self) -> int:
         return int(self.train[0].shape[0])
+
+
+# per task: (default --epochs, --quick's epochs), for the tasks below and the options' help
+EPOCHS = {"digits": (15.0, 1.0), "text": (1.0, 0.05)}
+
+# per task: the modules its training runs import beyond dpkern's own dependencies, each
+# with the extra of pyproject.toml that installs it; checked by _task before anything runs
+TRAINING_NEEDS = {"digits": (("sklearn", "compare"),), "text": (("transformers", "llm"),)}
 
 
 class DigitsCNN(nn.Module):
@@ -94,8 +103,17 @@ def digits_task() -> Task:
         model.eval()
         return 100.0 * (model(x).argmax(1) == y).float().mean().item()
 
+    epochs, quick_epochs = EPOCHS["digits"]
     return Task(
-        "digits", "test accuracy (%)", True, splits["train"], make_model, TF.cross_entropy, evaluate
+        "digits",
+        "test accuracy (%)",
+        True,
+        splits["train"],
+        make_model,
+        TF.cross_entropy,
+        evaluate,
+        epochs=epochs,
+        quick_epochs=quick_epochs,
     )
 
 
@@ -122,6 +140,7 @@ def text_task() -> Task:
         return math.exp(models.evaluate(model, splits[split], 64, torch.device("cpu")))
 
     # sample_loss(logits, ids) gets the block as input and as target: train = (ids, ids)
+    epochs, quick_epochs = EPOCHS["text"]
     return Task(
         "text",
         "held-out perplexity (per byte)",
@@ -130,8 +149,8 @@ def text_task() -> Task:
         make_model,
         models.sample_loss,
         evaluate,
-        epochs=1.0,
-        quick_epochs=0.05,
+        epochs=epochs,
+        quick_epochs=quick_epochs,
     )
 
 
@@ -140,7 +159,22 @@ TASKS = {"digits": digits_task, "text": text_task}
 _TASK_CACHE: dict[str, Task] = {}
 
 
-def _task(name: str) -> Task:
+class MissingExtra(ImportError):
+    """A module a task needs is not installed; the message names the extra to install."""
+
+
+def _task(name: str, *, training: bool = True) -> Task:
+    """The task ``name``, built once. ``training`` (not for --from-runs, which only reports):
+    first check that the modules its training runs import are installed.
+
+    Raises: MissingExtra (an ImportError) naming the module and the extra to install."""
+    for module, extra in TRAINING_NEEDS.get(name, ()) if training else ():
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise MissingExtra(
+                f"--task {name} needs {module}: pip install 'dpkern[{extra}]'", name=module
+            ) from exc
     if name not in _TASK_CACHE:
         _TASK_CACHE[name] = TASKS[name]()
     return _TASK_CACHE[name]
