@@ -167,7 +167,9 @@ def markdown(rows, d: int, batch: int, backend: str) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.families", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--d", default="1M", help="coordinates (e.g. 1M, 4M)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--device", default="cpu")

@@ -222,15 +222,27 @@ def main(argv=None) -> dict:
     """``python -m bench.ghost``: the ghost part alone; prints the tables, writes the files
     under ``--out`` and returns the results (with "machine" and "command" added)."""
     ap = argparse.ArgumentParser(prog="python -m bench.ghost", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     ap.add_argument(
         "--layers",
         nargs="*",
         default=list(DEFAULT_LAYERS),
         help="Linear shapes BxTxDxP (default: %(default)s; none: no per-layer table)",
     )
-    ap.add_argument("--blocks", nargs="+", type=int, default=list(DEFAULT_BLOCKS))
-    ap.add_argument("--batches", nargs="+", type=int, default=list(DEFAULT_BATCHES))
+    ap.add_argument(
+        "--blocks",
+        nargs="+",
+        type=int,
+        default=list(DEFAULT_BLOCKS),
+        help="end-to-end block lengths in tokens, >= 2 (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--batches",
+        nargs="+",
+        type=int,
+        default=list(DEFAULT_BATCHES),
+        help="end-to-end batch sizes B (default: %(default)s)",
+    )
     ap.add_argument(
         "--models",
         nargs="+",
@@ -244,14 +256,26 @@ def main(argv=None) -> dict:
         default=LORA_R,
         help="LoRA rank of the -lora models (default: %(default)s; alpha 16, dropout 0)",
     )
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--sigma", type=float, default=1.0)
-    ap.add_argument("--clip", type=float, default=1.0)
-    ap.add_argument("--threads", type=int)
-    ap.add_argument("--no-memory", action="store_true")
-    ap.add_argument("--out", type=Path)
-    ap.add_argument("--quiet", action="store_true")
+    ap.add_argument(
+        "--repeats", type=int, default=5, help="timed runs per candidate (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--warmup", type=int, default=1, help="untimed runs first (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--sigma", type=float, default=1.0, help="noise multiplier (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--clip", type=float, default=1.0, help="clipping bound C (default: %(default)s)"
+    )
+    ap.add_argument("--threads", type=int, help="torch threads (default: torch's own)")
+    ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        help="results directory (default: bench/results/<UTC time>-ghost)",
+    )
+    ap.add_argument("--quiet", action="store_true", help="print nothing")
     args = ap.parse_args(argv)
     try:
         layers = [parse_layer(s) for s in args.layers]

@@ -213,7 +213,9 @@ def print_table(rows, d, n_tensors, bw, gs_dtype, device):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python bench/gpu_check.py", description=__doc__.split("\n")[0]
+    )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--gs-dtype", default="float32", choices=["float32", "bfloat16", "float16"])

@@ -204,7 +204,9 @@ def _worker(rank, world, tmp, device_type, way):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python bench/gpu_dist_check.py", description=__doc__.splitlines()[0]
+    )
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--world", type=int, help="processes (default: GPUs, or 2 on cpu)")
     ap.add_argument("--atol", type=float, default=1e-4)

@@ -796,7 +796,7 @@ def main(argv=None) -> dict:
     say("\n" + render_markdown(results))
     say(
         f"\n(total {results['elapsed_s']:.0f}s; load average at start "
-        f"{info['loadavg'][0]:.1f}, at end {load:.1f}; results in {args.out.name}/)"
+        f"{info['loadavg'][0]:.1f}, at end {load:.1f}; results in {args.out}/)"
     )
     return results
 

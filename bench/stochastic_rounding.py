@@ -92,7 +92,9 @@ def train(setting, seed: int, args, x, y) -> float:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.stochastic_rounding", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--lr", type=float, default=2e-4)
     ap.add_argument("--sigma", type=float, default=1.0)

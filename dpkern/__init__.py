@@ -7,6 +7,7 @@ The contract they implement is SPEC.md (the noise stream, the math of each optim
 """
 
 from . import accounting, functional, ghost, grad_sample, rules, sampling
+from .guards import StepInterrupted
 from .optim import DPOptimizer
 from .optim import optimizers as _optimizers
 from .optim.optimizers import *  # noqa: F403  (one class per update rule of dpkern.rules)
@@ -15,6 +16,7 @@ __version__ = "0.1.0"  # the one source of the version: pyproject.toml reads it 
 __all__ = [
     *_optimizers.__all__,
     "DPOptimizer",
+    "StepInterrupted",
     "rules",
     "functional",
     "accounting",

@@ -112,6 +112,17 @@ def test_bad_input_is_one_line_and_exit_2(text_file, tmp_path, capsys, argv, opt
     assert not (tmp_path / "x").exists()
 
 
+def test_missing_transformers_names_no_option(monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    monkeypatch.setitem(sys.modules, "transformers.utils", None)
+    assert audit("--quick", "--path", "ghost", "--quiet") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0, err
+    assert err.startswith("dpkern audit: error: the finetune job needs transformers"), err
+
+
 class _no_raise:
     def __enter__(self):
         return self

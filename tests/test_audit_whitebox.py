@@ -150,6 +150,22 @@ def test_calibration_sees_a_sigma_the_bound_cannot(monkeypatch):
     assert res.calibration.sigma_effective == pytest.approx(0.9 * res.noise_multiplier, rel=0.25)
 
 
+def test_summary_says_when_sigma_eff_is_not_estimable():
+    import numpy as np
+
+    from dpkern.audit.calibration import calibration_check
+
+    rng = np.random.default_rng(case_seed(41))
+    out, sim_out, sim_in = (rng.normal(size=200) for _ in range(3))
+    sim_in += 0.5  # the honest shift; the observed one is negative (noise won)
+    cal = calibration_check(rng.normal(size=200) - 1.0, out, sim_in, sim_out, sigma=0.44)
+    assert cal.signal_ratio < 0 and cal.sigma_effective == float("inf")
+    line = cal.summary()
+    assert "sigma_eff not estimable" in line and "inf" not in line, line
+    honest = calibration_check(rng.normal(size=200) + 0.5, out, sim_in, sim_out, sigma=0.44)
+    assert f"sigma_eff {honest.sigma_effective:.4g} vs 0.44" in honest.summary()
+
+
 @pytest.mark.slow
 def test_data_parallel_path(monkeypatch):
     """Two gloo processes: honest with ghost clipping, then noise off per-sample."""

@@ -89,7 +89,7 @@ def test_targets_report_measured_ratio_or_why_not():
     assert "**no**" in R.markdown_targets(R.check_targets(slow, ["cpp"]))
 
 
-def test_report_end_to_end_tiny(tmp_path):
+def test_report_end_to_end_tiny(tmp_path, capsys):
     pytest.importorskip("opacus")
     out = tmp_path / "res"
     threads = torch.get_num_threads()
@@ -118,13 +118,13 @@ def test_report_end_to_end_tiny(tmp_path):
                 "--no-ghost",
                 "--out",
                 str(out),
-                "--quiet",
             ]
             + ([] if _has_matplotlib() else ["--no-plot"])
         )
     finally:
         R.set_threads(threads)
     saved = json.loads((out / "results.json").read_text())
+    assert capsys.readouterr().out.rstrip().endswith(f"results in {out}/)")  # the path given
     assert saved["summary"] == json.loads(json.dumps(res["summary"]))
     for key in ("cpu", "cores", "torch", "dpkern", "date", "loadavg"):
         assert key in saved["machine"]
@@ -157,3 +157,15 @@ def _has_matplotlib() -> bool:
         return True
     except ImportError:
         return False
+
+
+@pytest.mark.parametrize("name", ["families", "ghost", "report", "stochastic_rounding"])
+def test_help_names_the_module_command(name, capsys):
+    import importlib
+
+    module = importlib.import_module(f"bench.{name}")
+    entry = module.parse_args if name == "report" else module.main
+    with pytest.raises(SystemExit) as exc:
+        entry(["--help"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: python -m bench.{name} ")

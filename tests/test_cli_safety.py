@@ -549,3 +549,12 @@ def test_block_and_batch_size_errors_name_the_right_option(
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith(f"dpkern finetune: error: {option}:"), err
     assert not out.exists()
+
+
+def test_version_option(capsys):
+    import dpkern
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out == f"dpkern {dpkern.__version__}\n"

@@ -483,6 +483,70 @@ def test_nproc_2_fsdp_equals_ddp_and_resumes(text_file, tmp_path):
     assert [(g["steps"], g["fsdp"]) for g in m2["segments"]] == [([0, 4], False), ([4, 6], True)]
 
 
+def _bar_epsilon(err):
+    """The epsilon on the progress bar's last line (tqdm redraws with carriage returns)."""
+    shown = [part for part in err.replace("\r", "\n").splitlines() if "eps=" in part]
+    assert shown, err
+    return shown[-1].split("eps=")[1].split(",")[0].rstrip("]")
+
+
+@pytest.mark.parametrize("stop_at", [None, 2])
+def test_progress_bar_ends_with_the_accountants_epsilon(
+    text_file, tmp_path, capsys, monkeypatch, stop_at
+):
+    import os
+    import signal
+
+    from dpkern.cli.finetune import job as ft
+    from dpkern.cli.finetune import loop
+
+    monkeypatch.setattr(loop, "EPS_REFRESH_S", 1e9)  # only the first and last step refresh
+    real = ft.make_optimizer
+
+    def make(*args, **kwargs):  # SIGTERM after step ``stop_at`` (the CLI stops there)
+        opt = real(*args, **kwargs)
+        step = opt.step
+
+        def step_then_preempt(*a, **k):
+            result = step(*a, **k)
+            if opt.dp_step == stop_at:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return result
+
+        opt.step = step_then_preempt
+        return opt
+
+    monkeypatch.setattr(ft, "make_optimizer", make)
+    out = tmp_path / "run"
+    argv = [a for a in TINY if a != "--quiet"]
+    code = finetune(
+        "--data", text_file, "--steps", 4 if stop_at is None else 50, "--out", out, *argv
+    )
+    assert code == (0 if stop_at is None else 143)
+    m = read_metrics(out)
+    assert m["step"] == (stop_at or 4)
+    assert _bar_epsilon(capsys.readouterr().err) == f"{m['epsilon']:.2f}"
+
+
+def test_bar_epsilon_is_recomputed_on_a_new_step_after_the_interval_or_at_the_end():
+    from dpkern.cli.finetune.loop import _BarEpsilon
+
+    class Accountant:
+        calls = 0
+
+        def get_epsilon(self, delta):
+            self.calls += 1
+            return float(self.calls)
+
+    acc = Accountant()
+    slow = _BarEpsilon(acc, 1e-5, step=0, interval=1e9)
+    assert slow.at(1) == 1.0  # the first value is computed
+    assert slow.at(2) == 1.0 and slow.at(3) == 1.0  # within the interval: kept
+    assert slow.at(4, final=True) == 2.0 and slow.at(4, final=True) == 2.0  # once per step
+    fast = _BarEpsilon(acc, 1e-5, step=0, interval=0.0)
+    assert [fast.at(1), fast.at(1), fast.at(2)] == [3.0, 3.0, 4.0]  # each new step
+
+
 def test_missing_transformers_is_a_one_line_error(monkeypatch, capsys):
     import sys
 
@@ -491,6 +555,11 @@ def test_missing_transformers_is_a_one_line_error(monkeypatch, capsys):
     assert finetune("--steps", 1, "--quiet") == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "pip install 'dpkern[llm]'" in err, err
+    assert err.startswith("dpkern finetune: error: the finetune job needs transformers"), err
+    # the option is named only when it was given
+    assert finetune("--model", "some-dir", "--steps", 1, "--quiet") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("dpkern finetune: error: --model: the finetune job needs"), err
 
 
 @pytest.mark.parametrize(

@@ -311,3 +311,11 @@ def test_validation_errors_do_not_poison_the_optimizer():
     _fill(params)
     opt.step()
     assert opt.dp_step == 1
+
+
+def test_step_interrupted_is_exported():
+    import dpkern
+    import dpkern.optim
+
+    assert dpkern.StepInterrupted is dpkern.optim.StepInterrupted is StepInterrupted
+    assert "StepInterrupted" in dpkern.__all__ and "StepInterrupted" in dpkern.optim.__all__

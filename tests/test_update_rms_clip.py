@@ -240,6 +240,17 @@ def test_noiseless_unclipped_is_torch_adamw():
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("rule", list(CLASSES))
+def test_the_docstring_entry_is_an_argument_like_the_others(rule):
+    import inspect
+
+    lines = inspect.getdoc(CLASSES[rule]).splitlines()
+    (entry,) = [ln for ln in lines if ln.lstrip().startswith("update_rms_clip (")]
+    (decay,) = [ln for ln in lines if ln.lstrip().startswith("weight_decay (")]
+    indent = len(entry) - len(entry.lstrip())
+    assert indent == len(decay) - len(decay.lstrip()) == 4, entry
+
+
 @pytest.mark.parametrize("bad", [0, -1.0, float("inf"), float("nan"), True, "1"])
 @pytest.mark.parametrize("rule", list(CLASSES))
 def test_bad_values_are_refused(rule, bad):

@@ -157,10 +157,13 @@ class Calibration:
         if not self.available:
             return f"n/a ({self.reason})"
         word = "ok" if self.ok else "FAIL"
+        if math.isfinite(self.sigma_effective):
+            eff = f"sigma_eff {self.sigma_effective:.4g} vs {self.sigma:.4g}"
+        else:  # no positive signal to divide by: the canaries' shift is lost in the noise
+            eff = "sigma_eff not estimable (no positive signal: too few steps or canaries)"
         return (
             f"{word}: noise spread x{self.noise_ratio:.3f} (z {self.z_noise:+.1f}), "
-            f"signal x{self.signal_ratio:.3f} (z {self.z_signal:+.1f}), "
-            f"sigma_eff {self.sigma_effective:.4g} vs {self.sigma:.4g}"
+            f"signal x{self.signal_ratio:.3f} (z {self.z_signal:+.1f}), {eff}"
         )
 
 

@@ -28,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = _Parser(
         prog="dpkern", description="Differentially private training with fused kernels."
     )
+    from .. import __version__
+
+    parser.add_argument("--version", action="version", version=f"dpkern {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="command")
     modules = {}
     for name, help_text in COMMANDS.items():

@@ -12,11 +12,19 @@
   :mod:`~dpkern.optim.adagrad`, :mod:`~dpkern.optim.adadelta`,
   :mod:`~dpkern.optim.ademamix`, :mod:`~dpkern.optim.radam`, :mod:`~dpkern.optim.lion`,
   :mod:`~dpkern.optim.adafactor`; :mod:`dpkern.optim._docs` holds their shared docstring
-  fragments; :mod:`dpkern.optim.optimizers` re-exports every class, all exported here.
+  fragments; :mod:`dpkern.optim.optimizers` re-exports every class, all exported here;
+  so is :class:`~dpkern.guards.StepInterrupted` (raised after a step failed midway).
 """
 
+from ..guards import StepInterrupted
 from . import optimizers as _optimizers
 from .base import DPOptimizer, key_fingerprint, secure_key
 from .optimizers import *  # noqa: F403  (the classes listed in optimizers.__all__)
 
-__all__ = ["DPOptimizer", *_optimizers.__all__, "key_fingerprint", "secure_key"]
+__all__ = [
+    "DPOptimizer",
+    *_optimizers.__all__,
+    "StepInterrupted",
+    "key_fingerprint",
+    "secure_key",
+]

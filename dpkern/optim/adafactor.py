@@ -21,7 +21,7 @@ class DPAdafactor(DPOptimizer):
     .. math::
         \begin{aligned}
         &\hat g = \big(\textstyle\sum_i c_i g_i + \sigma C z_t\big) / B_e, \quad
-          w_t = t^{c}, \quad \rho_t = \min(\gamma_{lr}, 1/\sqrt t), \quad
+          w_t = t^{k}, \quad \rho_t = \min(\gamma_{lr}, 1/\sqrt t), \quad
           \alpha_t = \max(\epsilon_2, \mathrm{RMS}(\theta))\,\rho_t \\
         &\theta \leftarrow \theta (1 - \gamma_{lr}\lambda) \quad (\text{decoupled}) \\
         &\text{(}\ge\text{2-D)}\; r \leftarrow \mathrm{lerp}(r, \mathrm{mean}_{-1}\hat g^2, w_t),
@@ -45,7 +45,7 @@ class DPAdafactor(DPOptimizer):
     Args:
         params: iterable of parameters or dicts defining parameter groups.
         lr (float): gamma_lr >= 0, the cap of the relative step rho_t (default 1e-2).
-        beta2_decay (float): c <= 0, w_t = t^c (default -0.8).
+        beta2_decay (float): k <= 0, the exponent of w_t = t^k (default -0.8).
         eps (tuple[float | None, float]): (eps1, eps2) (default (None, 1e-3)): eps1 >= 0
             floors V (as eps1^2) and mean(r); None = float32's epsilon 2^-23 (the update
             is computed in float32 whatever the parameter dtype); eps2 >= 0 floors RMS(p).
@@ -55,7 +55,7 @@ class DPAdafactor(DPOptimizer):
             (default False).
         gamma (float, keyword-only): gamma_0 > 0, the floor of every corrected factor
             (default 1e-8, as DP-AdamBC).
-    """
+"""  # (_RMS_CLIP_ARG brings its own indentation)
         + _RMS_CLIP_ARG
         + r"""            Here U = U_hat / max(1, RMS(U_hat) / d), the update after Adafactor's
             own per-tensor clipping (so only d_u < d has an effect), and the step is

@@ -111,7 +111,7 @@ class DPAdamW(_AdamFamily):
         + _ADAM_ARGS
         + r"""        eps (float): epsilon > 0 (default 1e-8).
         weight_decay (float): lambda, decoupled (default 1e-2, torch.optim.AdamW's).
-    """
+"""  # (_RMS_CLIP_ARG brings its own indentation)
         + _RMS_CLIP_ARG
         + r"""            Here U = m_hat / (sqrt(v_hat) + eps), and the step is
             theta (1 - lr lambda) - (lr s) m_hat / (sqrt(v_hat) + eps).
@@ -227,7 +227,7 @@ class DPAdamWBC(_AdamFamily):
         + _ADAM_ARGS
         + r"""        gamma (float): gamma_0 > 0, the floor inside the sqrt (default 1e-8).
         weight_decay (float): lambda, decoupled (default 1e-2).
-    """
+"""  # (_RMS_CLIP_ARG brings its own indentation)
         + _RMS_CLIP_ARG
         + r"""            Here U = m_hat / sqrt(max(v_hat - phi_hat, gamma_0)).
             Raises ValueError for a value that is not None nor a finite float > 0.

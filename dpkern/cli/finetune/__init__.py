@@ -1,8 +1,9 @@
 """Private fine-tuning of a causal language model (the main job).
 
 Trains a causal LM on text with a DP optimizer of dpkern: Poisson-sampled batches of
-fixed-length blocks, per-sample gradients (torch.func, or Opacus' GradSampleModule),
-clipping + Gaussian noise + update in one fused step, and an accountant (dp-accounting)
+fixed-length blocks, per-sample clipping (by default ghost clipping; --clipping per-sample
+materialises per-sample gradients with torch.func or Opacus' GradSampleModule), Gaussian
+noise + update in one fused step, and an accountant (dp-accounting)
 that reports the epsilon spent. The noise multiplier sigma is calibrated so that the
 target epsilon is reached exactly at the end of training.
 

@@ -63,10 +63,11 @@ def _safe_name(name) -> bool:
 
 
 class UsageError(Exception):
-    """Bad input: printed as one line naming the option, exit code 2."""
+    """Bad input: printed as one line naming the option (None: no option to blame), exit
+    code 2."""
 
-    def __init__(self, option: str, message: str):
-        super().__init__(f"{option}: {message}")
+    def __init__(self, option: str | None, message: str):
+        super().__init__(f"{option}: {message}" if option else message)
         self.option = option
 
 

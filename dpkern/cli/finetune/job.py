@@ -402,7 +402,7 @@ def prepare(args) -> Job:
         from transformers.utils import logging as hf_logging
     except ImportError:
         raise UsageError(
-            "--model",
+            "--model" if getattr(args, "model", None) else None,
             "the finetune job needs transformers, which is not "
             "installed (pip install 'dpkern[llm]')",
         ) from None

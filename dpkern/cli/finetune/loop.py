@@ -1,7 +1,10 @@
 """The training loop of ``dpkern finetune``: Poisson-sampled steps, checkpoints (at
 --save-every, at a SIGINT / SIGTERM step boundary, at the end), metrics.json and the
 summary. Nothing exact and data-dependent (samples drawn, clipped, non-finite) is written
-or shown; a run with --noise-seed says it is not private instead of claiming an epsilon."""
+or shown; a run with --noise-seed says it is not private instead of claiming an epsilon.
+The progress bar's epsilon is recomputed at most every ``options.EPS_REFRESH_S`` seconds
+(an accountant's epsilon can be slow), so it may lag a few steps, and always at the last
+step (the end, or a stop): the final bar's epsilon is exact."""
 
 from __future__ import annotations
 
@@ -15,7 +18,26 @@ from ... import models
 from ..stop import StopSignals
 from .checkpoint import write_checkpoint
 from .clipping import unit_chunks
+from .options import EPS_REFRESH_S
 from .plan import NOT_PRIVATE, run_record, unit_name
+
+
+class _BarEpsilon:
+    """The progress bar's epsilon: the accountant's at ``delta``, recomputed by
+    :meth:`at` when the step count changed and either ``interval`` seconds passed since
+    the last computation or the step is final (the last step, or a stop), so the final
+    bar shows the exact epsilon and the cost stays bounded."""
+
+    def __init__(self, accountant, delta: float, step: int, interval: float):
+        self.accountant, self.delta, self.interval = accountant, delta, interval
+        self.value, self.step, self.time = None, step, -math.inf
+
+    def at(self, step: int, final: bool = False) -> float:
+        now = time.perf_counter()
+        fresh = step == self.step and self.value is not None
+        if not fresh and (final or now - self.time >= self.interval):
+            self.value, self.step, self.time = self.accountant.get_epsilon(self.delta), step, now
+        return self.value
 
 
 def _fmt_time(seconds: float) -> str:
@@ -60,7 +82,7 @@ def run_training(args, job, dist_ctx=None, stop: StopSignals | None = None) -> i
     train_time = 0.0
     segment_start = done
     loss_ema = None
-    eps_shown, eps_time = accountant.get_epsilon(delta), 0.0
+    bar_eps = _BarEpsilon(accountant, delta, done, EPS_REFRESH_S) if private else None
 
     # Throughput of the EXPECTED batch: the exact count of sampled blocks depends on the
     # data. For block units it is in tokens (B_e blocks of block_size); for documents and
@@ -251,12 +273,11 @@ def run_training(args, job, dist_ctx=None, stop: StopSignals | None = None) -> i
         if count:  # (the un-noised training loss: for the operator only)
             mean = loss_sum / count
             loss_ema = mean if loss_ema is None else 0.9 * loss_ema + 0.1 * mean
-        now = time.perf_counter()
-        if private and (now - eps_time > 5.0 or optimizer.dp_step == steps):
-            eps_shown, eps_time = accountant.get_epsilon(delta), now
+        final = optimizer.dp_step >= steps or stop_now
+        eps = bar_eps.at(optimizer.dp_step, final) if private else None
         bar.set_postfix(
             loss=f"{loss_ema:.3f}" if loss_ema is not None else "-",
-            **({"eps": f"{eps_shown:.2f}"} if private else {}),
+            **({"eps": f"{eps:.2f}"} if private else {}),
             **(
                 {"units_s": f"{expected_units_per_second():.1f}"}
                 if per_unit

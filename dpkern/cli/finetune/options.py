@@ -46,6 +46,11 @@ DEFAULTS = {
 DEFAULT_MICRO_BATCH = 64
 
 
+#: Seconds between two epsilon computations for the progress bar (the accountant's epsilon
+#: can be slow); the bar's last step (the end, or a stop) is always recomputed: exact.
+EPS_REFRESH_S = 5.0
+
+
 #: Options that define the run plan: taken from the checkpoint on --resume.
 PLAN_OPTIONS = (
     "model",
@@ -253,10 +258,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--clipping",
         choices=CLIPPING_MODES,
-        help="how per-sample gradients are "
-        "clipped: ghost (dpkern.ghost: norms from activations and output "
-        "gradients, no per-sample gradients in memory) or per-sample "
-        "(materialised, see --grad-sample). Default: ghost when it covers every "
+        help="how per-sample gradients are clipped: ghost (dpkern.ghost: norms from "
+        "activations and output gradients; per-sample gradients only for layers where "
+        "they are cheaper, such as small ones and LoRA adapters, within a memory budget) "
+        "or per-sample (materialised for every layer, see --grad-sample). Default: ghost "
+        "when it covers every "
         "trainable layer, else per-sample; dp-macadam always uses per-sample",
     )
     g.add_argument(
@@ -326,7 +332,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help=f"also write epsilon at delta = 1e-2 ... 1e-12 (and the target) to {FILES['metrics']}",
     )
-    g.add_argument("--quiet", action="store_true", help="no progress bar")
+    g.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress bar (it shows the training loss and the epsilon spent, the "
+        f"latter recomputed at most every {EPS_REFRESH_S:g} s, exact at the last step)",
+    )
 
 
 def require(cond: bool, option: str, message: str) -> None:
