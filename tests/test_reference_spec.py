@@ -288,11 +288,13 @@ def test_optimizer_matches_spec(config, sigma, dtype):
     opt, model, trainable, nogs, gen = build(config, dtype, sigma, seed)
     frozen = [p for g in opt.param_groups for p in g["params"] if not p.requires_grad]
     frozen_before = [p.detach().clone() for p in frozen]
-    nogs_before = trainable[min(nogs)].detach().clone()
+    nogs_moved = False  # checked per step: DP-Lion's +-lr sign steps may cancel over all 4
     for t, B in enumerate(BATCHES, start=1):
         grads = make_grads(trainable, nogs, B, gen, dtype)
         set_grad_samples(trainable, grads)
+        nogs_before = trainable[min(nogs)].detach().clone()
         opt.step()
+        nogs_moved = nogs_moved or not torch.equal(trainable[min(nogs)], nogs_before)
         model.step(grads)
         assert opt.dp_step == t
         compare(opt, model, trainable, dtype, f"{config} sigma={sigma} seed={seed} t={t} B={B}")
@@ -306,7 +308,7 @@ def test_optimizer_matches_spec(config, sigma, dtype):
         sigma > 0 or (dtype == torch.float32 and opt.param_groups[0].get("weight_decay", 0) > 0)
     ):
         # a parameter with no grad_sample is still noised / decayed / updated
-        assert not torch.equal(trainable[min(nogs)], nogs_before)
+        assert nogs_moved, f"{config} seed={seed}: a parameter without grad_sample never moved"
 
 
 @pytest.mark.parametrize(
