@@ -160,3 +160,119 @@ def test_ghost_step_with_formed_layers_equals_per_sample_step():
     opt2.step()
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+class Adapters(nn.Module):
+    """A frozen stack with LoRA-shaped pairs beside each layer, a trainable norm (its
+    output's gradient is requested) and head; only the first pair's input (the model input)
+    needs no grad. ``leak``: the first layer's
+    output is scaled by a tensor that requires grad but is no parameter (nor an input)."""
+
+    def __init__(self, d=24, r=2, n=3, leak=False):
+        super().__init__()
+        self.base = nn.ModuleList(nn.Linear(d, d) for _ in range(n)).requires_grad_(False)
+        self.a = nn.ModuleList(nn.Linear(d, r, bias=False) for _ in range(n))
+        self.b = nn.ModuleList(nn.Linear(r, d, bias=False) for _ in range(n))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, 3)
+        self.scale = torch.ones(d, requires_grad=True) if leak else None
+
+    def forward(self, x):
+        h = x
+        for k, (base, a, b) in enumerate(zip(self.base, self.a, self.b)):
+            h = torch.tanh(base(h) + b(a(h)))
+            if k == 0 and self.scale is not None:
+                h = h.detach() * self.scale  # the pairs above now hang on `scale` alone
+        return self.head(self.norm(h))
+
+
+def _requested(monkeypatch):
+    """The tensors the ghost backward asks autograd for, per call."""
+    asked, real = [], torch.autograd.grad
+
+    def spy(outputs, inputs, *a, **kw):
+        asked.append([x for x in inputs if isinstance(x, torch.Tensor)])
+        return real(outputs, inputs, *a, **kw)
+
+    monkeypatch.setattr(torch.autograd, "grad", spy)
+    return asked
+
+
+def test_formed_weights_reached_through_their_input_skip_their_summed_gradient(monkeypatch):
+    """A formed weight whose activation requires grad is not requested from autograd (its
+    summed gradient, a GEMM as large as the non-private step's, would be thrown away): the
+    backward reaches its node through that activation. Only the first pair's weight, whose
+    input needs no grad, is requested; the norms and sums still equal the loop's."""
+    torch.manual_seed(case_seed(71))
+    model, x = Adapters(), torch.randn(4, 16, 24)
+    loss_of = lowrank_loss
+    params, ref = loop_grads(model, loss_of, x)
+    asked = _requested(monkeypatch)
+    with every_param_early():
+        B, uses, _, formed = _backward(model, params, loss_of, x)
+    formed_ids = {id(params[k]) for k, _, _ in formed.members}
+    assert {id(m.weight) for m in [*model.a, *model.b]} <= formed_ids
+    (inputs,) = asked
+    assert {id(t) for t in inputs} & formed_ids == {id(model.a[0].weight)}
+    plan = Plan(params, uses, B, formed=formed)
+    c = torch.rand(B) + 0.1
+    for p, n, s, r in zip(params, plan.each(), plan.sums(c), ref):
+        torch.testing.assert_close(
+            n.double(), r.reshape(B, -1).square().sum(1), rtol=RTOL, atol=1e-9
+        )
+        want = torch.einsum("b,b...->...", c.double(), r)
+        atol = 16 * torch.finfo(torch.float32).eps * max(1.0, float(r.abs().max()))
+        torch.testing.assert_close(s.double(), want, rtol=RTOL, atol=atol)
+
+
+@pytest.mark.parametrize("how", ["uncovered-parameter", "input"])
+def test_every_formed_weight_is_requested_outside_the_closed_world(how, monkeypatch):
+    """A model parameter requiring grad that the optimizer does not hold, or an input that
+    requires grad, could be all an activation depends on: then every formed weight is
+    requested, and the norms are exact."""
+    torch.manual_seed(case_seed(72))
+    model, x = Adapters(), torch.randn(4, 16, 24)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if how == "uncovered-parameter":
+        params = [p for p in params if p is not model.head.bias]
+    else:
+        x.requires_grad_(True)
+    asked = _requested(monkeypatch)
+    with every_param_early():
+        B, uses, _, formed = _backward(model, params, lowrank_loss, x)
+    (inputs,) = asked
+    formed_ids = {id(params[k]) for k, _, _ in formed.members}
+    assert formed_ids <= {id(t) for t in inputs}
+    want = [
+        r.reshape(B, -1).square().sum(1) for r in loop_grads(model, lowrank_loss, x.detach())[1]
+    ]
+    got = Plan(params, uses, B, formed=formed).each()
+    by_id = {id(p): n for p, n in zip(params, got)}
+    for p, w in zip([p for p in model.parameters() if p.requires_grad], want):
+        if id(p) in by_id:
+            torch.testing.assert_close(by_id[id(p)].double(), w, rtol=RTOL, atol=1e-9)
+
+
+def test_a_use_the_backward_skips_is_refused_and_the_next_step_is_exact():
+    """An activation hanging only on a tensor that requires grad outside the parameters
+    and the inputs (invisible to the closed-world check) leaves its formed use's node out
+    of the backward: the step raises (nothing added to the optimizer) and the next one
+    requests every formed weight, exactly."""
+    torch.manual_seed(case_seed(73))
+    model, x = Adapters(leak=True), torch.randn(4, 16, 24)
+    params = [p for p in model.parameters() if p.requires_grad]
+    kw = dict(lr=0.05, max_grad_norm=1e3, noise_multiplier=0.0, expected_batch_size=4.0)
+    opt = dpkern.DPAdamW(params, **kw, seed=3, backend="torch")
+    before = [p.detach().clone() for p in params]
+    gc_ = dpkern.ghost.GhostClipping(model, opt, verify="off").attach()
+    with every_param_early():
+        with pytest.raises(RuntimeError, match=r"skipped the use\(s\) of a\.1\.weight"):
+            gc_.backward(lowrank_loss(model, x))
+        with pytest.raises(ValueError, match="never computed"):
+            opt.step()  # nothing was accumulated
+        assert all(torch.equal(p, q) for p, q in zip(params, before))
+        _, norms = gc_.clipped_sums(lowrank_loss(model, x))
+    gc_.detach()
+    ref = loop_grads(model, lowrank_loss, x)[1]
+    want = sum(r.reshape(4, -1).square().sum(1) for r in ref).sqrt()
+    torch.testing.assert_close(norms.double(), want, rtol=RTOL, atol=1e-9)

@@ -86,6 +86,25 @@ def test_kept_per_sample_gradients_equal_the_loop(case):
     assert block[:, :3].isnan().all() and block[:, -2:].isnan().all()
 
 
+@pytest.mark.parametrize("where", ["own", "slice"])
+@pytest.mark.parametrize("P0,P1", [(2, 7), (7, 2), (5, 5)], ids=["wide", "narrow", "square"])
+def test_outer_uses_form_in_either_orientation(P0, P1, where):
+    """A weight's per-sample gradient sum_t out (x) inp, two uses added, written as a
+    [P0, P1] row-major block whichever GEMM orientation forms it (the wider dimension last:
+    a LoRA lora_B [p, r] is formed as its transpose) and into its own buffer or a column
+    slice of a shared block (the other columns untouched); against an einsum in float64."""
+    torch.manual_seed(case_seed(61))
+    B = 3
+    uses = [OuterUse(torch.randn(B, T, P0), torch.randn(B, T, P1)) for T in (4, 6)]
+    want = sum(torch.einsum("btp,btq->bpq", u.out.double(), u.inp.double()) for u in uses)
+    block = torch.full((B, 3 + P0 * P1 + 2), float("nan"))
+    got = block[:, 3:-2] if where == "slice" else torch.full((B, P0 * P1), float("nan"))
+    form_into(got, uses, (P0, P1))
+    torch.testing.assert_close(got.double().view(B, P0, P1), want, rtol=RTOL, atol=1e-6)
+    if where == "slice":
+        assert block[:, :3].isnan().all() and block[:, -2:].isnan().all()
+
+
 @pytest.mark.parametrize("route", ["ghost", "kept", "auto"])
 @pytest.mark.parametrize("case", range(2), ids=["gpt2", "seq"])
 def test_routes_give_the_loops_norms_and_sums(case, route):

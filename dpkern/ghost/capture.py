@@ -160,6 +160,10 @@ class Capture:
         self._active = False
         self._in_backward = False
         self._early_cache: dict = {}  # shapes of a step -> its plan_early choice
+        self._uncovered = list(
+            {id(p): p for p in model.parameters() if id(p) not in wanted}.values()
+        )  # (their requires_grad is read at every backward: see _early_requests)
+        self._all_early = False  # request every formed parameter (see _check_reached)
         self._reset()
 
     def _reset(self) -> None:
@@ -172,6 +176,7 @@ class Capture:
         self._generic_records: list[_ModuleRecord] = []
         self._stack: list[nn.Module] = []
         self._batch: int | None = None
+        self._grad_inputs = False  # a forward's input required grad (see _early_requests)
         self._mode = None
         self._depth = 0
 
@@ -217,6 +222,7 @@ class Capture:
                 f"{self._batch} in the same micro-batch"
             )
         self._batch = B
+        self._grad_inputs |= any(t.requires_grad for t in tensors)
         for t in tensors:
             if t.dim() > 0 and t.shape[0] == B:
                 self.layouts.put(t, LEAD)
@@ -436,7 +442,7 @@ class Capture:
             RuntimeError (autograd errors of the backward itself).
         """
         records, generic = self._records, self._generic_records
-        unknown = self._unknown
+        unknown, grad_inputs = self._unknown, self._grad_inputs
         self._reset()
         if losses.dim() != 1:
             raise ValueError(
@@ -485,15 +491,18 @@ class Capture:
         formed, hooked = None, set()
         if early and not check:
             formed = self._plan_early(records, generic, B, keep_bytes)
-        handles, early_ps = [], []
+        handles, early_ps, fired = [], [], set()
         if formed is not None:
-            early_ps = [self.params[k] for k, _, _ in formed.members]
             for r in records:
                 if r.g_map is None and any(id(p) in formed.slot for p in r.params):
                     hooked.add(id(r))
-                    handles.append(r.edge.node.register_prehook(_taker(r, B, formed, uses)))
+                    handles.append(r.edge.node.register_prehook(_taker(r, B, formed, uses, fired)))
         rest = [r for r in records if id(r) not in hooked]  # their gradients are returned
         outputs = [r.edge for r in rest] + [g.output for g in generic]
+        if formed is not None:
+            early_ps = self._early_requests(
+                records, hooked, formed, bool(outputs or extra), grad_inputs
+            )
         self._in_backward = True
         try:
             # the early parameters' summed gradients are requested only so that the
@@ -503,6 +512,8 @@ class Capture:
             self._in_backward = False
             for h in handles:
                 h.remove()
+        if formed is not None and len(early_ps) < len(formed.members):
+            self._check_reached(losses, records, hooked, fired, early_ps)
         n = len(outputs)
         gouts, gparams = grads[:n], grads[n : n + len(extra)]
         summed = list(gparams) if check else None
@@ -528,6 +539,61 @@ class Capture:
                 for p, use in self._generic(rec, g, B):
                     uses[id(p)].append(use)
         return B, [uses[id(p)] for p in self.params], summed, formed
+
+    def _early_requests(self, records, hooked, formed, others: bool, grad_inputs: bool) -> list:
+        """The formed parameters whose summed gradients are requested from the backward, only
+        so that it runs their uses' nodes (whose pre-hooks form them); ``others``: other
+        gradients are requested too.
+
+        A use whose activation required grad needs no request: that activation descends
+        from covered parameters (or recorded outputs), whose gradients are requested or
+        whose own uses are reached in turn (by induction down the graph, which ends at uses
+        whose activation needs no grad: those are requested), so the backward passes the
+        use's node anyway, and the parameter's summed gradient (a GEMM as large as the
+        non-private step's, discarded) is not computed. The induction needs every tensor
+        requiring grad in the forward to descend from the covered parameters: with a model
+        parameter outside them requiring grad, or an input requiring grad, every formed
+        parameter is requested. :meth:`_check_reached` checks the rest afterwards."""
+        members = [self.params[k] for k, _, _ in formed.members]
+        if self._all_early or grad_inputs or any(p.requires_grad for p in self._uncovered):
+            return members
+        need = {id(p) for r in records if id(r) in hooked and not r.grad_input for p in r.params}
+        asked = [p for p in members if id(p) in need]
+        return asked if asked or others else members
+
+    def _check_reached(self, losses, records, hooked, fired, early_ps) -> None:
+        """Raise if the backward skipped the node of a hooked use whose parameter was not
+        requested although the node lies in the loss's graph (a tensor requiring grad
+        outside the covered parameters fed its activation): that use would be missing from
+        the per-sample gradient. Nothing was added anywhere yet; the next steps request
+        every formed parameter."""
+        asked = {id(p) for p in early_ps}
+        skipped = {
+            r.edge.node: r
+            for r in records
+            if id(r) in hooked and id(r) not in fired and not any(id(p) in asked for p in r.params)
+        }
+        if not skipped or losses.grad_fn is None:
+            return
+        seen, todo, hit = set(), [losses.grad_fn], []
+        while todo and len(hit) < len(skipped):
+            node = todo.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            if node in skipped:
+                hit.append(skipped[node])
+            todo.extend(fn for fn, _ in node.next_functions)
+        if hit:
+            self._all_early = True
+            names = sorted({self._pname(p) for r in hit for p in r.params})
+            raise RuntimeError(
+                "ghost clipping: the backward skipped the use(s) of " + ", ".join(names) + " "
+                "formed during it (their input depends on a tensor that requires grad but is "
+                "neither a trainable parameter nor a model input); nothing was updated. Run "
+                "the step again: from now on their gradients are requested (or freeze that "
+                "tensor)"
+            )
 
     def _plan_early(self, records, generic, B: int, keep_bytes):
         """The :class:`.plan.Formed` block of the parameters worth forming during the
@@ -665,13 +731,14 @@ def _take(r, g: Tensor, B: int, formed, uses: dict) -> None:
             formed.add(k, use)
 
 
-def _taker(r, B: int, formed, uses: dict):
+def _taker(r, B: int, formed, uses: dict, fired: set):
     """The pre-hook (on the output's graph node) of a record with a formed parameter: its
     uses are taken as soon as its output gradient arrives, then its inputs (the
-    activations) are let go."""
+    activations) are let go; ``fired`` collects the records it ran for."""
     nr = r.edge.output_nr
 
     def hook(grad_outputs):
+        fired.add(id(r))
         g = grad_outputs[nr]
         if g is not None:
             _take(r, g, B, formed, uses)

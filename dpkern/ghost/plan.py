@@ -26,8 +26,10 @@ arrives (a pre-hook on the op's graph node), after which the use's activation an
 gradient are let go instead of being held to the end of the backward. Chosen where the
 per-sample gradients take fewer bytes than the tensors of the uses (LoRA adapters: ``B r
 (d + p)`` against ``B T (d + p)``) and the kept route still wins with the parameter's
-summed gradient added (autograd computes it: requesting it is what makes the backward reach
-the uses). Not under FSDP2 (DTensor parameters) nor with ``check``.
+summed gradient added (at worst autograd computes it: requesting it is what makes the
+backward reach a use whose activation needs no grad; a use whose activation requires grad
+is reached through it, and that GEMM is skipped: :meth:`.capture.Capture._early_requests`).
+Not under FSDP2 (DTensor parameters) nor with ``check``.
 
 Cost model (multiply-add equivalents, calibrated on CPU; every choice is exact, the model
 only picks the faster): a Gram flop counts :data:`GRAM_WEIGHT`, a pass over one element
@@ -177,12 +179,27 @@ def add_use(v: Tensor, u, first: bool) -> None:
     B, dt = v.shape[0], v.dtype
     if isinstance(u, OuterUse):
         o, x = _outer3(u)
-        w = v.view(B, o.shape[2], x.shape[2])
-        ot, xt = o.to(dt).transpose(1, 2), x.to(dt)
-        if first:
-            torch.bmm(ot, xt, out=w)
+        P0, P1 = o.shape[2], x.shape[2]
+        w = v.view(B, P0, P1)
+        o, x = o.to(dt), x.to(dt)
+        if w.is_contiguous() and P1 >= P0:
+            if first:
+                torch.bmm(o.transpose(1, 2), x, out=w)
+            else:
+                w.baddbmm_(o.transpose(1, 2), x)
+            return
+        # On CPU the batched GEMM runs as one MKL call only into a contiguous result (into
+        # a column slice of a shared block torch loops over the samples, one addmm each),
+        # and it is several times faster with the wider of the two dimensions last (a LoRA
+        # lora_B [p, r]: x^T o as [B, r, p]): form it so, then copy or add it in.
+        if P1 >= P0:
+            prod, w = torch.bmm(o.transpose(1, 2), x), w
         else:
-            w.baddbmm_(ot, xt)
+            prod, w = torch.bmm(x.transpose(1, 2), o), w.transpose(1, 2)
+        if first:
+            w.copy_(prod)
+        else:
+            w.add_(prod)
     elif isinstance(u, IndexUse):
         if first:
             v.zero_()
@@ -216,8 +233,8 @@ def plan_early(params, uses, B: int, keep_bytes: int | None = None) -> list[bool
     route; LoRA adapters: ``B x r x (d + p)`` formed instead of ``B x T x (d + p)`` held).
 
     A parameter is formed early when the kept route wins by :func:`route_costs` even with
-    its summed weight gradient added (autograd computes it: requesting it is what makes
-    the backward reach the parameter's uses) and its per-sample gradients take fewer
+    its summed weight gradient added (at worst autograd computes it; see the module doc)
+    and its per-sample gradients take fewer
     bytes than the tensors of its uses; greedy by bytes saved within ``keep_bytes``
     (None: :data:`DEFAULT_KEEP_BYTES`; 0: none). ``uses``: shape-only (e.g. meta) uses."""
     if keep_bytes == 0 or B == 0:

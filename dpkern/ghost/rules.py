@@ -43,6 +43,7 @@ class Rec:
     module: object = None
     edge: object = None  # the output's GradientEdge (set when recorded; output then None)
     meta: tuple = ()  # the output's (shape, dtype, device)
+    grad_input: bool = False  # the activation required grad (the backward passes the op)
 
     def make(self, g: Tensor, B: int):
         if self.g_map is not None:
@@ -326,7 +327,8 @@ def uses_of(rule, func, args, kwargs, out, forms, layouts, B):
         )
     if lay in (LEAD, FLAT) and out.shape[0] != x.shape[0]:
         return None
-    return [Rec(params, fn, inputs, out, pending=lay is None)]
+    grad_input = isinstance(x, Tensor) and x.requires_grad
+    return [Rec(params, fn, inputs, out, pending=lay is None, grad_input=grad_input)]
 
 
 def pending_uses(func, args, kwargs, out, t, rec: Rec, layouts, B):
