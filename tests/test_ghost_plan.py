@@ -105,6 +105,27 @@ def test_outer_uses_form_in_either_orientation(P0, P1, where):
         assert block[:, :3].isnan().all() and block[:, -2:].isnan().all()
 
 
+@pytest.mark.parametrize("where", ["own", "slice"])
+def test_index_uses_form_per_sample_embedding_rows(where):
+    """An embedding's per-sample gradient (repeated ids within a sample summed, two uses
+    added) written by an index-add into its own buffer or a column slice of a shared block
+    (the other columns untouched); against a loop over samples and tokens in float64."""
+    torch.manual_seed(case_seed(62))
+    B, V, P = 3, 5, 4
+    uses = [IndexUse(torch.randint(0, V, (B, T)), torch.randn(B, T, P), V) for T in (7, 3)]
+    want = torch.zeros(B, V, P, dtype=torch.float64)
+    for u in uses:
+        for i in range(B):
+            for t in range(u.ids.shape[1]):
+                want[i, u.ids[i, t]] += u.g[i, t].double()
+    block = torch.full((B, 3 + V * P + 2), float("nan"))
+    got = block[:, 3:-2] if where == "slice" else torch.full((B, V * P), float("nan"))
+    form_into(got, uses, (V, P))
+    torch.testing.assert_close(got.double().view(B, V, P), want, rtol=RTOL, atol=1e-6)
+    if where == "slice":
+        assert block[:, :3].isnan().all() and block[:, -2:].isnan().all()
+
+
 @pytest.mark.parametrize("route", ["ghost", "kept", "auto"])
 @pytest.mark.parametrize("case", range(2), ids=["gpt2", "seq"])
 def test_routes_give_the_loops_norms_and_sums(case, route):

@@ -4,9 +4,9 @@ at small cost", arXiv 2210.00038, book-keeping; SPEC section 2's ``S_p``).
 
 - OuterUse (Linear / Conv1D weight): ``sum_i c_i out_i^T inp_i = (c o out)^T inp`` over the
   flattened ``B*T`` rows -- one GEMM;
-- IndexUse (Embedding): a scaled index-add (``index_put_(accumulate=True)``: faster than
-  ``index_add_`` on CPU and deterministic on CUDA) of the scaled token gradients ``c_i g_{i,t}`` into
-  row ``ids[i, t]`` (padding tokens were zeroed when the use was recorded);
+- IndexUse (Embedding): a scaled index-add (:func:`.norms.add_rows_at`: ``index_add_`` on
+  CPU, an accumulating ``index_put_``, deterministic, on CUDA) of the scaled token gradients
+  ``c_i g_{i,t}`` into row ``ids[i, t]`` (padding tokens were zeroed when the use was recorded);
 - RowsUse (biases, LayerNorm/RMSNorm, opt-in instantiated layers): ``sum_i c_i rows_i``.
 
 Samples whose clip factor is zero because their gradient is not finite (``nonfinite="zero"``)
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .norms import IndexUse, OuterUse, RowsUse
+from .norms import IndexUse, OuterUse, RowsUse, add_rows_at
 
 __all__ = ["clipped_sum"]
 
@@ -63,11 +63,7 @@ def clipped_sum(uses: list, shape, c: Tensor, drop: Tensor | None = None) -> Ten
         elif isinstance(u, IndexUse):
             B, T, P1 = u.g.shape
             s = torch.zeros(u.num_rows, P1, dtype=torch.float32, device=u.g.device)
-            s.index_put_(
-                (u.ids.reshape(-1).long(),),
-                _scale(u.g, c, drop).reshape(B * T, P1),
-                accumulate=True,
-            )
+            add_rows_at(s, u.ids.reshape(-1).long(), _scale(u.g, c, drop).reshape(B * T, P1))
         elif isinstance(u, RowsUse):
             s = _scale(u.rows, c, drop).sum(0)
         else:

@@ -138,6 +138,7 @@ class Capture:
                 + ", ".join(str(tuple(self.params[k].shape)) for k in missing)
                 + ") are not parameters of the model"
             )
+        self._identity = {id(p): Form(p) for p in self.params}  # (immutable: shared)
         self.owners: dict[nn.Module, dict[str, Tensor]] = {}
         self.module_names: dict[nn.Module, str] = {}
         for mname, m in model.named_modules(remove_duplicate=True):
@@ -226,11 +227,12 @@ class Capture:
         for t in tensors:
             if t.dim() > 0 and t.shape[0] == B:
                 self.layouts.put(t, LEAD)
+        put, identity = self.forms.put, self._identity
         for m, own in self.owners.items():  # (FSDP2: refreshed at each module's forward)
             for n, p in own.items():
                 cur = getattr(m, n, None)
                 if isinstance(cur, Tensor):
-                    self.forms.put(cur, Form(p))
+                    put(cur, identity[id(p)] if cur is p else Form(p))
         self._depth = 1
         self._mode = _Mode(self)
         self._mode.__enter__()
@@ -252,7 +254,7 @@ class Capture:
         if own:  # FSDP2 swaps in unsharded tensors: map what the module holds now
             for n, p in own.items():
                 cur = getattr(module, n, None)
-                if isinstance(cur, Tensor):
+                if isinstance(cur, Tensor) and cur is not p:  # (p itself: mapped at the root)
                     self.forms.put(cur, param_form(p, cur))
 
     def _leave(self, module, args, kwargs, output):

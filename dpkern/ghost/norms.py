@@ -60,6 +60,7 @@ __all__ = [
     "IndexUse",
     "RowsUse",
     "acc_dtype",
+    "add_rows_at",
     "clamp_norm_sq",
     "outer_method",
     "outer_norm_sq",
@@ -113,6 +114,25 @@ def no_tf32():
         yield
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def add_rows_at(dst: Tensor, index: Tensor, src: Tensor) -> Tensor:
+    """``dst[index[j]] += src[j]`` in place (``dst [N, P]``, ``index [M]`` int64,
+    ``src [M, P]``), repeated indices summed: ``index_add_`` on CPU (10-20x faster there
+    than an accumulating ``index_put_`` in torch 2.13, e.g. 28 us against 463 us for 1024
+    rows of 128 into 257; deterministic: it adds in index order), an accumulating
+    ``index_put_`` elsewhere (deterministic on CUDA, where ``index_add_`` uses atomics)."""
+    if dst.device.type == "cpu":
+        return dst.index_add_(0, index, src)
+    return dst.index_put_((index,), src, accumulate=True)
+
+
+def _flat_rows(ids: Tensor, num_rows: int) -> Tensor:
+    """Row ``i * num_rows + ids[i, t]`` of a ``[B * num_rows, P]`` view, per token
+    (int64 ``[B T]``): sample i's copy of the embedding row ``ids[i, t]``."""
+    B, T = ids.shape
+    rows = torch.arange(B, device=ids.device).unsqueeze(1) * num_rows
+    return (rows + ids.long()).reshape(-1)
 
 
 def acc_dtype(*tensors: Tensor) -> torch.dtype:
@@ -206,7 +226,7 @@ def index_norm_sq(ids: Tensor, g: Tensor, num_rows: int) -> Tensor:
         return res
     inv, sample = _segments(ids, num_rows)
     sums = torch.zeros(sample.shape[0], P1, dtype=dt, device=g.device)
-    sums.index_put_((inv,), g.reshape(B * T, P1).to(dt), accumulate=True)
+    add_rows_at(sums, inv, g.reshape(B * T, P1).to(dt))
     return res.index_add_(0, sample, sums.square().sum(1))
 
 
@@ -319,11 +339,10 @@ def instantiate(uses: list, shape, batch_size: int) -> Tensor:
             res += torch.bmm(o.to(dt).transpose(1, 2), x.to(dt)).reshape(res.shape)
         else:
             B, T, P1 = u.g.shape
-            rows = torch.arange(B, device=u.ids.device).unsqueeze(1).expand(B, T)
-            res.view(batch_size, u.num_rows, P1).index_put_(
-                (rows.reshape(-1), u.ids.reshape(-1).long()),
+            add_rows_at(
+                res.view(batch_size * u.num_rows, P1),
+                _flat_rows(u.ids, u.num_rows),
                 u.g.reshape(B * T, P1).to(dt),
-                accumulate=True,
             )
     return res
 

@@ -7,7 +7,7 @@ clipped sum ``sum_i c_i g_i`` from the uses of :mod:`.norms`:
   cross terms: :func:`.norms.param_norm_sq`) and the sum by book-keeping
   (:func:`.bookkeeping.clipped_sum`: one GEMM per Linear over the ``B*T`` rows);
 - **kept**: the per-sample gradients ``g_i`` formed once (``G_i^T A_i`` as one batched
-  GEMM, the embedding rows by an accumulating ``index_put_``, the rows of biases and norm
+  GEMM, the embedding rows by an index-add (:func:`.norms.add_rows_at`), the rows of biases and norm
   layers copied), their squared norms taken right away, and the clipped sum later as one
   matrix-vector product ``c^T [g_1; ...; g_B]``. Forming them costs the weight-gradient
   GEMM the non-private backward does anyway (the ghost backward skips it), so the norm
@@ -51,7 +51,9 @@ from .norms import (
     IndexUse,
     OuterUse,
     RowsUse,
+    _flat_rows,
     acc_dtype,
+    add_rows_at,
     clamp_norm_sq,
     no_tf32,
     param_norm_sq,
@@ -65,7 +67,7 @@ DEFAULT_KEEP_BYTES = 256 * 2**20
 GRAM_WEIGHT = 2.0  # a Gram multiply-add (small batched GEMMs, then a T x T product)
 ELEMENT = 16.0  # one read or write of one element (memory bound)
 CALL = float(1 << 18)  # one torch call (dispatch, allocation)
-SMALL = 16384  # kept parameters up to this many elements share one block
+SMALL = 4096  # kept parameters up to this many elements share one block (copied in: see add_use)
 
 
 def _outer3(u: OuterUse):
@@ -182,20 +184,22 @@ def add_use(v: Tensor, u, first: bool) -> None:
         P0, P1 = o.shape[2], x.shape[2]
         w = v.view(B, P0, P1)
         o, x = o.to(dt), x.to(dt)
-        if w.is_contiguous() and P1 >= P0:
+        # On CPU the batched GEMM is one MKL call only into a contiguous result (into a
+        # column slice of a shared block torch loops over the samples, one addmm each),
+        # and MKL is several times slower with a very narrow last dimension (a LoRA
+        # lora_B [p, r], r < 16: formed as its transpose x^T o, then copied in; 84 us
+        # against 28 us at p = 128, r = 8, B = 16, T = 64 on 2 cores).
+        narrow = P1 < 16 and P1 < P0
+        if w.is_contiguous() and not narrow:
             if first:
                 torch.bmm(o.transpose(1, 2), x, out=w)
             else:
                 w.baddbmm_(o.transpose(1, 2), x)
             return
-        # On CPU the batched GEMM runs as one MKL call only into a contiguous result (into
-        # a column slice of a shared block torch loops over the samples, one addmm each),
-        # and it is several times faster with the wider of the two dimensions last (a LoRA
-        # lora_B [p, r]: x^T o as [B, r, p]): form it so, then copy or add it in.
-        if P1 >= P0:
-            prod, w = torch.bmm(o.transpose(1, 2), x), w
-        else:
+        if narrow:
             prod, w = torch.bmm(x.transpose(1, 2), o), w.transpose(1, 2)
+        else:
+            prod = torch.bmm(o.transpose(1, 2), x)
         if first:
             w.copy_(prod)
         else:
@@ -204,12 +208,15 @@ def add_use(v: Tensor, u, first: bool) -> None:
         if first:
             v.zero_()
         Bi, T, P1 = u.g.shape
-        rows = torch.arange(B, device=v.device).unsqueeze(1).expand(B, T)
-        v.view(B, u.num_rows, P1).index_put_(
-            (rows.reshape(-1), u.ids.reshape(-1).long()),
+        # (into a column slice of a shared block: through a contiguous temporary)
+        rows = v if v.is_contiguous() else torch.zeros(v.shape, dtype=dt, device=v.device)
+        add_rows_at(
+            rows.view(B * u.num_rows, P1),
+            _flat_rows(u.ids, u.num_rows),
             u.g.reshape(B * T, P1).to(dt),
-            accumulate=True,
         )
+        if rows is not v:
+            v.add_(rows)
     else:
         r = u.rows.reshape(B, -1)
         if first:
