@@ -112,6 +112,8 @@ import datetime as _dt
 import sys
 from pathlib import Path
 
+import torch
+
 from dpkern.models import BYTE_VOCAB
 
 from .ghost_e2e import (
@@ -271,6 +273,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's own)")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
     ap.add_argument(
+        "--default-malloc",
+        action="store_true",
+        help="time under glibc's default malloc (default on CPU: freed memory kept for "
+        "reuse, as dpkern finetune runs: dpkern.cli.heap; every candidate alike)",
+    )
+    ap.add_argument(
         "--out",
         type=Path,
         help="results directory (default: bench/results/<UTC time>-ghost)",
@@ -293,9 +301,16 @@ def main(argv=None) -> dict:
         set_threads(args.threads)
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
     info = machine_info(args.device)
+    kept = False
+    if not args.default_malloc and torch.device(args.device).type == "cpu":
+        from dpkern.cli.heap import keep_freed_memory
+
+        kept = keep_freed_memory()
+    info["malloc"] = "freed memory kept (dpkern.cli.heap)" if kept else "default"
     say(
         f"# dpkern ghost bench on {info['cpu']} ({info['cores']} cores, torch threads "
-        f"{info['torch_threads']}), load average {info['loadavg'][0]:.1f}"
+        f"{info['torch_threads']}), load average {info['loadavg'][0]:.1f}, malloc "
+        f"{info['malloc']}"
     )
     res = measure(
         args.device,

@@ -44,6 +44,10 @@ def train_with_warnings(args, job: Job, dist_ctx=None, stop: StopSignals | None 
     def show_warning(message, category, filename, lineno, file=None, line=None):
         print(f"dpkern finetune: warning: {message}", file=sys.stderr)
 
+    if job.device.type == "cpu":  # (each worker of --nproc too: its own process)
+        from ..heap import keep_freed_memory
+
+        keep_freed_memory()
     with warnings.catch_warnings():
         warnings.showwarning = show_warning
         warnings.filterwarnings("ignore", module="opacus")
