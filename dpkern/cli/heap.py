@@ -3,7 +3,7 @@
 By default glibc hands freed blocks of more than ~128 KiB-32 MiB back to the OS (``munmap``,
 and trimming the heap top), so every step of a CPU training loop page-faults its
 temporaries in afresh: activations, output gradients and, for ghost clipping, the kept
-per-sample gradients (4,000-8,000 minor faults a step on the built-in GPT-2 at 16 x 64).
+per-sample gradients (6,000-8,000 minor faults a step on the built-in GPT-2 at 16 x 64).
 :func:`keep_freed_memory` asks glibc to keep freed memory for reuse instead, as PyTorch's
 CUDA caching allocator does on a GPU: measured on ``dpkern finetune --steps 40`` (built-in
 GPT-2, ghost clipping, 2 CPU cores), 2.6 M page faults become 0.19 M and training runs at
