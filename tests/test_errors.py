@@ -286,3 +286,17 @@ def test_accumulate_clipped_refuses_nonfinite_sum_and_keeps_buffers(bad):
         for b, want in zip(opt.clipped_sum_buffers(), before, strict=True):
             assert torch.equal(b, want)
     assert opt.stats["samples"] == 2
+
+
+def test_accumulate_clipped_accepts_finite_sums_whose_norm_overflows():
+    """The batched check is a 2-norm: finite values above ~1e19 overflow its squares to inf;
+    the per-tensor check then decides, and the finite sums are accepted, exactly."""
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in [(3,), (2, 2)]]
+    opt = dpkern.DPSGD(
+        params, lr=0.1, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=4
+    )
+    sums = [torch.full((3,), 3e30), torch.tensor([[1.0, -2e38], [0.5, 0.0]])]
+    assert not torch.isfinite(torch.stack(torch._foreach_norm(sums))).all()  # (overflows)
+    opt.accumulate_clipped(sums, 2)
+    for b, s in zip(opt.clipped_sum_buffers(), sums, strict=True):
+        assert torch.equal(b, s)

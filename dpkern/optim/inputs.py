@@ -76,14 +76,17 @@ def check_clipped_sums(clipped_sums, params: list[Tensor]) -> list:
 
 def _check_finite(tensors: list) -> None:
     """Raise ValueError naming the first tensor (None entries skipped) with a NaN or an
-    infinity. One multi-tensor max-abs reduction and one host sync per device (NaN and
-    inf propagate through the max), not one sync per tensor."""
+    infinity. One multi-tensor 2-norm and one host sync per device (NaN and inf propagate
+    through it), not one sync per tensor; only when a norm is not finite (a NaN, an inf,
+    or finite values above ~1e19 whose squares overflow) are the tensors checked one by
+    one, which decides. (The 2-norm, not the max-abs norm: torch's CPU ``_foreach_norm``
+    takes 71 us for 20 tensors of 0.4 M floats with ord 2, 742 us with ord inf.)"""
     by_device: dict = {}
     for k, t in enumerate(tensors):
         if t is not None and t.numel():
             by_device.setdefault(t.device, []).append(k)
     for ks in by_device.values():
-        peaks = torch._foreach_norm([tensors[k] for k in ks], float("inf"))
+        peaks = torch._foreach_norm([tensors[k] for k in ks])
         if bool(torch.isfinite(torch.stack([x.float() for x in peaks])).all()):
             continue
         for k in ks:
