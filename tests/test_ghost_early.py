@@ -168,7 +168,7 @@ class Adapters(nn.Module):
     needs no grad. ``leak``: the first layer's
     output is scaled by a tensor that requires grad but is no parameter (nor an input)."""
 
-    def __init__(self, d=24, r=2, n=3, leak=False):
+    def __init__(self, d=24, r=2, n=3, leak=False, input_grads=False):
         super().__init__()
         self.base = nn.ModuleList(nn.Linear(d, d) for _ in range(n)).requires_grad_(False)
         self.a = nn.ModuleList(nn.Linear(d, r, bias=False) for _ in range(n))
@@ -176,9 +176,12 @@ class Adapters(nn.Module):
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, 3)
         self.scale = torch.ones(d, requires_grad=True) if leak else None
+        self.input_grads = input_grads
 
     def forward(self, x):
         h = x
+        if self.input_grads:  # as transformers' enable_input_require_grads hook does
+            h = (x * 1.0).requires_grad_(True)
         for k, (base, a, b) in enumerate(zip(self.base, self.a, self.b)):
             h = torch.tanh(base(h) + b(a(h)))
             if k == 0 and self.scale is not None:
@@ -225,17 +228,19 @@ def test_formed_weights_reached_through_their_input_skip_their_summed_gradient(m
         torch.testing.assert_close(s.double(), want, rtol=RTOL, atol=atol)
 
 
-@pytest.mark.parametrize("how", ["uncovered-parameter", "input"])
+@pytest.mark.parametrize("how", ["uncovered-parameter", "input", "requires_grad_"])
 def test_every_formed_weight_is_requested_outside_the_closed_world(how, monkeypatch):
-    """A model parameter requiring grad that the optimizer does not hold, or an input that
-    requires grad, could be all an activation depends on: then every formed weight is
-    requested, and the norms are exact."""
+    """A model parameter requiring grad that the optimizer does not hold, an input that
+    requires grad, or a tensor made to require grad in the forward (transformers'
+    enable_input_require_grads) could be all an activation depends on: then every formed
+    weight is requested, and the norms are exact."""
     torch.manual_seed(case_seed(72))
-    model, x = Adapters(), torch.randn(4, 16, 24)
+    model = Adapters(input_grads=how == "requires_grad_")
+    x = torch.randn(4, 16, 24)
     params = [p for p in model.parameters() if p.requires_grad]
     if how == "uncovered-parameter":
         params = [p for p in params if p is not model.head.bias]
-    else:
+    elif how == "input":
         x.requires_grad_(True)
     asked = _requested(monkeypatch)
     with every_param_early():

@@ -62,6 +62,10 @@ __all__ = ["Capture", "module_kind", "KINDS"]
 
 KINDS = ("op", "generic")
 _SEQ = (list, tuple)
+#: calls that make a tensor require grad during the forward (e.g. transformers'
+#: ``enable_input_require_grads`` hook on the input embeddings); factories are caught by
+#: their ``requires_grad=True`` keyword
+_MAKES_LEAF = frozenset({Tensor.requires_grad_, Tensor.requires_grad.__set__})
 _NONE: list = []  # an empty list that is never appended to
 
 
@@ -177,7 +181,8 @@ class Capture:
         self._generic_records: list[_ModuleRecord] = []
         self._stack: list[nn.Module] = []
         self._batch: int | None = None
-        self._grad_inputs = False  # a forward's input required grad (see _early_requests)
+        self._grad_inputs = False  # a tensor outside the parameters required grad (input
+        # or made so in the forward: see _early_requests)
         self._mode = None
         self._depth = 0
 
@@ -280,6 +285,8 @@ class Capture:
             if why:
                 raise ValueError(f"ghost clipping refuses {func.__name__} in {self.where()}: {why}")
         out = func(*args, **kwargs)
+        if func in _MAKES_LEAF or (kwargs and kwargs.get("requires_grad")):
+            self._grad_inputs = True  # a tensor made to require grad (see _early_requests)
         if isinstance(out, Tensor):
             single = True
         elif isinstance(out, _SEQ) and out and isinstance(out[0], Tensor):
@@ -554,8 +561,11 @@ class Capture:
         use's node anyway, and the parameter's summed gradient (a GEMM as large as the
         non-private step's, discarded) is not computed. The induction needs every tensor
         requiring grad in the forward to descend from the covered parameters: with a model
-        parameter outside them requiring grad, or an input requiring grad, every formed
-        parameter is requested. :meth:`_check_reached` checks the rest afterwards."""
+        parameter outside them requiring grad, an input requiring grad, or a tensor made to
+        require grad during the forward (``requires_grad_``, a factory with
+        ``requires_grad=True``: transformers' ``enable_input_require_grads``), every
+        formed parameter is requested. :meth:`_check_reached` checks the rest afterwards
+        (a tensor attribute made to require grad before the forward)."""
         members = [self.params[k] for k, _, _ in formed.members]
         if self._all_early or grad_inputs or any(p.requires_grad for p in self._uncovered):
             return members
