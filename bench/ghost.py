@@ -301,12 +301,19 @@ def main(argv=None) -> dict:
         set_threads(args.threads)
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
     info = machine_info(args.device)
+    from dpkern.cli.heap import keep_freed_memory, user_settings
+
     kept = False
     if not args.default_malloc and torch.device(args.device).type == "cpu":
-        from dpkern.cli.heap import keep_freed_memory
-
         kept = keep_freed_memory()
-    info["malloc"] = "freed memory kept (dpkern.cli.heap)" if kept else "default"
+    mine = user_settings()
+    info["malloc"] = (
+        "freed memory kept (dpkern.cli.heap)"
+        if kept
+        else f"the environment's ({', '.join(mine)})"
+        if mine
+        else "default"
+    )
     say(
         f"# dpkern ghost bench on {info['cpu']} ({info['cores']} cores, torch threads "
         f"{info['torch_threads']}), load average {info['loadavg'][0]:.1f}, malloc "

@@ -38,6 +38,7 @@ def test_applies_the_three_settings(libc):
 def test_the_users_allocator_settings_stand(libc, name):
     assert not heap.keep_freed_memory(environ={name: "1"})
     assert libc.calls == []
+    assert heap.user_settings({name: "1", "MALLOC_ARENA_MAX": "2"}) == [name]
 
 
 def test_not_linux_or_no_glibc(libc, monkeypatch):
@@ -74,3 +75,20 @@ def test_finetune_on_cpu_applies_it(text_file, tmp_path, monkeypatch):
     monkeypatch.setattr(heap, "keep_freed_memory", lambda: calls.append(1) or True)
     assert finetune("--data", text_file, "--steps", 1, "--out", tmp_path / "r", *TINY) == 0
     assert calls == [1]
+
+
+@pytest.mark.usefixtures("tiny_default_model")
+def test_finetune_says_when_the_users_settings_stand(text_file, tmp_path, monkeypatch, capsys):
+    """With a MALLOC_* tunable set, glibc is left alone and the run says so in one line."""
+    pytest.importorskip("transformers")
+    from test_finetune import TINY, finetune
+
+    monkeypatch.setenv("MALLOC_TOP_PAD_", "131072")
+    monkeypatch.setattr(heap.ctypes, "CDLL", lambda name: pytest.fail("mallopt called"))
+    args = [a for a in TINY if a != "--quiet"]
+    assert finetune("--data", text_file, "--steps", 1, "--out", tmp_path / "r", *args) == 0
+    err = [ln for ln in capsys.readouterr().err.splitlines() if "MALLOC_TOP_PAD_" in ln]
+    assert err == [
+        "dpkern finetune: note: MALLOC_TOP_PAD_ set: glibc's heap is left as configured "
+        "(dpkern would keep freed memory; see README, 'Page faults')"
+    ]

@@ -11,8 +11,11 @@ GPT-2, ghost clipping, 2 CPU cores), 2.6 M page faults become 0.19 M and trainin
 stays at its peak between steps (the peak itself is unchanged).
 
 A library does not change its host's allocator: this is for the processes dpkern's CLI
-starts. Elsewhere set the same yourself (``MALLOC_TRIM_THRESHOLD_=1073741824
-MALLOC_TOP_PAD_=67108864 MALLOC_MMAP_THRESHOLD_=33554432``) or preload jemalloc / tcmalloc.
+starts. Elsewhere start Python with all three of ``MALLOC_TRIM_THRESHOLD_=1073741824
+MALLOC_TOP_PAD_=67108864 MALLOC_MMAP_THRESHOLD_=33554432`` in its environment, or preload
+jemalloc / tcmalloc; never one or two of them alone (any of them turns off glibc's dynamic
+mmap threshold, which then stays at 128 KiB: 8.7 M faults and 11,000 tokens/s with
+``MALLOC_TOP_PAD_=131072`` alone on ``dpkern finetune --steps 20``).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import ctypes
 import os
 import sys
 
-__all__ = ["TUNABLES", "keep_freed_memory"]
+__all__ = ["TUNABLES", "keep_freed_memory", "user_settings"]
 
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # glibc's mallopt parameters
 #: What the user may have chosen already (then nothing is changed).
@@ -35,13 +38,18 @@ TUNABLES = (
 )
 
 
+def user_settings(environ=None) -> list[str]:
+    """The :data:`TUNABLES` set in ``environ`` (default ``os.environ``), in that order."""
+    env = os.environ if environ is None else environ
+    return [k for k in TUNABLES if k in env]
+
+
 def keep_freed_memory(environ=None) -> bool:
     """Make glibc keep freed memory for reuse (mmap threshold 32 MiB, trim threshold 1 GiB,
     top pad 64 MiB); True when applied. Not applied (False): not Linux, no glibc
     ``mallopt``, or one of :data:`TUNABLES` is set in ``environ`` (default ``os.environ``:
     the user's allocator settings stand)."""
-    env = os.environ if environ is None else environ
-    if not sys.platform.startswith("linux") or any(k in env for k in TUNABLES):
+    if not sys.platform.startswith("linux") or user_settings(environ):
         return False
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt

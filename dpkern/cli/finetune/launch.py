@@ -45,9 +45,15 @@ def train_with_warnings(args, job: Job, dist_ctx=None, stop: StopSignals | None 
         print(f"dpkern finetune: warning: {message}", file=sys.stderr)
 
     if job.device.type == "cpu":  # (each worker of --nproc too: its own process)
-        from ..heap import keep_freed_memory
+        from ..heap import keep_freed_memory, user_settings
 
-        keep_freed_memory()
+        if not keep_freed_memory() and user_settings() and not getattr(args, "quiet", False):
+            print(
+                f"dpkern finetune: note: {', '.join(user_settings())} set: glibc's heap is "
+                "left as configured (dpkern would keep freed memory; see README, 'Page "
+                "faults')",
+                file=sys.stderr,
+            )
     with warnings.catch_warnings():
         warnings.showwarning = show_warning
         warnings.filterwarnings("ignore", module="opacus")
