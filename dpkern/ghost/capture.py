@@ -181,8 +181,8 @@ class Capture:
         self._generic_records: list[_ModuleRecord] = []
         self._stack: list[nn.Module] = []
         self._batch: int | None = None
-        self._grad_inputs = False  # a tensor outside the parameters required grad (input
-        # or made so in the forward: see _early_requests)
+        self._roots: list[Tensor] = []  # tensors outside the parameters that require grad
+        # (forward inputs, tensors made to require grad in the forward: see _early_requests)
         self._mode = None
         self._depth = 0
 
@@ -228,7 +228,7 @@ class Capture:
                 f"{self._batch} in the same micro-batch"
             )
         self._batch = B
-        self._grad_inputs |= any(t.requires_grad for t in tensors)
+        self._roots += [t for t in tensors if t.requires_grad]
         for t in tensors:
             if t.dim() > 0 and t.shape[0] == B:
                 self.layouts.put(t, LEAD)
@@ -286,7 +286,9 @@ class Capture:
                 raise ValueError(f"ghost clipping refuses {func.__name__} in {self.where()}: {why}")
         out = func(*args, **kwargs)
         if func in _MAKES_LEAF or (kwargs and kwargs.get("requires_grad")):
-            self._grad_inputs = True  # a tensor made to require grad (see _early_requests)
+            t = args[0] if func in _MAKES_LEAF and args else out  # (see _early_requests)
+            if isinstance(t, Tensor) and t.requires_grad and id(t) not in self._identity:
+                self._roots.append(t)
         if isinstance(out, Tensor):
             single = True
         elif isinstance(out, _SEQ) and out and isinstance(out[0], Tensor):
@@ -451,7 +453,7 @@ class Capture:
             RuntimeError (autograd errors of the backward itself).
         """
         records, generic = self._records, self._generic_records
-        unknown, grad_inputs = self._unknown, self._grad_inputs
+        unknown, roots = self._unknown, self._roots
         self._reset()
         if losses.dim() != 1:
             raise ValueError(
@@ -500,7 +502,7 @@ class Capture:
         formed, hooked = None, set()
         if early and not check:
             formed = self._plan_early(records, generic, B, keep_bytes)
-        handles, early_ps, fired = [], [], set()
+        handles, early_ps, fired, also = [], [], set(), []
         if formed is not None:
             for r in records:
                 if r.g_map is None and any(id(p) in formed.slot for p in r.params):
@@ -509,14 +511,16 @@ class Capture:
         rest = [r for r in records if id(r) not in hooked]  # their gradients are returned
         outputs = [r.edge for r in rest] + [g.output for g in generic]
         if formed is not None:
-            early_ps = self._early_requests(
-                records, hooked, formed, bool(outputs or extra), grad_inputs
+            early_ps, also = self._early_requests(
+                records, hooked, formed, bool(outputs or extra), roots
             )
         self._in_backward = True
         try:
             # the early parameters' summed gradients are requested only so that the
             # backward reaches their uses (their hooks then form them); not used
-            grads = torch.autograd.grad(losses.sum(), outputs + extra + early_ps, allow_unused=True)
+            grads = torch.autograd.grad(
+                losses.sum(), outputs + extra + early_ps + also, allow_unused=True
+            )
         finally:
             self._in_backward = False
             for h in handles:
@@ -549,29 +553,34 @@ class Capture:
                     uses[id(p)].append(use)
         return B, [uses[id(p)] for p in self.params], summed, formed
 
-    def _early_requests(self, records, hooked, formed, others: bool, grad_inputs: bool) -> list:
-        """The formed parameters whose summed gradients are requested from the backward, only
-        so that it runs their uses' nodes (whose pre-hooks form them); ``others``: other
-        gradients are requested too.
+    def _early_requests(self, records, hooked, formed, others: bool, roots: list):
+        """``(params, also)``: the formed parameters whose summed gradients are requested from
+        the backward, only so that it runs their uses' nodes (whose pre-hooks form them),
+        and the other tensors requested for the same reason (their gradients unused);
+        ``others``: gradients are requested anyway; ``roots``: the forward's tensors outside
+        the parameters that require grad.
 
-        A use whose activation required grad needs no request: that activation descends
-        from covered parameters (or recorded outputs), whose gradients are requested or
-        whose own uses are reached in turn (by induction down the graph, which ends at uses
-        whose activation needs no grad: those are requested), so the backward passes the
-        use's node anyway, and the parameter's summed gradient (a GEMM as large as the
-        non-private step's, discarded) is not computed. The induction needs every tensor
-        requiring grad in the forward to descend from the covered parameters: with a model
-        parameter outside them requiring grad, an input requiring grad, or a tensor made to
-        require grad during the forward (``requires_grad_``, a factory with
-        ``requires_grad=True``: transformers' ``enable_input_require_grads``), every
-        formed parameter is requested. :meth:`_check_reached` checks the rest afterwards
-        (a tensor attribute made to require grad before the forward)."""
+        A use whose activation required grad needs no request: that activation descends from
+        tensors that require grad, and with each of them requested or reached, the backward
+        passes the use's node anyway, so the parameter's summed gradient (a GEMM as large as
+        the non-private step's, discarded) is not computed. By induction down the graph:
+        the covered parameters' uses are requested (recorded outputs), reached in turn, or
+        have an activation that needs no grad (those parameters are requested); the other
+        tensors that require grad, the ``roots`` (inputs, tensors made to require grad in
+        the forward, e.g. by transformers' ``enable_input_require_grads`` under gradient
+        checkpointing) and the model's parameters outside the covered ones, are requested.
+        A tensor made to require grad before the forward and kept as a plain attribute
+        escapes this: :meth:`_check_reached` catches it afterwards."""
         members = [self.params[k] for k, _, _ in formed.members]
-        if self._all_early or grad_inputs or any(p.requires_grad for p in self._uncovered):
-            return members
+        if self._all_early:
+            return members, []
+        also = list({id(t): t for t in roots if t.requires_grad}.values())
+        also += [p for p in self._uncovered if p.requires_grad]
         need = {id(p) for r in records if id(r) in hooked and not r.grad_input for p in r.params}
         asked = [p for p in members if id(p) in need]
-        return asked if asked or others else members
+        if not (asked or others or also):  # (autograd.grad needs something to reach)
+            return members, []
+        return asked, also
 
     def _check_reached(self, losses, records, hooked, fired, early_ps) -> None:
         """Raise if the backward skipped the node of a hooked use whose parameter was not
