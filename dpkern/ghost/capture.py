@@ -165,9 +165,8 @@ class Capture:
         self._active = False
         self._in_backward = False
         self._early_cache: dict = {}  # shapes of a step -> its plan_early choice
-        self._uncovered = list(
-            {id(p): p for p in model.parameters() if id(p) not in wanted}.values()
-        )  # (their requires_grad is read at every backward: see _early_requests)
+        # (their requires_grad is read at every backward: see _early_requests)
+        self._uncovered = [p for p in model.parameters() if id(p) not in wanted]
         self._all_early = False  # request every formed parameter (see _check_reached)
         self._reset()
 

@@ -61,6 +61,7 @@ __all__ = [
     "RowsUse",
     "acc_dtype",
     "add_rows_at",
+    "add_sample_rows",
     "clamp_norm_sq",
     "outer_method",
     "outer_norm_sq",
@@ -127,12 +128,14 @@ def add_rows_at(dst: Tensor, index: Tensor, src: Tensor) -> Tensor:
     return dst.index_put_((index,), src, accumulate=True)
 
 
-def _flat_rows(ids: Tensor, num_rows: int) -> Tensor:
-    """Row ``i * num_rows + ids[i, t]`` of a ``[B * num_rows, P]`` view, per token
-    (int64 ``[B T]``): sample i's copy of the embedding row ``ids[i, t]``."""
-    B, T = ids.shape
-    rows = torch.arange(B, device=ids.device).unsqueeze(1) * num_rows
-    return (rows + ids.long()).reshape(-1)
+def add_sample_rows(dst: Tensor, u: "IndexUse") -> None:
+    """Add the per-sample gradient of embedding use ``u`` into contiguous ``dst``
+    ``[B, num_rows * P]`` (sample i's row ``ids[i, t]`` += ``g[i, t]``), in ``dst``'s
+    dtype, by one :func:`add_rows_at` over the ``[B * num_rows, P]`` view."""
+    B, T, P1 = u.g.shape
+    rows = torch.arange(B, device=u.ids.device).unsqueeze(1) * u.num_rows
+    index = (rows + u.ids.long()).reshape(-1)
+    add_rows_at(dst.view(B * u.num_rows, P1), index, u.g.reshape(B * T, P1).to(dst.dtype))
 
 
 def acc_dtype(*tensors: Tensor) -> torch.dtype:
@@ -338,12 +341,7 @@ def instantiate(uses: list, shape, batch_size: int) -> Tensor:
             o, x = _cat_outer([u])
             res += torch.bmm(o.to(dt).transpose(1, 2), x.to(dt)).reshape(res.shape)
         else:
-            B, T, P1 = u.g.shape
-            add_rows_at(
-                res.view(batch_size * u.num_rows, P1),
-                _flat_rows(u.ids, u.num_rows),
-                u.g.reshape(B * T, P1).to(dt),
-            )
+            add_sample_rows(res, u)
     return res
 
 

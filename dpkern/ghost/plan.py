@@ -7,7 +7,7 @@ clipped sum ``sum_i c_i g_i`` from the uses of :mod:`.norms`:
   cross terms: :func:`.norms.param_norm_sq`) and the sum by book-keeping
   (:func:`.bookkeeping.clipped_sum`: one GEMM per Linear over the ``B*T`` rows);
 - **kept**: the per-sample gradients ``g_i`` formed once (``G_i^T A_i`` as one batched
-  GEMM, the embedding rows by an index-add (:func:`.norms.add_rows_at`), the rows of biases and norm
+  GEMM, the embedding rows by an index-add (:func:`.norms.add_sample_rows`), the rows of biases and norm
   layers copied), their squared norms taken right away, and the clipped sum later as one
   matrix-vector product ``c^T [g_1; ...; g_B]``. Forming them costs the weight-gradient
   GEMM the non-private backward does anyway (the ghost backward skips it), so the norm
@@ -51,9 +51,8 @@ from .norms import (
     IndexUse,
     OuterUse,
     RowsUse,
-    _flat_rows,
     acc_dtype,
-    add_rows_at,
+    add_sample_rows,
     clamp_norm_sq,
     no_tf32,
     param_norm_sq,
@@ -207,14 +206,9 @@ def add_use(v: Tensor, u, first: bool) -> None:
     elif isinstance(u, IndexUse):
         if first:
             v.zero_()
-        Bi, T, P1 = u.g.shape
         # (into a column slice of a shared block: through a contiguous temporary)
         rows = v if v.is_contiguous() else torch.zeros(v.shape, dtype=dt, device=v.device)
-        add_rows_at(
-            rows.view(B * u.num_rows, P1),
-            _flat_rows(u.ids, u.num_rows),
-            u.g.reshape(B * T, P1).to(dt),
-        )
+        add_sample_rows(rows, u)
         if rows is not v:
             v.add_(rows)
     else:

@@ -47,9 +47,10 @@ def train_with_warnings(args, job: Job, dist_ctx=None, stop: StopSignals | None 
     if job.device.type == "cpu":  # (each worker of --nproc too: its own process)
         from ..heap import keep_freed_memory, user_settings
 
-        if not keep_freed_memory() and user_settings() and not getattr(args, "quiet", False):
+        mine = [] if keep_freed_memory() else user_settings()
+        if mine and not getattr(args, "quiet", False):
             print(
-                f"dpkern finetune: note: {', '.join(user_settings())} set: glibc's heap is "
+                f"dpkern finetune: note: {', '.join(mine)} set: glibc's heap is "
                 "left as configured (dpkern would keep freed memory; see README, 'Page "
                 "faults')",
                 file=sys.stderr,
