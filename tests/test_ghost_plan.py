@@ -6,6 +6,7 @@ and the memory budget is respected."""
 from __future__ import annotations
 
 import contextlib
+import math
 
 import pytest
 import torch
@@ -65,6 +66,19 @@ def _atol(ref):
     return 16 * torch.finfo(torch.float32).eps * float(ref.abs().max())
 
 
+def _formed(uses, shape, B: int, where: str):
+    """``form_into`` into its own NaN-filled ``[B, numel]`` buffer (``where="own"``) or a
+    column slice of a NaN-filled shared block (``"slice"``, as Plan does); the slice's
+    neighbouring columns must stay untouched. Returns the formed ``[B, numel]``."""
+    n = math.prod(shape)
+    block = torch.full((B, 3 + n + 2), float("nan"))
+    got = block[:, 3:-2] if where == "slice" else torch.full((B, n), float("nan"))
+    form_into(got, uses, shape)
+    if where == "slice":
+        assert block[:, :3].isnan().all() and block[:, -2:].isnan().all()
+    return got
+
+
 @pytest.mark.parametrize("case", range(2), ids=["gpt2", "seq"])
 def test_kept_per_sample_gradients_equal_the_loop(case):
     name, model, loss_of, x = _cases()[case]
@@ -78,12 +92,8 @@ def test_kept_per_sample_gradients_equal_the_loop(case):
             got.double(), r.reshape(B, -1), rtol=RTOL, atol=_atol(r), msg=lambda m: names[id(p)] + m
         )
     # into a row-strided block shared with other parameters, as Plan does
-    block = torch.full((B, 3 + params[0].numel() + 2), float("nan"))
-    form_into(block[:, 3:-2], uses[0], params[0].shape)
-    torch.testing.assert_close(
-        block[:, 3:-2].double(), ref[0].reshape(B, -1), rtol=RTOL, atol=_atol(ref[0])
-    )
-    assert block[:, :3].isnan().all() and block[:, -2:].isnan().all()
+    got = _formed(uses[0], params[0].shape, B, "slice")
+    torch.testing.assert_close(got.double(), ref[0].reshape(B, -1), rtol=RTOL, atol=_atol(ref[0]))
 
 
 @pytest.mark.parametrize("where", ["own", "slice"])
@@ -97,12 +107,8 @@ def test_outer_uses_form_in_either_orientation(P0, P1, where):
     B = 3
     uses = [OuterUse(torch.randn(B, T, P0), torch.randn(B, T, P1)) for T in (4, 6)]
     want = sum(torch.einsum("btp,btq->bpq", u.out.double(), u.inp.double()) for u in uses)
-    block = torch.full((B, 3 + P0 * P1 + 2), float("nan"))
-    got = block[:, 3:-2] if where == "slice" else torch.full((B, P0 * P1), float("nan"))
-    form_into(got, uses, (P0, P1))
+    got = _formed(uses, (P0, P1), B, where)
     torch.testing.assert_close(got.double().view(B, P0, P1), want, rtol=RTOL, atol=1e-6)
-    if where == "slice":
-        assert block[:, :3].isnan().all() and block[:, -2:].isnan().all()
 
 
 @pytest.mark.parametrize("where", ["own", "slice"])
@@ -118,12 +124,8 @@ def test_index_uses_form_per_sample_embedding_rows(where):
         for i in range(B):
             for t in range(u.ids.shape[1]):
                 want[i, u.ids[i, t]] += u.g[i, t].double()
-    block = torch.full((B, 3 + V * P + 2), float("nan"))
-    got = block[:, 3:-2] if where == "slice" else torch.full((B, V * P), float("nan"))
-    form_into(got, uses, (V, P))
+    got = _formed(uses, (V, P), B, where)
     torch.testing.assert_close(got.double().view(B, V, P), want, rtol=RTOL, atol=1e-6)
-    if where == "slice":
-        assert block[:, :3].isnan().all() and block[:, -2:].isnan().all()
 
 
 @pytest.mark.parametrize("route", ["ghost", "kept", "auto"])
