@@ -43,8 +43,6 @@ forward is detected in the same backward.
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import weakref
 from dataclasses import dataclass, field
 
@@ -56,6 +54,7 @@ from torch.overrides import TorchFunctionMode
 from .batch import _CASTS as CASTS
 from .batch import _one as layout_one
 from .batch import FLAT, LEAD, Form, Tracker, param_form, propagate
+from . import early as early_mod
 from .rules import Rec, RULES, pending_uses, uses_of
 
 __all__ = ["Capture", "module_kind", "KINDS"]
@@ -165,9 +164,9 @@ class Capture:
         self._active = False
         self._in_backward = False
         self._early_cache: dict = {}  # shapes of a step -> its plan_early choice
-        # (their requires_grad is read at every backward: see _early_requests)
+        # (their requires_grad is read at every backward: see early.requests)
         self._uncovered = [p for p in model.parameters() if id(p) not in wanted]
-        self._all_early = False  # request every formed parameter (see _check_reached)
+        self._all_early = False  # request every formed parameter (see early.check_reached)
         self._reset()
 
     def _reset(self) -> None:
@@ -181,7 +180,7 @@ class Capture:
         self._stack: list[nn.Module] = []
         self._batch: int | None = None
         self._roots: list[Tensor] = []  # tensors outside the parameters that require grad
-        # (forward inputs, tensors made to require grad in the forward: see _early_requests)
+        # (forward inputs, tensors made to require grad in the forward: see early.requests)
         self._mode = None
         self._depth = 0
 
@@ -285,7 +284,7 @@ class Capture:
                 raise ValueError(f"ghost clipping refuses {func.__name__} in {self.where()}: {why}")
         out = func(*args, **kwargs)
         if func in _MAKES_LEAF or (kwargs and kwargs.get("requires_grad")):
-            t = args[0] if func in _MAKES_LEAF and args else out  # (see _early_requests)
+            t = args[0] if func in _MAKES_LEAF and args else out  # (see early.requests)
             if isinstance(t, Tensor) and t.requires_grad and id(t) not in self._identity:
                 self._roots.append(t)
         if isinstance(out, Tensor):
@@ -500,18 +499,20 @@ class Capture:
         uses: dict[int, list] = {id(p): [] for p in self.params}
         formed, hooked = None, set()
         if early and not check:
-            formed = self._plan_early(records, generic, B, keep_bytes)
+            formed = early_mod.plan(self, records, generic, B, keep_bytes)
         handles, early_ps, fired, also = [], [], set(), []
         if formed is not None:
             for r in records:
                 if r.g_map is None and any(id(p) in formed.slot for p in r.params):
                     hooked.add(id(r))
-                    handles.append(r.edge.node.register_prehook(_taker(r, B, formed, uses, fired)))
+                    handles.append(
+                        r.edge.node.register_prehook(early_mod.taker(r, B, formed, uses, fired))
+                    )
         rest = [r for r in records if id(r) not in hooked]  # their gradients are returned
         outputs = [r.edge for r in rest] + [g.output for g in generic]
         if formed is not None:
-            early_ps, also = self._early_requests(
-                records, hooked, formed, bool(outputs or extra), roots
+            early_ps, also = early_mod.requests(
+                self, records, hooked, formed, bool(outputs or extra), roots
             )
         self._in_backward = True
         try:
@@ -525,7 +526,7 @@ class Capture:
             for h in handles:
                 h.remove()
         if formed is not None and len(early_ps) < len(formed.members):
-            self._check_reached(losses, records, hooked, fired, early_ps)
+            early_mod.check_reached(self, losses, records, hooked, fired, early_ps)
         n = len(outputs)
         gouts, gparams = grads[:n], grads[n : n + len(extra)]
         summed = list(gparams) if check else None
@@ -545,157 +546,12 @@ class Capture:
             )
         for r, g in zip(rest, gouts[: len(rest)]):
             if g is not None:
-                _take(r, g, B, formed, uses)
+                early_mod.take(r, g, B, formed, uses)
         for rec, g in zip(generic, gouts[len(rest) :]):
             if g is not None:
                 for p, use in self._generic(rec, g, B):
                     uses[id(p)].append(use)
         return B, [uses[id(p)] for p in self.params], summed, formed
-
-    def _early_requests(self, records, hooked, formed, others: bool, roots: list):
-        """``(params, also)``: the formed parameters whose summed gradients are requested from
-        the backward, only so that it runs their uses' nodes (whose pre-hooks form them),
-        and the other tensors requested for the same reason (their gradients unused);
-        ``others``: gradients are requested anyway; ``roots``: the forward's tensors outside
-        the parameters that require grad.
-
-        A use whose activation required grad needs no request: that activation descends from
-        tensors that require grad, and with each of them requested or reached, the backward
-        passes the use's node anyway, so the parameter's summed gradient (a GEMM as large as
-        the non-private step's, discarded) is not computed. By induction down the graph:
-        the covered parameters' uses are requested (recorded outputs), reached in turn, or
-        have an activation that needs no grad (those parameters are requested); the other
-        tensors that require grad, the ``roots`` (inputs, tensors made to require grad in
-        the forward, e.g. by transformers' ``enable_input_require_grads`` under gradient
-        checkpointing) and the model's parameters outside the covered ones, are requested.
-        A tensor made to require grad before the forward and kept as a plain attribute
-        escapes this: :meth:`_check_reached` catches it afterwards."""
-        members = [self.params[k] for k, _, _ in formed.members]
-        if self._all_early:
-            return members, []
-        also = list({id(t): t for t in roots if t.requires_grad}.values())
-        also += [p for p in self._uncovered if p.requires_grad]
-        need = {id(p) for r in records if id(r) in hooked and not r.grad_input for p in r.params}
-        asked = [p for p in members if id(p) in need]
-        if not (asked or others or also):  # (autograd.grad needs something to reach)
-            return members, []
-        return asked, also
-
-    def _check_reached(self, losses, records, hooked, fired, early_ps) -> None:
-        """Raise if the backward skipped the node of a hooked use whose parameter was not
-        requested although the node lies in the loss's graph (a tensor requiring grad
-        outside the covered parameters fed its activation): that use would be missing from
-        the per-sample gradient. Nothing was added anywhere yet; the next steps request
-        every formed parameter."""
-        asked = {id(p) for p in early_ps}
-        skipped = {
-            r.edge.node: r
-            for r in records
-            if id(r) in hooked and id(r) not in fired and not any(id(p) in asked for p in r.params)
-        }
-        if not skipped or losses.grad_fn is None:
-            return
-        seen, todo, hit = set(), [losses.grad_fn], []
-        while todo and len(hit) < len(skipped):
-            node = todo.pop()
-            if node is None or node in seen:
-                continue
-            seen.add(node)
-            if node in skipped:
-                hit.append(skipped[node])
-            todo.extend(fn for fn, _ in node.next_functions)
-        if hit:
-            self._all_early = True
-            names = sorted({self._pname(p) for r in hit for p in r.params})
-            raise RuntimeError(
-                "ghost clipping: the backward skipped the use(s) of " + ", ".join(names) + " "
-                "formed during it (their input depends on a tensor that requires grad but is "
-                "neither a trainable parameter nor a model input); nothing was updated. Run "
-                "the step again: from now on their gradients are requested (or freeze that "
-                "tensor)"
-            )
-
-    def _plan_early(self, records, generic, B: int, keep_bytes):
-        """The :class:`.plan.Formed` block of the parameters worth forming during the
-        backward (:func:`.plan.plan_early`, decided on shape-only copies of the uses),
-        or None. Only plain-tensor parameters whose every use comes from a record with
-        the batch in its own inputs (not a pending one, not a module of ``generic``)."""
-        from .plan import Formed
-
-        if keep_bytes == 0 or not B or any(type(p.data) is not Tensor for p in self.params):
-            return None
-        # Cheap pre-filter (this runs every step): weights and embeddings (biases and norm
-        # weights hold only [B, n] rows) whose float32 per-sample gradients are smaller than
-        # what their records hold at most (outputs and every tensor input).
-        bound: dict[int, int] = {}
-        for r in records:
-            size = math.prod(r.meta[0]) * r.meta[1].itemsize
-            size += sum(x.numel() * x.element_size() for x in r.inputs if isinstance(x, Tensor))
-            for p in r.params:
-                bound[id(p)] = bound.get(id(p), 0) + size
-        cand = {
-            id(p) for p in self.params if p.dim() >= 2 and 4 * B * p.numel() < bound.get(id(p), 0)
-        }
-        if not cand:
-            return None
-        recs = [r for r in records if any(id(p) in cand for p in r.params)]
-        ruled_out = {id(p) for g in generic for p in self.owners[g.module].values()}
-        key = (B, keep_bytes, frozenset(ruled_out)) + tuple(
-            (
-                r.where,
-                r.g_map is None,
-                tuple(id(p) for p in r.params),
-                tuple(r.meta[0]),
-                r.meta[1],
-                tuple((tuple(x.shape), x.dtype) for x in r.inputs if isinstance(x, Tensor)),
-            )
-            for r in recs
-        )
-        decided = self._early_cache.get(key)
-        if decided is None:  # (the same shapes give the same choice: decided once)
-            decided = self._decide_early(recs, cand, ruled_out, B, keep_bytes)
-            if len(self._early_cache) >= 64:
-                self._early_cache.clear()
-            self._early_cache[key] = decided
-        chosen, dtype = decided
-        if chosen is None:
-            return None
-        device = recs[0].meta[2]
-        return Formed(self.params, chosen, B, dtype, device)
-
-    def _decide_early(self, recs, cand, ruled_out, B, keep_bytes):
-        """``(chosen, dtype)`` of :meth:`_plan_early` from shape-only (meta) copies of the
-        candidates' uses; ``(None, None)``: none."""
-        from .norms import acc_dtype
-        from .plan import _floats, plan_early
-
-        slot = {id(p): k for k, p in enumerate(self.params)}
-        meta: list[list] = [[] for _ in self.params]
-        ruled_out = set(ruled_out)
-        for r in recs:
-            if r.g_map is not None:  # pending: its gradient comes from where it met the batch
-                ruled_out |= {id(p) for p in r.params}
-                continue
-            try:
-                g = torch.empty(r.meta[0], dtype=r.meta[1], device="meta")
-                ins = [x.to("meta") if isinstance(x, Tensor) else x for x in r.inputs]
-                for p, use in dataclasses.replace(r, inputs=ins).make(g, B):
-                    meta[slot[id(p)]].append(use)
-            except Exception:  # (any doubt: this record's parameters stay on the old path)
-                ruled_out |= {id(p) for p in r.params}
-        chosen = plan_early(
-            self.params,
-            [
-                us if id(p) in cand and id(p) not in ruled_out else []
-                for p, us in zip(self.params, meta)
-            ],
-            B,
-            keep_bytes,
-        )
-        if not any(chosen):
-            return None, None
-        floats = [t for k, us in enumerate(meta) if chosen[k] for u in us for t in _floats(u)]
-        return chosen, acc_dtype(*floats)
 
     def _pname(self, p) -> str:
         return f"{self.param_names.get(id(p), '?')} (shape {tuple(p.shape)})"
@@ -737,34 +593,6 @@ class Capture:
             self._active = bool(self._handles)
         for n in names:
             yield own[n], RowsUse(rows[n])
-
-
-def _take(r, g: Tensor, B: int, formed, uses: dict) -> None:
-    """Turn record ``r`` and its output gradient into uses: a formed parameter's are added
-    to its per-sample gradient at once, the others' kept in ``uses``."""
-    slot = formed.slot if formed is not None else {}
-    for p, use in r.make(g, B):
-        k = slot.get(id(p))
-        if k is None:
-            uses[id(p)].append(use)
-        else:
-            formed.add(k, use)
-
-
-def _taker(r, B: int, formed, uses: dict, fired: set):
-    """The pre-hook (on the output's graph node) of a record with a formed parameter: its
-    uses are taken as soon as its output gradient arrives, then its inputs (the
-    activations) are let go; ``fired`` collects the records it ran for."""
-    nr = r.edge.output_nr
-
-    def hook(grad_outputs):
-        fired.add(id(r))
-        g = grad_outputs[nr]
-        if g is not None:
-            _take(r, g, B, formed, uses)
-        r.inputs = None
-
-    return hook
 
 
 # re-exported for the rules' users

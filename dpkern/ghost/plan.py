@@ -28,7 +28,7 @@ per-sample gradients take fewer bytes than the tensors of the uses (LoRA adapter
 (d + p)`` against ``B T (d + p)``) and the kept route still wins with the parameter's
 summed gradient added (at worst autograd computes it: requesting it is what makes the
 backward reach a use whose activation needs no grad; a use whose activation requires grad
-is reached through it, and that GEMM is skipped: :meth:`.capture.Capture._early_requests`).
+is reached through it, and that GEMM is skipped: :func:`.early.requests`).
 Not under FSDP2 (DTensor parameters) nor with ``check``.
 
 Cost model (multiply-add equivalents, calibrated on CPU; every choice is exact, the model
