@@ -57,11 +57,17 @@ def _cases():
 
 @contextlib.contextmanager
 def every_param_early():
-    """Form every eligible parameter during the backward (whatever the cost model says)."""
-    real = plan_mod.plan_early
-    plan_mod.plan_early = lambda params, uses, B, keep_bytes=None: [bool(u) for u in uses]
+    """Form every eligible parameter during the backward (whatever the cost model says);
+    yields the list of the choices made (one per backward: proof that it was used)."""
+    real, made = plan_mod.plan_early, []
+
+    def every(params, uses, B, keep_bytes=None):
+        made.append([bool(u) for u in uses])
+        return made[-1]
+
+    plan_mod.plan_early = every
     try:
-        yield
+        yield made
     finally:
         plan_mod.plan_early = real
 
@@ -75,13 +81,29 @@ def _backward(model, params, loss_of, x, early=True):
         cap.detach()
 
 
+def _poison_formed_blocks(monkeypatch):
+    """Formed blocks start as NaN (they are not zeroed: every member's first use writes
+    it, :meth:`Formed.finish` zeroes the members that got none)."""
+    real = plan_mod.Formed.__init__
+
+    def init(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        self.buf.fill_(float("nan"))
+
+    monkeypatch.setattr(plan_mod.Formed, "__init__", init)
+
+
 @pytest.mark.parametrize("forced", [True, False], ids=["every", "cost-model"])
 @pytest.mark.parametrize("case", range(3), ids=["lowrank", "gpt2", "seq"])
-def test_formed_norms_and_sums_equal_the_loop(case, forced):
+def test_formed_norms_and_sums_equal_the_loop(case, forced, monkeypatch):
     name, model, loss_of, x = _cases()[case]
     params, ref = loop_grads(model, loss_of, x)
-    with every_param_early() if forced else contextlib.nullcontext():
+    _poison_formed_blocks(monkeypatch)
+    with every_param_early() if forced else contextlib.nullcontext([]) as made:
         B, uses, _, formed = _backward(model, params, loss_of, x)
+    if forced:
+        assert made, "the forced choice was not asked for"
+        assert {k for k, _, _ in formed.members} == {k for k, c in enumerate(made[-1]) if c}
     if forced or name == "lowrank":
         assert formed is not None and formed.members
         for k, _, _ in formed.members:
@@ -100,10 +122,11 @@ def test_formed_norms_and_sums_equal_the_loop(case, forced):
         torch.testing.assert_close(s.double(), want_s, rtol=RTOL, atol=atol)
 
 
-def test_cost_model_forms_the_low_rank_pair():
+def test_cost_model_forms_the_low_rank_pair(monkeypatch):
     """LoRA shapes (T > r): the pair's per-sample gradients (B x r x d) are formed during the
     backward; the layer whose output never reaches the loss gets a zero row."""
     _, model, loss_of, x = _cases()[0]
+    _poison_formed_blocks(monkeypatch)
     params = list(model.parameters())
     B, uses, _, formed = _backward(model, params, loss_of, x)
     formed_names = {n for n, p in model.named_parameters() if id(p) in formed.slot}
@@ -111,7 +134,8 @@ def test_cost_model_forms_the_low_rank_pair():
     assert "inp.bias" not in formed_names  # a bias alone saves nothing
     k = next(k for k, p in enumerate(params) if p is model.unused.weight)
     row = next((o, n) for j, o, n in formed.members if j == k)
-    assert torch.equal(formed.buf[:, row[0] : row[0] + row[1]], torch.zeros(B, row[1]))
+    block = formed.finish()
+    assert torch.equal(block[:, row[0] : row[0] + row[1]], torch.zeros(B, row[1]))
 
 
 def test_activations_of_formed_layers_are_freed_in_the_backward():

@@ -260,9 +260,11 @@ def plan_early(params, uses, B: int, keep_bytes: int | None = None) -> list[bool
 
 
 class Formed:
-    """Per-sample gradients formed during the backward (:func:`plan_early`): one zeroed
+    """Per-sample gradients formed during the backward (:func:`plan_early`): one
     ``[B, sum numel]`` block of ``dtype``, members ``(k, offset, numel)`` in ``params``'
-    order; :meth:`add` adds one use of parameter ``k``."""
+    order; :meth:`add` adds one use of parameter ``k`` (the first use of a member writes
+    its columns: the block is not zeroed first); :meth:`finish` zeroes the members that got
+    no use and returns the block."""
 
     def __init__(self, params, chosen, B: int, dtype, device):
         self.members, a = [], 0
@@ -270,14 +272,25 @@ class Formed:
             if keep:
                 self.members.append((k, a, params[k].numel()))
                 a += params[k].numel()
-        self.buf = torch.zeros(B, a, dtype=dtype, device=device)
+        self.buf = torch.empty(B, a, dtype=dtype, device=device)
         self._views = {k: self.buf[:, o : o + n] for k, o, n in self.members}
+        self._written: set[int] = set()
         self.slot = {id(params[k]): k for k, _, _ in self.members}
         self.nbytes = self.buf.numel() * self.buf.element_size()
 
     def add(self, k: int, use) -> None:
         with no_tf32():
-            add_use(self._views[k], use, first=False)
+            add_use(self._views[k], use, first=k not in self._written)
+        self._written.add(k)
+
+    def finish(self) -> Tensor:
+        """The block, every member that got no use zeroed (a parameter whose uses were all
+        unreached by the loss has a zero per-sample gradient)."""
+        for k, _, _ in self.members:
+            if k not in self._written:
+                self._views[k].zero_()
+                self._written.add(k)
+        return self.buf
 
 
 class Plan:
@@ -319,7 +332,7 @@ class Plan:
         if formed is not None and formed.members:
             for k, _, _ in formed.members:
                 self.kept[k] = True
-            self._add_block(formed.buf, formed.members)
+            self._add_block(formed.finish(), formed.members)
         if not ks:
             return
         dt = acc_dtype(*(t for k in ks for u in self.uses[k] for t in _floats(u)))
