@@ -160,7 +160,14 @@ from .ghost_models import (
     trainable,
 )
 from .ghost_report import _count, _met, _mib, _ms, _x, goals_markdown, markdown, write
-from .harness import RESULTS_DIR, load_average, machine_info
+from .harness import (
+    RESULTS_DIR,
+    cpu_ticks,
+    load_average,
+    machine_info,
+    steal_note,
+    steal_share,
+)
 
 #: Every name this module had before it was split (tests, :mod:`bench.report`,
 #: :mod:`bench.ghost_memory` and bench/test_bench_ghost.py use them through it; a test that
@@ -319,6 +326,7 @@ def main(argv=None) -> dict:
         f"{info['torch_threads']}), load average {info['loadavg'][0]:.1f}, malloc "
         f"{info['malloc']}"
     )
+    ticks = cpu_ticks()
     res = measure(
         args.device,
         layers=layers,
@@ -334,6 +342,7 @@ def main(argv=None) -> dict:
         say=say,
     )
     info["loadavg_end"] = load_average()[0]
+    info["cpu_steal"] = steal_share(ticks, cpu_ticks())
     res["machine"] = info
     res["command"] = "python -m bench.ghost " + " ".join(
         map(str, argv if argv is not None else sys.argv[1:])
@@ -345,7 +354,7 @@ def main(argv=None) -> dict:
     say("\n" + markdown(res))
     say(
         f"\n(ghost part {res['elapsed_s']:.0f}s; load average {info['loadavg'][0]:.1f} -> "
-        f"{info['loadavg_end']:.1f}; results in {out})"
+        f"{info['loadavg_end']:.1f}; {steal_note(info['cpu_steal'])}; results in {out})"
     )
     return res
 

@@ -246,6 +246,41 @@ def load_average() -> list[float]:
     return list(os.getloadavg()) if hasattr(os, "getloadavg") else [0.0] * 3
 
 
+def cpu_ticks() -> tuple[int, int] | None:
+    """``(steal, total)``: clock ticks of all CPUs since boot from ``/proc/stat`` (None
+    where there is none). Steal is time the hypervisor ran something else while this
+    virtual machine had work (the ``steal`` field of the ``cpu`` line)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu" or len(fields) < 9:
+        return None
+    ticks = [int(x) for x in fields[1:9]]  # user nice system idle iowait irq softirq steal
+    return ticks[7], sum(ticks)
+
+
+def steal_share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """Share of the CPU time between two :func:`cpu_ticks` readings that was stolen by the
+    hypervisor (0..1; None without both readings or with no tick between them). A run
+    with more than a few percent stolen is slowed unevenly: its ratios move."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
+def steal_note(share: float | None) -> str:
+    """``"CPU steal 3.1%"`` (with a warning above 5%: timings are unreliable), or
+    ``"CPU steal unknown"``."""
+    if share is None:
+        return "CPU steal unknown"
+    note = f"CPU steal {100 * share:.1f}%"
+    if share > 0.05:
+        note += " (WARNING: the hypervisor took CPU time from this run; ratios are unreliable)"
+    return note
+
+
 def machine_info(device) -> dict:
     """CPU model, cores, threads, LLC, RAM, GPU, library versions, git commit, UTC date."""
     cpu = platform.processor() or platform.machine()

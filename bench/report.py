@@ -68,12 +68,15 @@ from .harness import (
     Candidate,
     bytes_floor,
     copy_bandwidth,
+    cpu_ticks,
     load_average,
     machine_info,
     meminfo_kib,
     peak_extra_bytes,
     pin_malloc_threshold,
     set_threads,
+    steal_note,
+    steal_share,
     time_alternating,
     write_csv,
 )
@@ -459,7 +462,7 @@ def render_markdown(results: dict) -> str:
         f"{info['torch_threads']} thread(s), torch {info['torch']}, dpkern "
         f"{info['dpkern']} ({info['git_commit']}), {info['date']}; load average "
         f"{info['loadavg'][0]:.1f} -> {info.get('loadavg_end', float('nan')):.1f}; "
-        f"copy bandwidth {bw['bytes_per_s'] / 1e9:.1f} GB/s; medians of "
+        f"{steal_note(info.get('cpu_steal'))}; copy bandwidth {bw['bytes_per_s'] / 1e9:.1f} GB/s; medians of "
         f"{cfg['repeats']} alternating repeats; speed-up = baseline / dpkern.\n\n"
         + markdown_table(results["summary"])
         + "\n\n"
@@ -638,7 +641,7 @@ def main(argv=None) -> dict:
     all_backends = available_backends(device)
     names = [b for b in (args.backends or all_backends) if b in all_backends]
     adamw = adamw_variants(device)
-    started = time.perf_counter()
+    started, ticks = time.perf_counter(), cpu_ticks()
     info = machine_info(device)
     say(
         f"# dpkern report on {info['cpu']} ({info['cores']} cores, torch threads "
@@ -784,6 +787,7 @@ def main(argv=None) -> dict:
         ghost.write(ghost_res, args.out)
     load = load_average()[0]
     results["machine"]["loadavg_end"] = load
+    results["machine"]["cpu_steal"] = steal_share(ticks, cpu_ticks())
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     write_csv(args.out / "timings.csv", timings)
@@ -796,7 +800,8 @@ def main(argv=None) -> dict:
     say("\n" + render_markdown(results))
     say(
         f"\n(total {results['elapsed_s']:.0f}s; load average at start "
-        f"{info['loadavg'][0]:.1f}, at end {load:.1f}; results in {args.out}/)"
+        f"{info['loadavg'][0]:.1f}, at end {load:.1f}; "
+        f"{steal_note(results['machine']['cpu_steal'])}; results in {args.out}/)"
     )
     return results
 

@@ -85,3 +85,32 @@ def test_peak_memory_sees_a_large_temporary():
         pytest.skip("no /proc/self/clear_refs here")
     assert peak_big >= 60 * 2**20  # the 64 MiB tensor
     assert H.peak_extra_bytes(small, "cpu") < 16 * 2**20
+
+
+def test_steal_share_is_the_stolen_part_of_the_ticks_between_readings(monkeypatch, tmp_path):
+    """cpu_ticks reads the steal field (the 8th number) of /proc/stat's cpu line and
+    the total of the first eight; steal_share is the stolen share between two readings;
+    steal_note warns above 5%."""
+    lines = [
+        "cpu  100 0 50 800 10 0 5 35 0 0\ncpu0 1 2 3\n",
+        "cpu  160 0 60 900 10 0 5 65 0 0\n",  # +60 +10 +100 +30 steal: 30 / 200
+    ]
+    real_open = open
+
+    def fake_open(path, *a, **k):
+        if path == "/proc/stat":
+            f = tmp_path / "stat"
+            f.write_text(lines.pop(0))
+            return real_open(f, *a, **k)
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr("builtins.open", fake_open)
+    before, after = H.cpu_ticks(), H.cpu_ticks()
+    assert before == (35, 1000) and after == (65, 1200)
+    assert H.steal_share(before, after) == pytest.approx(0.15)
+    assert H.steal_share(before, None) is None and H.steal_share(after, after) is None
+    assert H.steal_note(0.15) == (
+        "CPU steal 15.0% (WARNING: the hypervisor took CPU time from this run; "
+        "ratios are unreliable)"
+    )
+    assert H.steal_note(0.031) == "CPU steal 3.1%" and H.steal_note(None) == "CPU steal unknown"

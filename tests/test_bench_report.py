@@ -126,7 +126,7 @@ def test_report_end_to_end_tiny(tmp_path, capsys):
     saved = json.loads((out / "results.json").read_text())
     assert capsys.readouterr().out.rstrip().endswith(f"results in {out}/)")  # the path given
     assert saved["summary"] == json.loads(json.dumps(res["summary"]))
-    for key in ("cpu", "cores", "torch", "dpkern", "date", "loadavg"):
+    for key in ("cpu", "cores", "torch", "dpkern", "date", "loadavg", "cpu_steal"):
         assert key in saved["machine"]
     assert saved["bandwidth"]["bytes_per_s"] > 0
     # 1 noise case + 2 summed (tensor, gpt2) + 2 per-sample (tensor, gpt2)

@@ -17,7 +17,6 @@ from torch import Tensor
 
 from .norms import acc_dtype
 from . import plan as _plan
-from .plan import Formed, _floats
 
 __all__ = ["check_reached", "plan", "requests", "take", "taker"]
 
@@ -129,7 +128,7 @@ def plan(cap, records, generic, B: int, keep_bytes):
     if chosen is None:
         return None
     device = recs[0].meta[2]
-    return Formed(cap.params, chosen, B, dtype, device)
+    return _plan.Formed(cap.params, chosen, B, dtype, device)
 
 
 def _decide(cap, recs, cand, ruled_out, B, keep_bytes):
@@ -157,7 +156,7 @@ def _decide(cap, recs, cand, ruled_out, B, keep_bytes):
     )
     if not any(chosen):
         return None, None
-    floats = [t for k, us in enumerate(meta) if chosen[k] for u in us for t in _floats(u)]
+    floats = [t for k, us in enumerate(meta) if chosen[k] for u in us for t in _plan._floats(u)]
     return chosen, acc_dtype(*floats)
 
 
