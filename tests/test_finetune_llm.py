@@ -13,7 +13,9 @@ import signal
 import pytest
 import torch
 
+import dpkern
 from dpkern import models
+from dpkern.ghost import GhostClipping
 from dpkern.cli.__main__ import main
 from dpkern.cli.finetune import add_arguments
 from dpkern.cli.finetune import job as ft
@@ -250,6 +252,38 @@ def test_gradient_checkpointing_keeps_ghost_norms_exact(arch):
     _, norms, _ = ghost(tiny, batch)
     assert len(calls) >= 2 * 3 + 2  # (and again: the first-step check's own backward)
     torch.testing.assert_close(norms.double(), want, rtol=RTOL, atol=0)
+
+
+@pytest.mark.parametrize("verify", ["first", "off"])
+def test_reentrant_gradient_checkpointing_is_refused_and_nothing_is_updated(verify):
+    """transformers' reentrant checkpointing (use_reentrant=True) re-runs each block in a
+    nested .backward() that ghost clipping's autograd.grad cannot take part in: a
+    ValueError saying to use use_reentrant=False, nothing accumulated or stepped."""
+    import hf_tiny
+
+    model = models.default_model(8, arch="llama", seed=0)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.train()
+    tiny = hf_tiny.Tiny("llama", model, "causal", 0)
+    opt = dpkern.DPSGD(
+        model.parameters(),
+        lr=0.1,
+        max_grad_norm=1.0,
+        noise_multiplier=1.0,
+        expected_batch_size=3,
+        seed=0,
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    g = torch.Generator().manual_seed(0)
+    batch = {"ids": torch.randint(0, models.BYTE_VOCAB, (3, 8), generator=g), "mask": None}
+    from test_ghost_models import losses_of
+
+    with GhostClipping(model, opt, verify=verify) as gc:
+        with pytest.raises(ValueError, match=r"reentrant.*use_reentrant': False"):
+            gc.backward(losses_of(tiny, batch))
+    with pytest.raises(ValueError, match="no parameter has a grad_sample"):
+        opt.step()  # nothing was accumulated: no batch to step on
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
 def test_lora_bf16_checkpointed_llama_run_and_its_sample(text_file, tmp_path, capsys):

@@ -88,6 +88,42 @@ def _refused_module(module: nn.Module) -> str | None:
     return None
 
 
+_REENTRANT = (
+    "ghost clipping cannot run through reentrant activation checkpointing "
+    "(torch.utils.checkpoint with use_reentrant=True, the default of "
+    "model.gradient_checkpointing_enable() in some transformers versions): it re-runs "
+    "the block inside a nested .backward() that torch.autograd.grad cannot take part in. "
+    "Enable it non-reentrant: model.gradient_checkpointing_enable("
+    "gradient_checkpointing_kwargs={'use_reentrant': False}), or "
+    "checkpoint(fn, *args, use_reentrant=False); nothing was updated"
+)
+
+
+def _has_reentrant_checkpoint(loss: Tensor) -> bool:
+    """Whether the graph of ``loss`` holds a reentrant checkpoint's node."""
+    seen, todo = set(), [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "CheckpointFunctionBackward":
+            return True
+        todo.extend(fn for fn, _ in node.next_functions)
+    return False
+
+
+def _grad(loss: Tensor, inputs: list):
+    """``torch.autograd.grad(loss, inputs, allow_unused=True)``; a reentrant checkpoint in
+    the graph is reported as a ValueError saying what to do instead."""
+    try:
+        return torch.autograd.grad(loss, inputs, allow_unused=True)
+    except RuntimeError as exc:
+        if "use_reentrant" in str(exc) or _has_reentrant_checkpoint(loss):
+            raise ValueError(_REENTRANT) from exc
+        raise
+
+
 @dataclass
 class _ModuleRecord:
     module: nn.Module
@@ -447,8 +483,9 @@ class Capture:
             (empty: unused, zero gradient, or formed); summed = autograd's gradients
             (``check``) or None; formed = a :class:`.plan.Formed` or None.
         Raises: ValueError (losses not ``[B]``, no record, batch mismatch, a parameter
-            consumed by an operation without a rule or used outside the recorded forward),
-            RuntimeError (autograd errors of the backward itself).
+            consumed by an operation without a rule or used outside the recorded forward,
+            reentrant activation checkpointing), RuntimeError (autograd errors of the
+            backward itself).
         """
         records, generic = self._records, self._generic_records
         unknown, roots = self._unknown, self._roots
@@ -484,7 +521,7 @@ class Capture:
             if losses.requires_grad and outputs:  # still back-propagated: under FSDP2 the
                 self._in_backward = True  # backward runs collectives (parameter
                 try:  # all-gathers) every rank must join
-                    torch.autograd.grad(losses.sum(), outputs, allow_unused=True)
+                    _grad(losses.sum(), outputs)
                 finally:
                     self._in_backward = False
             return 0, [[] for _ in self.params], None, None
@@ -518,9 +555,7 @@ class Capture:
         try:
             # the early parameters' summed gradients are requested only so that the
             # backward reaches their uses (their hooks then form them); not used
-            grads = torch.autograd.grad(
-                losses.sum(), outputs + extra + early_ps + also, allow_unused=True
-            )
+            grads = _grad(losses.sum(), outputs + extra + early_ps + also)
         finally:
             self._in_backward = False
             for h in handles:
