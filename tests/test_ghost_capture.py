@@ -26,7 +26,7 @@ def _exact_norms(model, loss_of, x):
     return torch.stack(out)
 
 
-def _ghost(model, loss_of, x, clip=1e9):
+def _ghost(model, loss_of, x, clip=1e9, verify="off", **kw):
     params = [p for p in model.parameters() if p.requires_grad]
     opt = dpkern.DPSGD(
         params,
@@ -35,7 +35,7 @@ def _ghost(model, loss_of, x, clip=1e9):
         noise_multiplier=0.0,
         expected_batch_size=max(x.shape[0], 1),
     )
-    with GhostClipping(model, opt, verify="off") as gc:
+    with GhostClipping(model, opt, verify=verify, **kw) as gc:
         sums, norms = gc.clipped_sums(loss_of(model, x))
     return sums, norms
 
@@ -50,17 +50,25 @@ def _flat(sums, model):
     )
 
 
-def assert_exact_and_bounded(model, loss_of, x):
+def assert_exact_and_bounded(model, loss_of, x, **kw):
+    """Ghost norms exact; removing any one sample j moves the released clipped sum by at
+    most C, replacing it by at most 2C (``kw``: GhostClipping's options)."""
     torch.testing.assert_close(
-        _ghost(model, loss_of, x)[1].double(), _exact_norms(model, loss_of, x), rtol=1e-4, atol=1e-9
+        _ghost(model, loss_of, x, **kw)[1].double(),
+        _exact_norms(model, loss_of, x),
+        rtol=1e-4,
+        atol=1e-9,
     )
-    full = _flat(_ghost(model, loss_of, x, C)[0], model)
-    removed = _flat(_ghost(model, loss_of, x[1:], C)[0], model)
-    assert (full - removed).norm() <= C * (1 + 1e-4)
-    replaced = x.clone()
-    replaced[0] = torch.flip(x[0], dims=[0]) if x.dtype == torch.long else -x[0] * 3
-    other = _flat(_ghost(model, loss_of, replaced, C)[0], model)
-    assert (full - other).norm() <= 2 * C * (1 + 1e-4)
+    full = _flat(_ghost(model, loss_of, x, C, **kw)[0], model)
+    B = x.shape[0]
+    for j in range(B):
+        keep = torch.tensor([i for i in range(B) if i != j])
+        removed = _flat(_ghost(model, loss_of, x[keep], C, **kw)[0], model)
+        assert (full - removed).norm() <= C * (1 + 1e-4), f"removing sample {j}"
+        replaced = x.clone()
+        replaced[j] = torch.flip(x[j], dims=[0]) if x.dtype == torch.long else -x[j] * 3
+        other = _flat(_ghost(model, loss_of, replaced, C, **kw)[0], model)
+        assert (full - other).norm() <= 2 * C * (1 + 1e-4), f"replacing sample {j}"
 
 
 def _token_loss(model, ids):
@@ -235,3 +243,129 @@ def test_loralib_layers_are_exact_or_refused():
     assert_exact_and_bounded(prepared(False), loss, torch.randint(0, 20, (4, 5)))
     with pytest.raises(ValueError, match=r"head\.lora_A.*conv1d in head"):
         _ghost(prepared(True), loss, torch.randint(0, 20, (4, 5)))
+
+
+class BatchMixer(nn.Module):
+    """Two Linears with a parameter-free reduction over the batch between them."""
+
+    def __init__(self, mix):
+        super().__init__()
+        self.a, self.b, self.mix = nn.Linear(4, 5), nn.Linear(5, 2), mix
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.mix(self.a(x))))
+
+
+MIXES = {
+    "centre": lambda h: h - h.mean(0, keepdim=True),
+    "normalise": lambda h: h / h.norm(dim=0),
+}
+
+
+@pytest.mark.parametrize("verify", ["off", "first"])
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_reduction_over_the_batch_between_linears_is_refused(mix, verify):
+    """Every sample's output depends on every other's: no per-sample gradient of either
+    Linear exists, so both must be refused (the consumer of the mixed activation names
+    the layout it cannot prove)."""
+    torch.manual_seed(4)
+    model = BatchMixer(MIXES[mix])
+    with pytest.raises(ValueError, match=r"batch dimension is not dim 0.*in b, consuming b\."):
+        _ghost(model, lambda m, x: m(x).square().sum(1), torch.randn(6, 4), verify=verify)
+
+
+@pytest.mark.parametrize("verify", ["off", "first"])
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_reduction_over_the_batch_before_a_frozen_linear_is_refused(mix, verify):
+    """Only the Linear before the reduction trainable: the reduction itself mixes samples
+    (the issue: refuse any reduction over the batch, with or without parameters); its
+    output gradient is not sample i's alone, so G_i x_i^T is not sample i's gradient."""
+    torch.manual_seed(4)
+    model = BatchMixer(MIXES[mix])
+    model.b.requires_grad_(False)
+    x = torch.randn(6, 4)
+    loss = lambda m, x: m(x).square().sum(1)  # noqa: E731
+    xg = x.clone().requires_grad_(True)
+    (dx,) = torch.autograd.grad(loss(model, xg)[0], xg)
+    assert float(dx[1:].abs().max()) > 1e-3, "vacuous: sample 0's loss ignores the others"
+    with pytest.raises(ValueError, match="ghost clipping"):
+        _ghost(model, loss, x, verify=verify)
+
+
+@pytest.mark.parametrize("verify", ["off", "first"])
+@pytest.mark.parametrize("functional", [False, True])
+def test_embedding_scale_grad_by_freq_is_refused(functional, verify):
+    """scale_grad_by_freq divides each row's gradient by its count in the whole batch."""
+    torch.manual_seed(5)
+
+    class Functional(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w, self.lin = nn.Parameter(torch.randn(10, 4)), nn.Linear(4, 2)
+
+        def forward(self, ids):
+            return self.lin(F.embedding(ids, self.w, scale_grad_by_freq=True))
+
+    model = (
+        Functional()
+        if functional
+        else nn.Sequential(nn.Embedding(10, 4, scale_grad_by_freq=True), nn.Linear(4, 2))
+    )
+    where = "embedding in Functional" if functional else "refuses 0: an nn.Embedding"
+    with pytest.raises(ValueError, match=rf"{where}.*scale_grad_by_freq.*mixes samples"):
+        _ghost(
+            model,
+            lambda m, x: m(x).square().sum((1, 2)),
+            torch.randint(0, 10, (3, 5)),
+            verify=verify,
+        )
+
+
+class Conv(nn.Module):
+    """A trainable Conv1d / Conv2d (weight and bias) between a Linear and a Linear head."""
+
+    def __init__(self, dims):
+        super().__init__()
+        self.dims = dims
+        self.inp = nn.Linear(3, 3)
+        self.conv = (nn.Conv1d if dims == 1 else nn.Conv2d)(3, 4, 3, padding=1)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):  # x: [B, L, 3] or [B, H, W, 3]
+        h = self.inp(x).movedim(-1, 1)  # channels first
+        h = torch.tanh(self.conv(h))
+        return self.head(h.mean(dim=tuple(range(2, 2 + self.dims))))
+
+
+CONV_INPUTS = {1: (4, 7, 3), 2: (4, 5, 6, 3)}
+
+
+@pytest.mark.parametrize("dims", [1, 2])
+def test_convolution_is_refused_by_default_and_exact_instantiated(dims):
+    torch.manual_seed(6)
+    model = Conv(dims)
+    x = torch.randn(*CONV_INPUTS[dims])
+    loss = lambda m, x: m(x).square().sum(1)  # noqa: E731
+    op = f"conv{dims}d"
+    for verify in ("off", "first"):
+        with pytest.raises(ValueError, match=rf"conv\.weight.*consumed by {op} in conv"):
+            _ghost(model, loss, x, verify=verify)
+    # frozen convolution: nothing to refuse, the rest stays exact
+    model.conv.requires_grad_(False)
+    assert_exact_and_bounded(model, loss, x)
+    model.conv.requires_grad_(True)
+    assert_exact_and_bounded(model, loss, x, instantiate_unsupported=True)
+    # the norms cover the convolution's own share (not only the Linears')
+    params = [model.conv.weight, model.conv.bias]
+    conv_share = torch.stack(
+        [
+            torch.sqrt(
+                sum(
+                    g.double().square().sum()
+                    for g in torch.autograd.grad(loss(model, x[i : i + 1]).sum(), params)
+                )
+            )
+            for i in range(x.shape[0])
+        ]
+    )
+    assert bool((conv_share > 1e-3).all()), "vacuous: the convolution's gradients vanish"
