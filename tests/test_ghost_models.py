@@ -479,7 +479,12 @@ def test_supports_agrees(name, case):
     "name,case", matrix({}, models=sorted(EXACT_REQUIRED), cases=("B3T5", "padded", "TeqB"))
 )
 def test_bf16_within_1e2_of_fp32_truth(name, case):
-    """A bf16 model's ghost norms within 1e-2 of the fp32 model with the same weights."""
+    """A bf16 model's ghost norms within 1e-2 of the fp32 model with the same weights.
+
+    Where the bf16 model's own gradients (one sample at a time through autograd, in bf16)
+    are already further than 1e-2 from the fp32 truth (the bf16 forward's rounding: 1.4e-2
+    on one row of the LoRA Llama at T == B), the ghost norms must instead be within 1e-3
+    of that bf16 truth: ghost clipping adds no error of its own beyond bf16's."""
     tiny32 = get(name)
     tiny16 = tiny_model(name, "bfloat16")
     ref = copy.deepcopy(tiny16)
@@ -487,7 +492,11 @@ def test_bf16_within_1e2_of_fp32_truth(name, case):
     batch = make_batch(tiny32, case)
     want, _ = true_norms(ref, batch)
     _, norms, _ = ghost(tiny16, batch)
-    torch.testing.assert_close(norms.double(), want, rtol=RTOL_BF16, atol=0)
+    err = ((norms.double() - want).abs() / want).max()
+    if err > RTOL_BF16:
+        own, _ = true_norms(tiny16, batch)
+        assert ((own - want).abs() / want).max() > RTOL_BF16, f"ghost {err:.3g} off fp32"
+        torch.testing.assert_close(norms.double(), own.double(), rtol=1e-3, atol=0)
 
 
 @pytest.mark.parametrize(

@@ -53,7 +53,7 @@ from torch.overrides import TorchFunctionMode
 
 from .batch import _CASTS as CASTS
 from .batch import _one as layout_one
-from .batch import FLAT, LEAD, Form, Tracker, param_form, propagate
+from .batch import FLAT, LEAD, UNKNOWN, Form, Tracker, layout_of, param_form, propagate
 from . import early as early_mod
 from .rules import Rec, RULES, pending_uses, uses_of
 
@@ -111,6 +111,29 @@ def _has_reentrant_checkpoint(loss: Tensor) -> bool:
             return True
         todo.extend(fn for fn, _ in node.next_functions)
     return False
+
+
+def _refuse_mixed(loss: Tensor, mixed: list) -> None:
+    """Raise if the graph of ``loss`` reaches a node of ``mixed`` (``(grad_fn, where)``):
+    the losses then depend on the samples through a tensor whose batch dimension is not
+    proven (a reduction over the batch mixes them: each output gradient row would carry
+    the other samples' terms), with or without a trainable parameter behind it."""
+    nodes = {node: where for node, where in mixed}
+    seen, todo = set(), [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if node in nodes:
+            raise ValueError(
+                f"ghost clipping: the per-sample losses depend on {nodes[node]}, whose "
+                "output depends on the samples without a proven batch dimension (a "
+                "reduction over the batch, e.g. x.mean(0) or batch statistics, or dim 0 "
+                "moved): each sample's gradient would carry the others' data; "
+                "refused (nothing was updated)"
+            )
+        todo.extend(fn for fn, _ in node.next_functions)
 
 
 def _grad(loss: Tensor, inputs: list):
@@ -212,6 +235,9 @@ class Capture:
         self.layouts = Tracker()  # tensor -> LEAD / FLAT / "unknown"
         self._fd, self._pd, self._ld = self.forms._d, self._pending._d, self.layouts._d
         self._unknown: dict[int, str] = {}  # id(param) -> first unknown consumer
+        # grad_fn of each tensor that requires grad and depends on the samples in an
+        # unproven layout (a reduction over the batch, dim 0 moved), first of its chain
+        self._mixed: list[tuple[object, str]] = []
         self._generic_records: list[_ModuleRecord] = []
         self._stack: list[nn.Module] = []
         self._batch: int | None = None
@@ -390,9 +416,23 @@ class Capture:
                 layout = layout_one(func, args, kwargs, out, tainted, self._batch)
                 if layout is not None:
                     ld[id(out)] = (weakref.ref(out), layout)  # self.layouts.put(out, layout)
+                    if layout == UNKNOWN and out.requires_grad:
+                        self._note_mixed(func, out, tainted)
             else:
                 propagate(func, args, kwargs, out, self.layouts, self._batch, tainted)
+                for o in out:
+                    if isinstance(o, Tensor) and o.requires_grad:
+                        if layout_of(self.layouts, o) == UNKNOWN:
+                            self._note_mixed(func, o, tainted)
         return out
+
+    def _note_mixed(self, func, out: Tensor, tainted) -> None:
+        """Remember ``out``'s node: it requires grad and depends on the samples in an
+        unproven layout; :meth:`backward` refuses losses that reach it. Only the first of
+        a chain (an input already unproven and requiring grad leads to an earlier one)."""
+        if out.grad_fn is None or any(la == UNKNOWN and t.requires_grad for t, la in tainted):
+            return
+        self._mixed.append((out.grad_fn, f"{getattr(func, '__name__', func)} in {self.where()}"))
 
     def _use(self, func, args, kwargs, out, forms, rule) -> None:
         B = self._batch
@@ -488,7 +528,7 @@ class Capture:
             backward itself).
         """
         records, generic = self._records, self._generic_records
-        unknown, roots = self._unknown, self._roots
+        unknown, roots, mixed = self._unknown, self._roots, self._mixed
         self._reset()
         if losses.dim() != 1:
             raise ValueError(
@@ -530,6 +570,8 @@ class Capture:
                 "ghost clipping: the losses do not require grad (computed under "
                 "torch.no_grad(), or from frozen parameters only)"
             )
+        if mixed:
+            _refuse_mixed(losses, mixed)
         used = {id(p) for r in records for p in r.params}
         used |= {id(p) for g in generic for p in self.owners[g.module].values()}
         extra = list(self.params) if check else [p for p in self.params if id(p) not in used]
