@@ -573,7 +573,10 @@ def test_guard_for_plain_loops():
         ({"include_num_input_tokens_seen": True}, "exact data-dependent count"),
         ({"auto_find_batch_size": True}, "auto_find_batch_size"),
         ({"train_sampling_strategy": "group_by_length"}, "Poisson"),
-        ({"gradient_checkpointing": True}, "checkpointing"),
+        (
+            {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": 1}},
+            "use_reentrant",
+        ),
         ({"neftune_noise_alpha": 5.0}, "couples the samples"),
     ],
 )
@@ -649,3 +652,142 @@ def test_trainer_hyper_parameters_fit_every_rule():
     for name in ("dp-ademamix", "dp-adafactor", "dp-adamw", "dp-lion"):
         cls = dpkern.rules.by_cli_name(name).optimizer_class()
         cls([p], **_optimizer_kwargs(name, args), **privacy)  # constructs: no ValueError
+
+
+# -- gradient checkpointing, accumulation, epochs --------------------------------------------
+def _count_block_forwards(model) -> list:
+    """A list that grows by one per forward of the first decoder block's MLP (inside the
+    checkpointed block: a recomputation in the backward counts too)."""
+    calls = []
+    model.model.layers[0].mlp.register_forward_pre_hook(lambda *_: calls.append(1))
+    return calls
+
+
+def test_gradient_checkpointing_trains_exactly_as_without(tmp_path):
+    """TrainingArguments(gradient_checkpointing=True): the blocks are recomputed in the
+    backward (twice the block forwards, counted), non-reentrant, and the final parameters
+    equal the run without checkpointing (same noise seed, same Poisson draws)."""
+    priv = privacy(noise_seed=77, verify="off")  # (the check's own passes would count)
+    data = make_data(32)
+    runs = {}
+    for ckpt in (False, True):
+        model = hf_tiny.build("llama").model
+        calls = _count_block_forwards(model)
+        with pytest.warns(UserWarning, match=NOT_PRIVATE):
+            tr = trainer(model, tmp_path / str(ckpt), data, priv, gradient_checkpointing=ckpt)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # (5.x: the deprecated alias)
+            tr.train()
+        assert tr.optimizer.optimizer.dp_step == 3
+        runs[ckpt] = (params_of(model), len(calls), model)
+    (plain, n_plain, _), (ckpt, n_ckpt, model) = runs[False], runs[True]
+    assert model.is_gradient_checkpointing and not runs[False][2].is_gradient_checkpointing
+    funcs = [getattr(m, "_gradient_checkpointing_func", None) for m in model.modules()]
+    funcs = [f for f in funcs if f is not None]
+    assert funcs and all(f.keywords["use_reentrant"] is False for f in funcs)
+    assert n_plain > 0 and n_ckpt == 2 * n_plain  # each block forward recomputed once
+    for n, p in plain.items():
+        torch.testing.assert_close(ckpt[n], p, rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize(
+    "field", ["gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"]
+)
+def test_reentrant_gradient_checkpointing_is_refused(tmp_path, field):
+    """use_reentrant=True (torch.autograd.grad cannot run through reentrant checkpoints)
+    is refused at construction, naming it; so is a model checkpointed reentrantly by hand
+    (at the first step, before torch's own error in the backward)."""
+    if field not in TrainingArguments.__dataclass_fields__:
+        pytest.skip(f"this transformers has no {field}")
+    model = hf_tiny.build("llama").model
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        args = targs(tmp_path, gradient_checkpointing=True, **{field: {"use_reentrant": True}})
+    with pytest.raises(ValueError, match="use_reentrant"):
+        DPTrainer(model=model, args=args, train_dataset=make_data(16), privacy=privacy())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # (5.x: the deprecated name)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    tr = trainer(model, tmp_path)
+    tr.create_optimizer()
+    with pytest.raises(ValueError, match="use_reentrant=True"):
+        tr.training_step(tr.model, collate(make_data(3)))
+
+
+def test_checkpointing_kwargs_are_made_non_reentrant(tmp_path):
+    """No kwargs, no use_reentrant, or use_reentrant=None (torch's reentrant default;
+    transformers 4 also defaults to reentrant): DPTrainer sets use_reentrant=False and
+    keeps the other kwargs."""
+    for given in (None, {}, {"use_reentrant": None}, {"preserve_rng_state": True}):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            tr = trainer(
+                hf_tiny.build("llama").model,
+                tmp_path,
+                gradient_checkpointing=True,
+                gradient_checkpointing_kwargs=given,
+            )
+        for field in ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"):
+            if hasattr(tr.args, field):
+                assert getattr(tr.args, field) == {**(given or {}), "use_reentrant": False}
+    tr = trainer(hf_tiny.build("llama").model, tmp_path)
+    assert not tr.args.gradient_checkpointing and not tr.args.gradient_checkpointing_kwargs
+
+
+def test_accumulated_micro_batches_are_one_logical_batch_noised_once(tmp_path):
+    """8 x 1 and 4 x 2 (per_device_train_batch_size x gradient_accumulation_steps) have the
+    same expected batch, so with a noise seed (which fixes the sampling too) they draw the
+    same Poisson batches (checked: the 4 x 2 micro-batches pair up into the 8 x 1 ones) and,
+    with noise added once per logical batch, end at the same parameters; a noise draw per
+    micro-batch would not."""
+    priv = privacy(noise_seed=5)
+    data = make_data(40)
+    runs = {}
+    for bs, acc in ((8, 1), (4, 2)):
+        drawn = []
+        _, counting = _realised_sizes(collate, drawn)
+        with pytest.warns(UserWarning, match=NOT_PRIVATE):
+            tr = DPTrainer(
+                model=hf_tiny.build("llama").model,
+                args=targs(
+                    tmp_path / str(acc),
+                    per_device_train_batch_size=bs,
+                    gradient_accumulation_steps=acc,
+                    max_steps=3,
+                ),
+                train_dataset=data,
+                data_collator=counting,
+                privacy=priv,
+            )
+        tr.train()
+        assert tr.optimizer.optimizer.dp_step == 3 and tr.accountant.history == [[1.0, 0.2, 3]]
+        runs[acc] = (params_of(tr.model), drawn)
+    (one, drawn1), (two, drawn2) = runs[1], runs[2]
+    merged = [drawn2[2 * k] + drawn2[2 * k + 1] for k in range(len(drawn2) // 2)]
+    n = min(len(merged), len(drawn1))
+    assert n >= 3 and [sorted(b) for b in merged[:n]] == [sorted(b) for b in drawn1[:n]]
+    for name, p in one.items():
+        torch.testing.assert_close(two[name], p, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_sigma_is_calibrated_for_the_epochs_of_the_run(tmp_path):
+    """num_train_epochs=2 and max_steps=-1 on N = 20 with B_e = 4 x 2 = 8: an epoch is
+    ceil(20 / 8) = 3 logical batches, so 6 releases at q = 8 / 20 are accounted, and the
+    epsilon they spend is within (0.9, 1] of the target."""
+    target, n = 4.0, 20
+    tr = DPTrainer(
+        model=hf_tiny.build("llama").model,
+        args=targs(tmp_path, max_steps=-1, num_train_epochs=2),
+        train_dataset=make_data(n),
+        data_collator=collate,
+        privacy=PrivacyArguments(target_epsilon=target, target_delta=1e-3, loss_normalizer=12),
+    )
+    out = tr.train()
+    steps = 2 * math.ceil(n / 8)
+    assert tr.planned_steps == steps and tr.state.global_step == steps
+    assert tr.accountant.steps == steps
+    assert tr.accountant.history == [[tr.noise_multiplier, 8 / n, steps]]
+    eps = out.metrics["epsilon"]
+    assert 0.9 * target < eps <= target + 1e-6
+    assert eps == pytest.approx(tr.privacy_spent()["epsilon"])
+    assert out.metrics["epoch"] == pytest.approx(2.0)

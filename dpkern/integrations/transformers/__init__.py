@@ -70,11 +70,19 @@ logging, evaluation, checkpoints, callbacks, Accelerate):
   fills), ``total_flos`` is 0 (it would count the sampled tokens), and nothing counts
   the realised batch; the logged loss is the un-noised training loss
   (sum of per-sample losses / B_e), for the operator only.
+- **Gradient checkpointing.** ``TrainingArguments(gradient_checkpointing=True)`` (in
+  transformers 5 also ``activation_checkpointing=True``) recomputes the blocks in the
+  backward; the norms stay exact. DPTrainer sets ``use_reentrant=False`` in
+  ``gradient_checkpointing_kwargs`` (and ``activation_checkpointing_kwargs``) where it is
+  left out (transformers 4 and torch before 2.9 default to reentrant), in the
+  TrainingArguments it was given. ``use_reentrant=True`` is refused at construction, a
+  model checkpointed reentrantly by hand at the first step: reentrant checkpointing
+  does not work with ``torch.autograd.grad``, which ghost clipping differentiates with.
 - **Refused** (ValueError at construction; the data at ``train()``): several GPUs in
   one process (DataParallel), parallel modes other than torch.distributed DDP (TPU,
   SageMaker, ``parallelism_config``), DeepSpeed, FSDP (:mod:`dpkern.distributed` has
   FSDP2 for own loops), model parallelism, fp16 (its loss
-  scaler works on ``.grad``; bf16 works), ``torch_compile``, activation checkpointing,
+  scaler works on ``.grad``; bf16 works), ``torch_compile``, reentrant checkpointing,
   label smoothing, NEFTune, ``include_num_input_tokens_seen``, ``auto_find_batch_size``,
   non-random sampling strategies, an iterable dataset, ``optimizers=`` /
   ``optimizer_cls_and_kwargs=`` (the optimizer is built here, with the calibrated

@@ -3,10 +3,64 @@ and Trainer arguments it cannot train privately with (ValueError naming the fiel
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
+
+#: The TrainingArguments that switch activation checkpointing on (transformers 5 renamed
+#: ``gradient_checkpointing``, which it keeps as an alias) and their kwargs fields.
+_CHECKPOINTING = ("gradient_checkpointing", "activation_checkpointing")
+_CHECKPOINTING_KWARGS = ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")
+
 
 def _refuse(ok: bool, what: str) -> None:
     if not ok:
         raise ValueError(f"DPTrainer: {what}")
+
+
+def _checkpointing(args) -> bool:
+    """Whether ``args`` ask the Trainer for activation (gradient) checkpointing."""
+    return any(bool(getattr(args, name, False)) for name in _CHECKPOINTING)
+
+
+def _checkpointing_kwargs(args) -> list[tuple[str, object]]:
+    """The checkpointing kwargs fields ``args`` has (of this transformers version), and
+    their values."""
+    return [(name, getattr(args, name)) for name in _CHECKPOINTING_KWARGS if hasattr(args, name)]
+
+
+def _non_reentrant_checkpointing(args) -> None:
+    """Have the Trainer's ``gradient_checkpointing_enable`` (transformers 4) /
+    ``activation_checkpointing_enable`` (5) checkpoint with ``use_reentrant=False``: the
+    kwargs fields of ``args`` get ``use_reentrant=False`` (set in place; the Trainer reads
+    them when ``train()`` starts). transformers 4 would otherwise default to
+    ``use_reentrant=True``, and torch < 2.9 does when it is left out. Call after
+    :func:`_check_training_args` (which refuses ``use_reentrant=True``)."""
+    if not _checkpointing(args):
+        return
+    for name, kw in _checkpointing_kwargs(args):
+        setattr(args, name, {**(kw or {}), "use_reentrant": False})
+
+
+def _check_model_checkpointing(model) -> None:
+    """Refuse a model whose checkpointed blocks are reentrant (``use_reentrant=True``, or
+    left to torch's default, True before torch 2.9): e.g. ``gradient_checkpointing_enable()``
+    called on the model with transformers 4's default before the Trainer got it. (Without
+    this, torch raises in the first backward.)"""
+    for name, module in model.named_modules():
+        if not getattr(module, "gradient_checkpointing", False):
+            continue
+        func = getattr(module, "_gradient_checkpointing_func", None)
+        if not isinstance(func, functools.partial):
+            continue  # (a custom function: torch raises if it is reentrant)
+        reentrant = func.keywords.get("use_reentrant")
+        _refuse(
+            reentrant is False,
+            f"{type(module).__name__} {name or '(the model)'} is checkpointed with "
+            f"use_reentrant={reentrant!r}: reentrant activation checkpointing is "
+            "incompatible with torch.autograd.grad, which ghost clipping differentiates "
+            "with; enable it with use_reentrant=False (or set TrainingArguments("
+            "gradient_checkpointing=True) and leave the model to DPTrainer)",
+        )
 
 
 def _check_training_args(args) -> None:
@@ -37,14 +91,20 @@ def _check_training_args(args) -> None:
     _refuse(not args.deepspeed, "deepspeed is not supported")
     _refuse(not args.fsdp, "fsdp is not supported (dpkern.distributed has FSDP2 for own loops)")
     _refuse(not getattr(args, "torch_compile", False), "torch_compile=True is not supported yet")
-    _refuse(
-        not (
-            getattr(args, "activation_checkpointing", False)
-            or getattr(args, "gradient_checkpointing", False)
-        ),
-        "activation (gradient) checkpointing is not supported yet: ghost clipping records "
-        "the forward once",
-    )
+    if _checkpointing(args):
+        for name, kw in _checkpointing_kwargs(args):
+            _refuse(
+                kw is None or isinstance(kw, Mapping),
+                f"{name}={kw!r}: expected a dict of torch.utils.checkpoint keyword arguments",
+            )
+            reentrant = None if kw is None else kw.get("use_reentrant")
+            _refuse(
+                reentrant is None or reentrant is False,
+                f"{name}={{'use_reentrant': {reentrant!r}, ...}}: reentrant activation "
+                "checkpointing is incompatible with torch.autograd.grad, which ghost "
+                "clipping differentiates with; leave use_reentrant out (DPTrainer sets "
+                "use_reentrant=False) or set it to False",
+            )
     _refuse(
         not args.label_smoothing_factor,
         "label_smoothing_factor != 0 is not supported: pass a per_sample_loss_func",

@@ -25,7 +25,14 @@ from .arguments import (
     _optimizer_name,
     _param_groups,
 )
-from .checks import _check_right_padded, _check_trainer_kwargs, _check_training_args, _refuse
+from .checks import (
+    _check_model_checkpointing,
+    _check_right_padded,
+    _check_trainer_kwargs,
+    _check_training_args,
+    _non_reentrant_checkpointing,
+    _refuse,
+)
 from .data import PoissonMicroBatchSampler, _batch_rows, _EmptySafeCollator, _row_chunks
 from .plan import calibrate, compute_plan, dataset_size
 from .records import build_record, read_record, write_record
@@ -148,6 +155,7 @@ class DPTrainer(Trainer):
         self.per_sample_loss_func = per_sample_loss_func
         super().__init__(model, args, *pos, **kw)
         _check_training_args(self.args)
+        _non_reentrant_checkpointing(self.args)  # (the Trainer enables it in train())
         _refuse(not self.is_model_parallel, "a model spread over several devices is not supported")
         if not self.privacy.private:
             warnings.warn(
@@ -335,6 +343,7 @@ class DPTrainer(Trainer):
     def _setup_clipping(self):
         opt = _inner(self.optimizer)
         check_trainable_params(self.model, opt)
+        _check_model_checkpointing(self.model)
         # (DDP: the wrapper, whose accumulate_clipped keeps the sums local until step())
         target = self.optimizer if _is_distributed(self.optimizer) else opt
         self._gc = GhostClipping(self.model, target, verify=self.privacy.verify).attach()
