@@ -55,6 +55,7 @@ from .batch import _CASTS as CASTS
 from .batch import _one as layout_one
 from .batch import FLAT, LEAD, UNKNOWN, Form, Tracker, layout_of, param_form, propagate
 from . import early as early_mod
+from .graph import grad_of, refuse_mixed
 from .rules import Rec, RULES, pending_uses, uses_of
 
 __all__ = ["Capture", "module_kind", "KINDS"]
@@ -86,65 +87,6 @@ def _refused_module(module: nn.Module) -> str | None:
             else "scales gradients by batch frequencies (mixes samples)"
         )
     return None
-
-
-_REENTRANT = (
-    "ghost clipping cannot run through reentrant activation checkpointing "
-    "(torch.utils.checkpoint with use_reentrant=True, the default of "
-    "model.gradient_checkpointing_enable() in some transformers versions): it re-runs "
-    "the block inside a nested .backward() that torch.autograd.grad cannot take part in. "
-    "Enable it non-reentrant: model.gradient_checkpointing_enable("
-    "gradient_checkpointing_kwargs={'use_reentrant': False}), or "
-    "checkpoint(fn, *args, use_reentrant=False); nothing was updated"
-)
-
-
-def _has_reentrant_checkpoint(loss: Tensor) -> bool:
-    """Whether the graph of ``loss`` holds a reentrant checkpoint's node."""
-    seen, todo = set(), [loss.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if type(node).__name__ == "CheckpointFunctionBackward":
-            return True
-        todo.extend(fn for fn, _ in node.next_functions)
-    return False
-
-
-def _refuse_mixed(loss: Tensor, mixed: list) -> None:
-    """Raise if the graph of ``loss`` reaches a node of ``mixed`` (``(grad_fn, where)``):
-    the losses then depend on the samples through a tensor whose batch dimension is not
-    proven (a reduction over the batch mixes them: each output gradient row would carry
-    the other samples' terms), with or without a trainable parameter behind it."""
-    nodes = {node: where for node, where in mixed}
-    seen, todo = set(), [loss.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if node in nodes:
-            raise ValueError(
-                f"ghost clipping: the per-sample losses depend on {nodes[node]}, whose "
-                "output depends on the samples without a proven batch dimension (a "
-                "reduction over the batch, e.g. x.mean(0) or batch statistics, or dim 0 "
-                "moved): each sample's gradient would carry the others' data; "
-                "refused (nothing was updated)"
-            )
-        todo.extend(fn for fn, _ in node.next_functions)
-
-
-def _grad(loss: Tensor, inputs: list):
-    """``torch.autograd.grad(loss, inputs, allow_unused=True)``; a reentrant checkpoint in
-    the graph is reported as a ValueError saying what to do instead."""
-    try:
-        return torch.autograd.grad(loss, inputs, allow_unused=True)
-    except RuntimeError as exc:
-        if "use_reentrant" in str(exc) or _has_reentrant_checkpoint(loss):
-            raise ValueError(_REENTRANT) from exc
-        raise
 
 
 @dataclass
@@ -561,7 +503,7 @@ class Capture:
             if losses.requires_grad and outputs:  # still back-propagated: under FSDP2 the
                 self._in_backward = True  # backward runs collectives (parameter
                 try:  # all-gathers) every rank must join
-                    _grad(losses.sum(), outputs)
+                    grad_of(losses.sum(), outputs)
                 finally:
                     self._in_backward = False
             return 0, [[] for _ in self.params], None, None
@@ -571,7 +513,7 @@ class Capture:
                 "torch.no_grad(), or from frozen parameters only)"
             )
         if mixed:
-            _refuse_mixed(losses, mixed)
+            refuse_mixed(losses, mixed)
         used = {id(p) for r in records for p in r.params}
         used |= {id(p) for g in generic for p in self.owners[g.module].values()}
         extra = list(self.params) if check else [p for p in self.params if id(p) not in used]
@@ -597,7 +539,7 @@ class Capture:
         try:
             # the early parameters' summed gradients are requested only so that the
             # backward reaches their uses (their hooks then form them); not used
-            grads = _grad(losses.sum(), outputs + extra + early_ps + also)
+            grads = grad_of(losses.sum(), outputs + extra + early_ps + also)
         finally:
             self._in_backward = False
             for h in handles:

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from .norms import acc_dtype
 from . import plan as _plan
+from .graph import reached
 
 __all__ = ["check_reached", "plan", "requests", "take", "taker"]
 
@@ -65,15 +66,7 @@ def check_reached(cap, losses, records, hooked, fired, early_ps) -> None:
     }
     if not skipped or losses.grad_fn is None:
         return
-    seen, todo, hit = set(), [losses.grad_fn], []
-    while todo and len(hit) < len(skipped):
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if node in skipped:
-            hit.append(skipped[node])
-        todo.extend(fn for fn, _ in node.next_functions)
+    hit = [skipped[node] for node in reached(losses, skipped)]
     if hit:
         cap._all_early = True
         names = sorted({cap._pname(p) for r in hit for p in r.params})
