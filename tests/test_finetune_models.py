@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+import hf_tiny
 from dpkern.ghost import rules
 from test_finetune import TINY, finetune
 
@@ -59,6 +60,22 @@ def _model_dir(tmp_path, name):
 @pytest.mark.parametrize("name", ["llama", "opt", "falcon", "biogpt"])
 def test_finetune_uses_ghost_clipping_on_hf_causal_lms(name, text_file, tmp_path, capsys):
     src, out = _model_dir(tmp_path, name), tmp_path / "run"
+    assert finetune("--model", src, "--data", text_file, "--steps", 2, "--out", out, *TINY) == 0
+    captured = capsys.readouterr()
+    assert "clipping ghost" in captured.out and "note:" not in captured.err
+    assert (out / "metrics.json").exists()
+
+
+@pytest.mark.parametrize("name", sorted(set(hf_tiny.CAUSAL) - {"llama", "opt", "falcon", "biogpt"}))
+def test_finetune_uses_ghost_clipping_on_every_tiny_causal_lm(name, text_file, tmp_path, capsys):
+    """The rest of tests/hf_tiny.py's causal LMs (GPT-2, Mistral, Qwen2, Gemma, GPT-NeoX,
+    Phi, BLOOM, GPT-J), saved with a byte-sized vocabulary: ghost clipping (checked
+    exact before training), no note, no traceback."""
+    cls, cfg = hf_tiny.CAUSAL[name](transformers)
+    cfg.vocab_size = V
+    cfg.bos_token_id = cfg.eos_token_id = cfg.pad_token_id = 0
+    src, out = tmp_path / name, tmp_path / "run"
+    cls(cfg).save_pretrained(src)
     assert finetune("--model", src, "--data", text_file, "--steps", 2, "--out", out, *TINY) == 0
     captured = capsys.readouterr()
     assert "clipping ghost" in captured.out and "note:" not in captured.err
