@@ -76,8 +76,9 @@ logging, evaluation, checkpoints, callbacks, Accelerate):
   ``gradient_checkpointing_kwargs`` (and ``activation_checkpointing_kwargs``) where it is
   left out (transformers 4 and torch before 2.9 default to reentrant), in the
   TrainingArguments it was given. ``use_reentrant=True`` is refused at construction, a
-  model checkpointed reentrantly by hand at the first step: reentrant checkpointing
-  does not work with ``torch.autograd.grad``, which ghost clipping differentiates with.
+  model checkpointed reentrantly by hand at the first step (by ghost clipping's own
+  refusal, :func:`dpkern.ghost.graph.grad_of`): reentrant checkpointing does not work
+  with ``torch.autograd.grad``, which ghost clipping differentiates with.
 - **Refused** (ValueError at construction; the data at ``train()``): several GPUs in
   one process (DataParallel), parallel modes other than torch.distributed DDP (TPU,
   SageMaker, ``parallelism_config``), DeepSpeed, FSDP (:mod:`dpkern.distributed` has

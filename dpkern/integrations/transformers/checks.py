@@ -3,7 +3,6 @@ and Trainer arguments it cannot train privately with (ValueError naming the fiel
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 
 #: The TrainingArguments that switch activation checkpointing on (transformers 5 renamed
@@ -39,28 +38,6 @@ def _non_reentrant_checkpointing(args) -> None:
         return
     for name, kw in _checkpointing_kwargs(args):
         setattr(args, name, {**(kw or {}), "use_reentrant": False})
-
-
-def _check_model_checkpointing(model) -> None:
-    """Refuse a model whose checkpointed blocks are reentrant (``use_reentrant=True``, or
-    left to torch's default, True before torch 2.9): e.g. ``gradient_checkpointing_enable()``
-    called on the model with transformers 4's default before the Trainer got it. (Without
-    this, torch raises in the first backward.)"""
-    for name, module in model.named_modules():
-        if not getattr(module, "gradient_checkpointing", False):
-            continue
-        func = getattr(module, "_gradient_checkpointing_func", None)
-        if not isinstance(func, functools.partial):
-            continue  # (a custom function: torch raises if it is reentrant)
-        reentrant = func.keywords.get("use_reentrant")
-        _refuse(
-            reentrant is False,
-            f"{type(module).__name__} {name or '(the model)'} is checkpointed with "
-            f"use_reentrant={reentrant!r}: reentrant activation checkpointing is "
-            "incompatible with torch.autograd.grad, which ghost clipping differentiates "
-            "with; enable it with use_reentrant=False (or set TrainingArguments("
-            "gradient_checkpointing=True) and leave the model to DPTrainer)",
-        )
 
 
 def _check_training_args(args) -> None:

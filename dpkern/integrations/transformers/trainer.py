@@ -26,7 +26,6 @@ from .arguments import (
     _param_groups,
 )
 from .checks import (
-    _check_model_checkpointing,
     _check_right_padded,
     _check_trainer_kwargs,
     _check_training_args,
@@ -343,7 +342,6 @@ class DPTrainer(Trainer):
     def _setup_clipping(self):
         opt = _inner(self.optimizer)
         check_trainable_params(self.model, opt)
-        _check_model_checkpointing(self.model)
         # (DDP: the wrapper, whose accumulate_clipped keeps the sums local until step())
         target = self.optimizer if _is_distributed(self.optimizer) else opt
         self._gc = GhostClipping(self.model, target, verify=self.privacy.verify).attach()
