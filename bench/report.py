@@ -462,7 +462,8 @@ def render_markdown(results: dict) -> str:
         f"{info['torch_threads']} thread(s), torch {info['torch']}, dpkern "
         f"{info['dpkern']} ({info['git_commit']}), {info['date']}; load average "
         f"{info['loadavg'][0]:.1f} -> {info.get('loadavg_end', float('nan')):.1f}; "
-        f"{steal_note(info.get('cpu_steal'))}; copy bandwidth {bw['bytes_per_s'] / 1e9:.1f} GB/s; medians of "
+        f"{steal_note(info.get('cpu_steal'))}; "
+        f"copy bandwidth {bw['bytes_per_s'] / 1e9:.1f} GB/s; medians of "
         f"{cfg['repeats']} alternating repeats; speed-up = baseline / dpkern.\n\n"
         + markdown_table(results["summary"])
         + "\n\n"
