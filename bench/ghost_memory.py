@@ -1,8 +1,8 @@
 """Peak extra memory of the ghost bench's candidates (:mod:`bench.ghost`), measured in a
 fresh process on CPU.
 
-The CPU measure is a peak-RSS delta (:func:`bench.report.peak_extra_bytes`) with glibc's
-mmap threshold pinned low (:func:`bench.report.pin_malloc_threshold`), so that freed
+The CPU measure is a peak-RSS delta (:func:`bench.harness.peak_extra_bytes`) with glibc's
+mmap threshold pinned low (:func:`bench.harness.pin_malloc_threshold`), so that freed
 temporaries go back to the OS. Pinned only after the timings (pinning slows allocation), the
 heap the timings grew stays fragmented and every small allocation of the measured step can
 fault in a page of it: the same ghost step of the Llama-style model at 16 x 64 then reads
@@ -30,7 +30,7 @@ def measure_here(layers, e2e, device, *, sigma, clip, model_kw) -> tuple[list, l
     layer case (``"BxTxDxP"`` or LayerCase) and per e2e case ``(model, block, batch)``.
     On CPU this pins glibc's mmap threshold for the rest of the process."""
     from . import ghost as GB
-    from .report import pin_malloc_threshold
+    from .harness import pin_malloc_threshold
 
     device = torch.device(device)
     if device.type == "cpu":

@@ -31,6 +31,7 @@ committed to the repository is written with ``--out bench/results``.
 
 from __future__ import annotations
 
+
 import argparse
 import datetime as _dt
 import gc
@@ -39,14 +40,9 @@ import math
 import statistics
 import sys
 import time
-import zlib
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-import dpkern
-from dpkern import functional as F
 
 from . import (
     LAYOUTS,
@@ -54,19 +50,12 @@ from . import (
     available_backends,
     format_size,
     layout_shapes,
-    make_grad_samples,
-    make_params,
     parse_size,
 )
 from .harness import (
     BYTES_F32,
-    KEY,
-    LR,
     PATHS,
     RESULTS_DIR,
-    WEIGHT_DECAY,
-    Candidate,
-    bytes_floor,
     copy_bandwidth,
     cpu_ticks,
     load_average,
@@ -80,446 +69,37 @@ from .harness import (
     time_alternating,
     write_csv,
 )
-
-
-# The speed targets of the fused backends (first set for the C++ CPU backend); checked for
-# every fused backend.
-TARGETS = (
-    dict(
-        name="noise generation vs torch.randn",
-        path="noise",
-        layout="tensor",
-        d=16 * MI,
-        batch=0,
-        required=3.0,
-    ),
-    dict(
-        name="summed DP-AdamW step vs torch.normal+add+div+AdamW(foreach)",
-        path="summed",
-        layout="tensor",
-        d=16 * MI,
-        batch=0,
-        required=3.0,
-    ),
-    dict(
-        name="per-sample DP-AdamW step (GPT-2-like tensors) vs Opacus DPOptimizer+AdamW(foreach)",
-        path="per_sample",
-        layout="gpt2",
-        d=4 * MI,
-        batch=16,
-        required=1.5,
-    ),
+from .report_cases import (
+    DEFAULT_GRID,
+    FULL_GRID,
+    TARGETS,
+    Case,
+    adamw_variants,
+    build_candidates,
+    build_cases,
+)
+from .report_tables import (
+    check_targets,
+    markdown_table,
+    markdown_targets,
+    plot,
+    render_markdown,
+    summarize,
 )
 
-
-# --------------------------------------------------------------------------------------
-# Cases and candidates
-# --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Case:
-    """One measurement point: ``path`` in PATHS, ``layout`` in LAYOUTS, d coordinates
-    requested (the GPT-2-like layout holds slightly fewer), batch B (0 for noise)."""
-
-    path: str
-    layout: str
-    d: int
-    batch: int
-
-
-def adamw_variants(device) -> list[str]:
-    """torch.optim.AdamW implementations to compare with: foreach, and fused where the
-    device and this torch version support it."""
-    out = ["foreach"]
-    try:
-        p = torch.zeros(2, device=device, requires_grad=True)
-        p.grad = torch.zeros_like(p)
-        torch.optim.AdamW([p], fused=True).step()
-        out.append("fused")
-    except (RuntimeError, ValueError, TypeError):
-        pass
-    return out
-
-
-def _adamw(params, variant: str):
-    return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, **{variant: True})
-
-
-def build_candidates(
-    case: Case,
-    backends: list[str],
-    device,
-    *,
-    sigma: float,
-    clip: float,
-    adamw: list[str],
-    skip_baseline: bool = False,
-) -> list[Candidate]:
-    """Fresh tensors and the callables to time for ``case`` (each candidate owns its
-    parameters and states; per-sample gradients and summed buffers are shared, read-only)."""
-    gen = torch.Generator().manual_seed(zlib.crc32(repr(case).encode()))
-    shapes = layout_shapes(case.d, case.layout)
-    d = sum(math.prod(s) for s in shapes)
-    cands: list[Candidate] = []
-    if case.path == "noise":
-        for be in backends:
-            t = iter(range(1, 1 << 40))
-            cands.append(
-                Candidate(
-                    "dpkern",
-                    be,
-                    lambda be=be, t=t: F.gaussian_noise(
-                        d, key=KEY, step=next(t), device=device, backend=be
-                    ),
-                )
-            )
-        cands.append(Candidate("baseline", "foreach", lambda: torch.randn(d, device=device)))
-        return cands
-
-    base = make_params(shapes, device, generator=gen)
-
-    def params_copy():
-        return [p.detach().clone().requires_grad_(True) for p in base]
-
-    B_e = max(case.batch, 1)
-    if case.path == "per_sample":
-        gs = make_grad_samples(base, case.batch, generator=gen)
-        for be in backends:
-            ps = params_copy()
-            opt = dpkern.DPAdamW(
-                ps,
-                lr=LR,
-                weight_decay=WEIGHT_DECAY,
-                max_grad_norm=clip,
-                noise_multiplier=sigma,
-                expected_batch_size=B_e,
-                seed=KEY,
-                backend=be,
-            )
-            cands.append(Candidate("dpkern", be, opt.step, _attach(ps, gs, None)))
-        if not skip_baseline:
-            from opacus.optimizers import DPOptimizer
-
-            for v in adamw:
-                ps = params_copy()
-                opt = DPOptimizer(
-                    _adamw(ps, v),
-                    noise_multiplier=sigma,
-                    max_grad_norm=clip,
-                    expected_batch_size=B_e,
-                )
-                cands.append(Candidate("baseline", v, opt.step, _attach(ps, gs, opt)))
-    elif case.path == "summed":
-        sums = [torch.randn(s, generator=gen).to(device) for s in shapes]
-        for be in backends:
-            ps = params_copy()
-            m = [torch.zeros_like(p) for p in ps]
-            v2 = [torch.zeros_like(p) for p in ps]
-            t = iter(range(1, 1 << 40))
-            cands.append(
-                Candidate(
-                    "dpkern",
-                    be,
-                    lambda ps=ps, m=m, v2=v2, be=be, t=t: F.dp_adamw(
-                        ps,
-                        None,
-                        m,
-                        v2,
-                        step=next(t),
-                        key=KEY,
-                        lr=LR,
-                        weight_decay=WEIGHT_DECAY,
-                        max_grad_norm=clip,
-                        noise_multiplier=sigma,
-                        expected_batch_size=B_e,
-                        summed_grads=sums,
-                        backend=be,
-                    ),
-                )
-            )
-        for v in adamw:
-            ps = params_copy()
-            for p, s in zip(ps, sums):
-                p.grad = s.clone()
-            opt = _adamw(ps, v)
-
-            def noisy_step(ps=ps, opt=opt):
-                for p in ps:  # what a hand-written DP loop does after clipping + summing
-                    p.grad.add_(torch.normal(0.0, sigma * clip, size=p.shape, device=device)).div_(
-                        B_e
-                    )
-                opt.step()
-
-            cands.append(Candidate("baseline", v, noisy_step))
-    else:
-        raise ValueError(f"invalid path {case.path!r}: expected one of {PATHS}")
-    for v in adamw:  # the non-private floor: AdamW alone on the same parameters
-        ps = params_copy()
-        for p in ps:
-            p.grad = torch.randn(p.shape, generator=gen).mul_(1e-3).to(device)
-        cands.append(Candidate("floor", v, _adamw(ps, v).step))
-    return cands
-
-
-def _attach(params, grad_samples, opacus_opt):
-    """prepare(): give each parameter its per-sample gradient (a fresh view for Opacus,
-    which marks the tensors it consumed, after clearing its summed_grad via zero_grad)."""
-
-    def prepare():
-        if opacus_opt is not None:
-            opacus_opt.zero_grad(set_to_none=True)
-        for p, g in zip(params, grad_samples):
-            p.grad_sample = g.view_as(g)
-
-    return prepare
-
-
-# --------------------------------------------------------------------------------------
-# Timing, memory and bandwidth
-# --------------------------------------------------------------------------------------
-
-
-# --------------------------------------------------------------------------------------
-# Grid, summary, targets, output
-# --------------------------------------------------------------------------------------
-DEFAULT_GRID = {
-    "noise": ["1M", "16M"],
-    "summed": ["1M", "16M"],
-    "per_sample": ["1M", "4M"],
-    "batch": [1, 8, 16],
-}
-FULL_GRID = {
-    "noise": ["1M", "4M", "16M", "64M"],
-    "summed": ["1M", "4M", "16M", "64M"],
-    "per_sample": ["1M", "4M", "16M", "64M"],
-    "batch": [1, 8, 16, 32],
-}
-
-
-def build_cases(paths, layouts, noise_d, summed_d, per_sample_d, batches) -> list[Case]:
-    """The grid, in the order it runs (noise is layout-independent: one tensor only)."""
-    cases = []
-    if "noise" in paths:
-        cases += [Case("noise", "tensor", d, 0) for d in noise_d]
-    if "summed" in paths:
-        cases += [Case("summed", lay, d, 0) for d in summed_d for lay in layouts]
-    if "per_sample" in paths:
-        cases += [
-            Case("per_sample", lay, d, b) for d in per_sample_d for b in batches for lay in layouts
-        ]
-    return cases
-
-
-def summarize(
-    case: Case,
-    d_actual: int,
-    n_tensors: int,
-    medians: dict[str, float],
-    peaks: dict[str, int | None],
-    bandwidth: float,
-) -> list[dict]:
-    """One row per dpkern backend of a case: medians (seconds), ratios baseline/dpkern
-    and AdamW-alone/dpkern, and the bandwidth floor (seconds) for the bytes that must move."""
-    floor_s = bytes_floor(case.path, d_actual, case.batch) / bandwidth
-    rows = []
-    for name, t in medians.items():
-        role, variant = name.split(":")
-        if role != "dpkern":
-            continue
-        row = dict(
-            path=case.path,
-            layout=case.layout,
-            d=d_actual,
-            tensors=n_tensors,
-            batch=case.batch,
-            backend=variant,
-            dpkern_s=t,
-            bw_floor_s=floor_s,
-            bw_fraction=floor_s / t,
-            dpkern_peak_bytes=peaks.get(name),
-        )
-        for v in ("foreach", "fused"):
-            for role2, key in (("baseline", "baseline"), ("floor", "adamw")):
-                other = medians.get(f"{role2}:{v}")
-                row[f"{key}_{v}_s"] = other
-                row[f"{key}_{v}_ratio"] = other / t if other else None
-            row[f"baseline_{v}_peak_bytes"] = peaks.get(f"baseline:{v}")
-        rows.append(row)
-    return rows
-
-
-def check_targets(summary: list[dict], fused_backends: list[str]) -> list[dict]:
-    """Issue 4's speed targets as rows: measured ratio (baseline foreach / dpkern) per
-    fused backend, or why there is none."""
-    out = []
-    names = fused_backends or ["cpp"]
-    for tg in TARGETS:
-        for be in names:
-            row = dict(
-                target=tg["name"],
-                backend=be,
-                layout=tg["layout"],
-                d=tg["d"],
-                batch=tg["batch"],
-                required=tg["required"],
-                measured=None,
-                met=None,
-                note="",
-            )
-            if be not in fused_backends:
-                row["note"] = f"backend {be!r} not available (not built / not importable)"
-            else:
-                hits = [
-                    r
-                    for r in summary
-                    if r["backend"] == be
-                    and r["path"] == tg["path"]
-                    and r["layout"] == tg["layout"]
-                    and r["batch"] == tg["batch"]
-                    and tg["d"] - 4 * 1024 <= r["d"] <= tg["d"]
-                ]  # gpt2: d minus < h
-                if not hits:
-                    row["note"] = "case not in this run's grid"
-                elif hits[0]["baseline_foreach_ratio"] is None:
-                    row["note"] = "baseline skipped (memory)"
-                else:
-                    row["measured"] = hits[0]["baseline_foreach_ratio"]
-                    row["met"] = row["measured"] >= tg["required"]
-            out.append(row)
-    return out
-
-
-def _ms(s):
-    return "–" if s is None else (f"{s * 1e3:.3g}" if s * 1e3 < 100 else f"{s * 1e3:.0f}")
-
-
-def _x(r):
-    return "–" if r is None else f"{r:.2f}×"
-
-
-def _mib(b):
-    if b is None:
-        return "–"
-    return f"{b / MI:.0f}" if b >= 10 * MI else f"{b / MI:.1f}"
-
-
-BASELINE_NAMES = {
-    "noise": "torch.randn",
-    "summed": "normal+add+div+AdamW",
-    "per_sample": "Opacus DPOptimizer+AdamW",
-}
-
-
-def markdown_table(summary: list[dict]) -> str:
-    """The README table: medians in ms, speed-up = baseline / dpkern (> 1: dpkern faster)."""
-    head = (
-        "| path | layout | d | B | backend | dpkern ms | baseline | foreach ms | "
-        "speed-up | fused ms | speed-up | AdamW alone ms (foreach/fused) | bw floor ms "
-        "| peak extra MiB (dpkern / foreach / fused) |"
-    )
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for r in summary:
-        tensors = "1 tensor" if r["layout"] == "tensor" else f"GPT-2-like, {r['tensors']} t."
-        lines.append(
-            f"| {r['path']} | {tensors} | {format_size(r['d'])} | {r['batch'] or '–'} | "
-            f"{r['backend']} | {_ms(r['dpkern_s'])} | {BASELINE_NAMES[r['path']]} | "
-            f"{_ms(r['baseline_foreach_s'])} | {_x(r['baseline_foreach_ratio'])} | "
-            f"{_ms(r['baseline_fused_s'])} | {_x(r['baseline_fused_ratio'])} | "
-            f"{_ms(r['adamw_foreach_s'])} / {_ms(r['adamw_fused_s'])} | "
-            f"{_ms(r['bw_floor_s'])} | {_mib(r['dpkern_peak_bytes'])} / "
-            f"{_mib(r['baseline_foreach_peak_bytes'])} / "
-            f"{_mib(r['baseline_fused_peak_bytes'])} |"
-        )
-    return "\n".join(lines)
-
-
-def markdown_targets(targets: list[dict]) -> str:
-    lines = [
-        "| target | backend | case | required | measured | met |",
-        "|---|---|---|---|---|---|",
-    ]
-    for t in targets:
-        case = f"d={format_size(t['d'])}" + (f", B={t['batch']}" if t["batch"] else "")
-        case += ", GPT-2-like" if t["layout"] == "gpt2" else ", 1 tensor"
-        measured = _x(t["measured"]) if t["measured"] is not None else t["note"]
-        met = "–" if t["met"] is None else ("yes" if t["met"] else "**no**")
-        lines.append(
-            f"| {t['target']} | {t['backend']} | {case} | ≥ {t['required']}× | {measured} | {met} |"
-        )
-    return "\n".join(lines)
-
-
-def render_markdown(results: dict) -> str:
-    """The README block of a run (``results.json`` contents): how it was measured, the
-    table and the speed targets."""
-    info, bw, cfg = results["machine"], results["bandwidth"], results["config"]
-    ghost_md = ""
-    if results.get("ghost"):  # python -m bench.report --ghost
-        from .ghost import markdown as ghost_markdown
-
-        ghost_md = "\n\n" + ghost_markdown(results["ghost"])
-    return (
-        f"Command: `{results['command']}` — {info['cpu']}, {info['cores']} cores, "
-        f"{info['torch_threads']} thread(s), torch {info['torch']}, dpkern "
-        f"{info['dpkern']} ({info['git_commit']}), {info['date']}; load average "
-        f"{info['loadavg'][0]:.1f} -> {info.get('loadavg_end', float('nan')):.1f}; "
-        f"{steal_note(info.get('cpu_steal'))}; "
-        f"copy bandwidth {bw['bytes_per_s'] / 1e9:.1f} GB/s; medians of "
-        f"{cfg['repeats']} alternating repeats; speed-up = baseline / dpkern.\n\n"
-        + markdown_table(results["summary"])
-        + "\n\n"
-        + markdown_targets(results["targets"])
-        + ghost_md
-    )
-
-
-def plot(timings: list[dict], bandwidth: float, path: Path) -> None:
-    """Time vs d per path (log-log): one panel per path (per-sample at the largest B), a
-    colour per candidate, solid for one tensor and dashed for the GPT-2-like layout, and
-    the bandwidth floor."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    paths = [p for p in PATHS if any(t["path"] == p for t in timings)]
-    if not paths:
-        return
-    fig, axes = plt.subplots(1, len(paths), figsize=(5 * len(paths), 4), squeeze=False)
-    for ax, p in zip(axes[0], paths):
-        rows = [t for t in timings if t["path"] == p]
-        bmax = max(t["batch"] for t in rows)
-        rows = [t for t in rows if t["batch"] == bmax]
-        cands = sorted({t["candidate"] for t in rows})
-        for cand, lay in sorted({(t["candidate"], t["layout"]) for t in rows}):
-            pts = sorted(
-                (t["d"], t["median_s"] * 1e3)
-                for t in rows
-                if t["candidate"] == cand and t["layout"] == lay
-            )
-            ax.plot(
-                *zip(*pts),
-                "o-" if lay == "tensor" else "s--",
-                markersize=4,
-                color=f"C{cands.index(cand)}",
-                label=f"{cand} ({lay})",
-            )
-        ds = sorted({t["d"] for t in rows})
-        ax.plot(
-            ds,
-            [bytes_floor(p, d, bmax) / bandwidth * 1e3 for d in ds],
-            "k:",
-            label="bandwidth floor",
-        )
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("d (coordinates)")
-        ax.set_ylabel("median ms per call")
-        ax.set_title(p + (f" (B={bmax})" if bmax else ""))
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+#: What tests reach through this module (the grid and candidates live in
+#: :mod:`.report_cases`, the rows and tables in :mod:`.report_tables`).
+__all__ = [
+    "TARGETS",
+    "Case",
+    "check_targets",
+    "main",
+    "markdown_table",
+    "markdown_targets",
+    "parse_args",
+    "set_threads",
+    "summarize",
+]
 
 
 # --------------------------------------------------------------------------------------
