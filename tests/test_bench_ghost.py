@@ -331,3 +331,30 @@ def test_memory_is_measured_in_a_fresh_process(model):
         assert isinstance(row[f"{key}_peak_bytes"], int) and row[f"{key}_peak_bytes"] >= 0
     assert res["layers"][0]["gram_peak_bytes"] is not None
     assert all("peak_extra_bytes" in t for t in res["timings"])
+
+
+@pytest.mark.parametrize("model", ["gpt2", "llama-lora"])
+def test_breakdown_times_every_phase_of_both_steps(model):
+    """bench.ghost_breakdown: every phase of the ghost step is reached (a renamed or
+    bypassed Plan / Capture method would leave its phase at 0), the phases are disjoint
+    parts of the step (their sum cannot exceed it), the Plan methods are restored after,
+    and the table lists every phase."""
+    from bench import ghost_breakdown as BD
+    from dpkern.ghost import plan as plan_mod
+
+    before = {k: plan_mod.Plan.__dict__[k] for k in ("__init__", "norm_sq", "sums")}
+    res = BD.breakdown(model, 8, 3, repeats=2, warmup=1, model_kw=TINY_KW[model])
+    assert {k: plan_mod.Plan.__dict__[k] for k in before} == before
+    assert set(res["ghost"]) == set(BD.GHOST) and set(res["nonprivate"]) == set(BD.NONPRIVATE)
+    for k in ("forward", "loss", "backward", "form kept + norms", "total norms"):
+        assert res["ghost"][k] > 0, k
+    for k in ("clipped sums", "accumulate", "optimizer step"):
+        assert res["ghost"][k] > 0, k
+    assert all(v > 0 for v in res["nonprivate"].values())
+    ghost_sum = sum(v for k, v in res["ghost"].items() if k != "of which capture")
+    # medians of sums vs sums of medians: allow rounding, never a double count (2x)
+    assert ghost_sum <= 1.5 * res["ghost_step_s"]
+    assert sum(res["nonprivate"].values()) <= 1.5 * res["nonprivate_step_s"]
+    md = BD.markdown(res)
+    for k in BD.GHOST:
+        assert k in md
