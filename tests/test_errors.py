@@ -198,6 +198,76 @@ def test_failed_step_leaves_everything_untouched_then_a_valid_step_works(cls, co
     assert opt.dp_step == 2
 
 
+def _nan_micro_batch(model, seed):
+    _fill(model, seed=seed)
+    model[0].weight.grad_sample[1, 0, 0] = float("nan")
+
+
+def _accumulated_then_failed(cls):
+    """Micro-batch A accumulated, then step() raises on a non-finite micro-batch."""
+    model = _model()
+    opt = _make(cls, model.parameters(), noise_multiplier=0.0)
+    _fill(model, seed=1)
+    opt.accumulate()
+    _nan_micro_batch(model, seed=2)
+    with pytest.raises(FloatingPointError):
+        opt.step()
+    return model, opt
+
+
+def _released_alone(cls, seeds):
+    """Parameters after one step over exactly the micro-batches ``seeds``."""
+    model = _model()
+    opt = _make(cls, model.parameters(), noise_multiplier=0.0)
+    for s in seeds[:-1]:
+        _fill(model, seed=s)
+        opt.accumulate()
+    _fill(model, seed=seeds[-1])
+    opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("cls", [dpkern.DPSGD, dpkern.DPAdamW])
+def test_zero_grad_after_a_failed_step_drops_that_logical_batch(cls):
+    """The next logical batch is released alone: a micro-batch of the failed one would
+    otherwise join its sum (a sample of both Poisson batches counted up to 2C)."""
+    model, opt = _accumulated_then_failed(cls)
+    with pytest.warns(UserWarning, match="dropped"):
+        opt.zero_grad()
+    assert not opt._accum
+    _fill(model, seed=3)
+    opt.step()
+    for p, q in zip(model.parameters(), _released_alone(cls, [3]), strict=True):
+        torch.testing.assert_close(p.detach(), q, rtol=0, atol=0)
+
+
+def test_adding_a_micro_batch_after_a_failed_step_is_refused():
+    model, opt = _accumulated_then_failed(dpkern.DPSGD)
+    before = _snapshot(model, opt)
+    bufs = [b.clone() for b in opt._accum.values()]
+    _fill(model, seed=3)
+    with pytest.raises(ValueError, match="retry it"):
+        opt.accumulate()
+    with pytest.raises(ValueError, match="zero_grad"):
+        opt.accumulate_clipped([None] * len(opt.trainable_params()), 0)
+    _assert_same(before, _snapshot(model, opt))
+    for a, b in zip(bufs, opt._accum.values(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_failed_step_is_retried_with_its_logical_batch():
+    model, opt = _accumulated_then_failed(dpkern.DPSGD)
+    _fill(model, seed=4)  # the failing micro-batch recomputed
+    opt.step()
+    for p, q in zip(model.parameters(), _released_alone(dpkern.DPSGD, [1, 4]), strict=True):
+        torch.testing.assert_close(p.detach(), q, rtol=0, atol=0)
+    opt.zero_grad()  # after a successful step: nothing to drop, no warning
+    _fill(model, seed=5)
+    opt.accumulate()
+    opt.zero_grad()  # between micro-batches: the logical batch is kept
+    assert opt._accum
+
+
 def test_failed_first_step_creates_no_state():
     model = _model()
     opt = _make(dpkern.DPMacAdam, model.parameters())

@@ -25,6 +25,7 @@ from collections import defaultdict
 from typing import Any
 
 import dataclasses
+import warnings
 from typing import ClassVar
 
 import torch
@@ -132,6 +133,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self._dp_step = 0
         self._failed: str | None = None  # why a step failed midway (see step())
         self._accum: dict[Tensor, Tensor] = {}  # never saved: un-noised private sums
+        self._release_failed = False  # step() of the accumulated logical batch raised
         #: In-memory counters (exact and data-dependent: never saved, never logged by
         #: dpkern): steps, samples, clipped_samples, nonfinite_samples.
         self.stats = {"steps": 0, "samples": 0, "clipped_samples": 0, "nonfinite_samples": 0}
@@ -212,6 +214,7 @@ class DPOptimizer(torch.optim.Optimizer):
     def __setstate__(self, state):
         super().__setstate__(state)
         self.__dict__.setdefault("_stochastic_rounding", False)  # (pickled before the option)
+        self._release_failed = False
         self.stats = {"steps": 0, "samples": 0, "clipped_samples": 0, "nonfinite_samples": 0}
         if getattr(self, "_seed", None) is not None:
             self._key = NoiseKey(self._seed)  # (the key itself is never pickled)
@@ -478,6 +481,17 @@ class DPOptimizer(torch.optim.Optimizer):
         refuse_opacus_wrapper(self)
         self._check_usable()
 
+    def _check_can_add(self) -> None:
+        """Raise ValueError when ``step()`` of the accumulated logical batch raised: a
+        micro-batch added now would join that batch's release (a sample of two Poisson
+        batches counted once, its contribution up to 2C under one noise draw)."""
+        if self._release_failed and self._accum:
+            raise ValueError(
+                "step() of the accumulated logical batch raised: call step() again to "
+                "retry it (with valid per-sample gradients), or zero_grad() to drop it "
+                "before adding micro-batches of the next logical batch"
+            )
+
     # -- the public API --------------------------------------------------------------
     @torch.no_grad()
     @torch._disable_dynamo
@@ -489,6 +503,7 @@ class DPOptimizer(torch.optim.Optimizer):
         (non-finite with nonfinite="error"); buffers and state are untouched when it
         raises."""
         self._check_can_release()
+        self._check_can_add()
         groups, _, _, new_buffers = self._groups(for_accumulate=True)
         result = F.accumulate_groups(
             groups,
@@ -544,6 +559,7 @@ class DPOptimizer(torch.optim.Optimizer):
         Raises: ValueError (wrong count, shape, device, non-finite values); nothing is
         modified when it raises."""
         self._check_can_release()
+        self._check_can_add()
         clipped_sums = check_clipped_sums(clipped_sums, self.trainable_params())
         for s, buf in zip(clipped_sums, self.clipped_sum_buffers(), strict=True):
             if s is not None:
@@ -565,8 +581,11 @@ class DPOptimizer(torch.optim.Optimizer):
         Raises: ValueError (no fresh, stale or inconsistent grad_sample / parameters, SPEC
         section 1), FloatingPointError (non-finite per-sample gradient with
         nonfinite="error"): parameters, optimizer state and accumulation buffers are then
-        exactly as before, and a later valid step works. StepInterrupted: an earlier step
-        failed midway (see below).
+        exactly as before, and a later valid step works. The accumulated logical batch is
+        then kept for a retry by ``step()`` only: ``accumulate()`` and
+        ``accumulate_clipped()`` raise ValueError until ``step()`` succeeds or
+        ``zero_grad()`` drops it. StepInterrupted: an earlier step failed midway (see
+        below).
 
         Atomicity: SIGINT / SIGTERM arriving during the update are delivered after it (the
         step completes). An error of the machine after the update began (out of memory)
@@ -579,17 +598,22 @@ class DPOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        groups, owners, new_states, _ = self._groups()
         t = self._dp_step + 1
         reduce = self._reduce()
-        be, result = F.prepare_step(
-            groups,
-            step=t,
-            max_grad_norm=self.max_grad_norm,
-            backend=self.backend,
-            nonfinite=self.nonfinite,
-            reduce=reduce,
-        )
+        try:
+            groups, owners, new_states, _ = self._groups()
+            be, result = F.prepare_step(
+                groups,
+                step=t,
+                max_grad_norm=self.max_grad_norm,
+                backend=self.backend,
+                nonfinite=self.nonfinite,
+                reduce=reduce,
+            )
+        except (ValueError, FloatingPointError):
+            self._release_failed = True  # the logical batch stays, for a retry only
+            raise
+        self._release_failed = False
         with deferred_signals():
             try:
                 F.apply_step(
@@ -631,10 +655,21 @@ class DPOptimizer(torch.optim.Optimizer):
     @torch._disable_dynamo
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch.optim's zero_grad, and also clears ``p.grad_sample`` (Opacus convention).
-        Accumulated micro-batches are kept (they belong to the logical batch).
+        Accumulated micro-batches are kept (they belong to the logical batch), except
+        after a ``step()`` that raised: that logical batch is then dropped, with a
+        warning (its micro-batches would otherwise join the next batch's release).
 
         Raises: ValueError when Opacus' DPOptimizer (``make_private``) wraps this one."""
         refuse_opacus_wrapper(self)
+        if self._release_failed:
+            if self._accum:
+                warnings.warn(
+                    "zero_grad() after a failed step(): the accumulated micro-batches of "
+                    "that logical batch were dropped (nothing of them was released)",
+                    stacklevel=2,
+                )
+            self._accum.clear()
+            self._release_failed = False
         super().zero_grad(set_to_none=set_to_none)
         for group in self.param_groups:
             for p in group["params"]:
@@ -696,6 +731,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self._dp_step = step
         self._failed = None
         self._accum.clear()
+        self._release_failed = False
         if self._seed is None:
             self._key = secure_key()  # never reuse a (key, step) pair after a resume
         elif seed is not None:
