@@ -219,6 +219,43 @@ def _run_mismatch(rank, world, data):
     out["nan_step"] = opt.dp_step
     out["nan_retry"] = _catch(opt.step)  # then a valid (empty) step works on every rank
     out["nan_after"] = [p.detach().clone() for p in net.parameters()]
+    out.update(_run_inner_failures(net))
+    return out
+
+
+def _run_inner_failures(net):
+    """The inner step raises after the all-reduce, then fails midway: the logical batch
+    is dropped on every rank (a retry would all-reduce the global sums again: W x the
+    sensitivity), and load_state_dict recovers from StepInterrupted."""
+    from dpkern.backends import reference
+
+    out = {}
+    opt = DistributedDPOptimizer(_make_opt("sgd", net.parameters(), seed=11))
+    sums = [torch.ones_like(p) for p in opt.optimizer.trainable_params()]
+    opt.accumulate_clipped(sums, batch_size=1)
+    inner_step = opt.optimizer.step
+
+    def raising(closure=None):
+        raise ValueError("simulated failure of the inner step")
+
+    opt.optimizer.step = raising
+    out["inner"] = _catch(opt.step)
+    opt.optimizer.step = inner_step
+    out["inner_left"] = float(sum(b.abs().sum() for b in opt.optimizer._accum.values()))
+    checkpoint, real = opt.state_dict(), reference.step
+
+    def oom(*args, **kwargs):
+        raise MemoryError("simulated out of memory")
+
+    reference.step = oom
+    try:
+        opt.accumulate_clipped(sums, batch_size=1)
+        out["midway"] = _catch(opt.step)
+    finally:
+        reference.step = real
+    out["reload"] = _catch(lambda: opt.load_state_dict(checkpoint))
+    opt.accumulate_clipped(sums, batch_size=1)
+    out["after_reload"] = _catch(opt.step)
     return out
 
 
@@ -607,6 +644,10 @@ def test_mismatches_are_detected_on_every_rank(run):
         assert m["nan_untouched"] and m["nan_step"] == 0 and m["nan_retry"] is None
         for a, b in zip(m["nan_after"], results[0]["mismatch"]["nan_after"]):
             assert torch.equal(a, b)
+        assert m["inner"] == ("ValueError", "simulated failure of the inner step")
+        assert m["inner_left"] == 0.0  # dropped, not kept for a second all-reduce
+        assert m["midway"] == ("MemoryError", "simulated out of memory")
+        assert m["reload"] is None and m["after_reload"] is None
 
 
 def test_fsdp2_errors_are_clear_and_raised_on_every_rank(run):

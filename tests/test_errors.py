@@ -241,12 +241,16 @@ def test_zero_grad_after_a_failed_step_drops_that_logical_batch(cls):
         torch.testing.assert_close(p.detach(), q, rtol=0, atol=0)
 
 
-def test_adding_a_micro_batch_after_a_failed_step_is_refused():
+def test_after_a_failed_step_its_logical_batch_is_refused_until_zero_grad():
+    """Neither a retry of step() nor a further micro-batch may release the failed
+    batch's sums: the optimizer cannot tell a retry from the next logical batch."""
     model, opt = _accumulated_then_failed(dpkern.DPSGD)
     before = _snapshot(model, opt)
     bufs = [b.clone() for b in opt._accum.values()]
     _fill(model, seed=3)
-    with pytest.raises(ValueError, match="retry it"):
+    with pytest.raises(ValueError, match="cannot be released"):
+        opt.step()
+    with pytest.raises(ValueError, match="cannot be released"):
         opt.accumulate()
     with pytest.raises(ValueError, match="zero_grad"):
         opt.accumulate_clipped([None] * len(opt.trainable_params()), 0)
@@ -255,17 +259,67 @@ def test_adding_a_micro_batch_after_a_failed_step_is_refused():
         assert torch.equal(a, b)
 
 
-def test_a_failed_step_is_retried_with_its_logical_batch():
-    model, opt = _accumulated_then_failed(dpkern.DPSGD)
-    _fill(model, seed=4)  # the failing micro-batch recomputed
-    opt.step()
-    for p, q in zip(model.parameters(), _released_alone(dpkern.DPSGD, [1, 4]), strict=True):
-        torch.testing.assert_close(p.detach(), q, rtol=0, atol=0)
-    opt.zero_grad()  # after a successful step: nothing to drop, no warning
-    _fill(model, seed=5)
+def test_a_closure_that_raises_fails_the_logical_batch():
+    model = _model()
+    opt = _make(dpkern.DPSGD, model.parameters())
+    _fill(model, seed=1)
     opt.accumulate()
-    opt.zero_grad()  # between micro-batches: the logical batch is kept
+
+    def closure():
+        raise RuntimeError("the user's forward failed")
+
+    with pytest.raises(RuntimeError, match="forward failed"):
+        opt.step(closure)
+    _fill(model, seed=2)
+    with pytest.raises(ValueError, match=r"step\(\) 1 raised RuntimeError"):
+        opt.accumulate()
+
+
+def test_accumulate_stopped_midway_fails_the_logical_batch(monkeypatch):
+    """Out of memory or Ctrl-C after some buffers were written: repeating the micro-batch
+    would count it twice, so the batch is refused until zero_grad() drops it."""
+    from dpkern.backends import reference
+
+    model = _model()
+    opt = _make(dpkern.DPSGD, model.parameters(), noise_multiplier=0.0)
+    _fill(model, seed=1)
+    opt.accumulate()
+    real = reference.accumulate
+
+    def writes_then_fails(*args, **kwargs):
+        real(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(reference, "accumulate", writes_then_fails)
+    _fill(model, seed=2)
+    with pytest.raises(KeyboardInterrupt):
+        opt.accumulate()
+    monkeypatch.setattr(reference, "accumulate", real)
+    with pytest.raises(ValueError, match=r"accumulate\(\) raised KeyboardInterrupt"):
+        opt.accumulate()  # (the same micro-batch again)
+    with pytest.warns(UserWarning, match="dropped"):
+        opt.zero_grad()
+    _fill(model, seed=3)
+    opt.step()
+    for p, q in zip(model.parameters(), _released_alone(dpkern.DPSGD, [3]), strict=True):
+        torch.testing.assert_close(p.detach(), q, rtol=0, atol=0)
+
+
+def test_a_failed_step_with_nothing_accumulated_fails_no_batch():
+    model = _model()
+    opt = _make(dpkern.DPSGD, model.parameters())
+    _nan_micro_batch(model, seed=1)
+    with pytest.raises(FloatingPointError):
+        opt.step()
+    _fill(model, seed=2)  # the next logical batch, without zero_grad()
+    opt.accumulate()
+    _fill(model, seed=3)
+    opt.accumulate()
+    opt.zero_grad()  # between micro-batches: kept, no warning
     assert opt._accum
+    _fill(model, seed=4)
+    opt.step()
+    assert opt.dp_step == 1
 
 
 def test_failed_first_step_creates_no_state():

@@ -218,14 +218,13 @@ class DistributedDPOptimizer:
             )
             if per_sample and self.sharded:  # every rank: same rows, all-reduced norms,
                 self.optimizer.accumulate()  # so a non-finite row fails on every rank
-        except Exception:
-            for buf in self.optimizer.clipped_sum_buffers():
-                buf.zero_()  # drop the logical batch on every rank, consistently
+            if not self.sharded:  # FSDP: the reduce-scatter / shard_grad_samples summed
+                all_reduce_clipped_sums(self.optimizer, self.group, self.bucket_numel)
+            self.optimizer.step()
+        except BaseException:  # drop the logical batch on every rank, consistently (a
+            self.optimizer._drop_batch()  # retry would all-reduce the global sums again)
             self.optimizer.zero_grad()
             raise
-        if not self.sharded:  # FSDP: the reduce-scatter / shard_grad_samples summed already
-            all_reduce_clipped_sums(self.optimizer, self.group, self.bucket_numel)
-        self.optimizer.step()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -280,7 +279,8 @@ class DistributedDPOptimizer:
                             st[k] = v[first:end]
                 state[idx] = st
             state_dict = {**state_dict, "state": state}
-        backup, error = self.optimizer.state_dict(), None
+        failed = self.optimizer._failed  # (StepInterrupted: its state_dict() refuses)
+        backup, error = None if failed else self.optimizer.state_dict(), None
         try:
             self.optimizer.load_state_dict(state_dict)
         except (ValueError, KeyError, TypeError) as exc:
@@ -288,7 +288,10 @@ class DistributedDPOptimizer:
         try:  # every rank loaded, or none keeps the new state (no rank left waiting)
             raise_if_any_failed(error, self.group, _device(self.optimizer), "load_state_dict")
         except DistributedDPError:
-            self.optimizer.load_state_dict(backup)
+            if backup is not None:
+                self.optimizer.load_state_dict(backup)
+            else:  # nothing to restore: still interrupted, as on the failed ranks
+                self.optimizer._failed = failed
             raise
         finally:
             sync_key(self.optimizer, self.group)

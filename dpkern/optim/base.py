@@ -133,7 +133,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self._dp_step = 0
         self._failed: str | None = None  # why a step failed midway (see step())
         self._accum: dict[Tensor, Tensor] = {}  # never saved: un-noised private sums
-        self._release_failed = False  # step() of the accumulated logical batch raised
+        self._batch_failed: str | None = None  # why the accumulated batch can't be released
         #: In-memory counters (exact and data-dependent: never saved, never logged by
         #: dpkern): steps, samples, clipped_samples, nonfinite_samples.
         self.stats = {"steps": 0, "samples": 0, "clipped_samples": 0, "nonfinite_samples": 0}
@@ -214,7 +214,7 @@ class DPOptimizer(torch.optim.Optimizer):
     def __setstate__(self, state):
         super().__setstate__(state)
         self.__dict__.setdefault("_stochastic_rounding", False)  # (pickled before the option)
-        self._release_failed = False
+        self._batch_failed = None
         self.stats = {"steps": 0, "samples": 0, "clipped_samples": 0, "nonfinite_samples": 0}
         if getattr(self, "_seed", None) is not None:
             self._key = NoiseKey(self._seed)  # (the key itself is never pickled)
@@ -481,16 +481,36 @@ class DPOptimizer(torch.optim.Optimizer):
         refuse_opacus_wrapper(self)
         self._check_usable()
 
-    def _check_can_add(self) -> None:
-        """Raise ValueError when ``step()`` of the accumulated logical batch raised: a
-        micro-batch added now would join that batch's release (a sample of two Poisson
-        batches counted once, its contribution up to 2C under one noise draw)."""
-        if self._release_failed and self._accum:
+    def _check_batch_usable(self) -> None:
+        """Raise ValueError when the accumulated logical batch may not be released: its
+        ``step()`` raised, or an ``accumulate()`` stopped after writing some buffers. What
+        comes next cannot be told apart from the next logical batch or a repeat of a
+        micro-batch (a sample counted twice, or drawn in two Poisson batches, would add
+        up to 2C under one noise draw and one accounted step)."""
+        if self._batch_failed is not None and self._accum:
             raise ValueError(
-                "step() of the accumulated logical batch raised: call step() again to "
-                "retry it (with valid per-sample gradients), or zero_grad() to drop it "
-                "before adding micro-batches of the next logical batch"
+                f"{self._batch_failed}: the micro-batches accumulated for that logical "
+                "batch cannot be released any more (a retry could count a sample twice "
+                "or join the next batch's); call zero_grad() to drop them, then start "
+                "the next logical batch"
             )
+
+    def _fail_batch(self, exc: BaseException, what: str) -> None:
+        """Mark the accumulated logical batch unreleasable (see _check_batch_usable)
+        and say so on ``exc`` (Python >= 3.11 shows the note with the traceback)."""
+        if not self._accum:
+            return
+        self._batch_failed = f"{what} raised {type(exc).__name__}"
+        if hasattr(exc, "add_note"):
+            exc.add_note(
+                "dpkern: the logical batch's accumulated micro-batches will not be "
+                "released; call zero_grad() to drop them before the next logical batch"
+            )
+
+    def _drop_batch(self) -> None:
+        """Forget the accumulated logical batch (nothing of it is released)."""
+        self._accum.clear()
+        self._batch_failed = None
 
     # -- the public API --------------------------------------------------------------
     @torch.no_grad()
@@ -499,20 +519,28 @@ class DPOptimizer(torch.optim.Optimizer):
         """Fold the current micro-batch's clipped per-sample gradients into the logical
         batch (fp32 buffers) and consume ``p.grad_sample``. No noise is added here.
 
-        Raises: ValueError (no, stale or inconsistent grad_sample), FloatingPointError
-        (non-finite with nonfinite="error"); buffers and state are untouched when it
-        raises."""
+        Raises: ValueError (no, stale or inconsistent grad_sample; or the logical batch
+        can no longer be released, see ``step()``), FloatingPointError (non-finite with
+        nonfinite="error"); buffers and state are untouched when these raise. Any other
+        error (out of memory, Ctrl-C) may leave the buffers partly written: the logical
+        batch is then refused until ``zero_grad()`` drops it."""
         self._check_can_release()
-        self._check_can_add()
+        self._check_batch_usable()
         groups, _, _, new_buffers = self._groups(for_accumulate=True)
-        result = F.accumulate_groups(
-            groups,
-            step=self._dp_step + 1,
-            max_grad_norm=self.max_grad_norm,
-            backend=self.backend,
-            nonfinite=self.nonfinite,
-            reduce=self._reduce(),
-        )
+        try:  # validation errors come before any write; anything else may follow one
+            result = F.accumulate_groups(
+                groups,
+                step=self._dp_step + 1,
+                max_grad_norm=self.max_grad_norm,
+                backend=self.backend,
+                nonfinite=self.nonfinite,
+                reduce=self._reduce(),
+            )
+        except (ValueError, FloatingPointError):
+            raise
+        except BaseException as exc:  # (out of memory, Ctrl-C: buffers partly written)
+            self._fail_batch(exc, "accumulate()")
+            raise
         self._accum.update(new_buffers)
         self._record(result, step=False)
         self._consume_grad_samples()
@@ -556,14 +584,20 @@ class DPOptimizer(torch.optim.Optimizer):
             batch_size: samples in this micro-batch; clipped_samples: how many of them
                 were clipped (c_i < 1); nonfinite_samples: how many were dropped as
                 non-finite. For ``stats`` only (exact counts, kept in memory only).
-        Raises: ValueError (wrong count, shape, device, non-finite values); nothing is
-        modified when it raises."""
+        Raises: ValueError (wrong count, shape, device, non-finite values; or the logical
+        batch can no longer be released, see ``step()``); nothing is modified when it
+        raises. Any other error (out of memory, Ctrl-C) may leave the buffers partly
+        written: the logical batch is then refused until ``zero_grad()`` drops it."""
         self._check_can_release()
-        self._check_can_add()
+        self._check_batch_usable()
         clipped_sums = check_clipped_sums(clipped_sums, self.trainable_params())
-        for s, buf in zip(clipped_sums, self.clipped_sum_buffers(), strict=True):
-            if s is not None:
-                buf += s.float()
+        try:
+            for s, buf in zip(clipped_sums, self.clipped_sum_buffers(), strict=True):
+                if s is not None:
+                    buf += s.float()
+        except BaseException as exc:  # (out of memory, Ctrl-C: buffers partly written)
+            self._fail_batch(exc, "accumulate_clipped()")
+            raise
         self.stats["samples"] += int(batch_size)
         self.stats["clipped_samples"] += int(clipped_samples)
         self.stats["nonfinite_samples"] += int(nonfinite_samples)
@@ -581,11 +615,12 @@ class DPOptimizer(torch.optim.Optimizer):
         Raises: ValueError (no fresh, stale or inconsistent grad_sample / parameters, SPEC
         section 1), FloatingPointError (non-finite per-sample gradient with
         nonfinite="error"): parameters, optimizer state and accumulation buffers are then
-        exactly as before, and a later valid step works. The accumulated logical batch is
-        then kept for a retry by ``step()`` only: ``accumulate()`` and
-        ``accumulate_clipped()`` raise ValueError until ``step()`` succeeds or
-        ``zero_grad()`` drops it. StepInterrupted: an earlier step failed midway (see
-        below).
+        exactly as before, and a later valid step works. Micro-batches accumulated before
+        a step that raised (any exception, the closure's too) are never released: a
+        retry cannot be told apart from the next logical batch (a sample drawn in both
+        would add up to 2C). ``step()``, ``accumulate()`` and ``accumulate_clipped()``
+        then raise ValueError until ``zero_grad()`` drops them. StepInterrupted: an
+        earlier step failed midway (see below).
 
         Atomicity: SIGINT / SIGTERM arriving during the update are delivered after it (the
         step completes). An error of the machine after the update began (out of memory)
@@ -594,13 +629,14 @@ class DPOptimizer(torch.optim.Optimizer):
         ``accumulate()`` and ``state_dict()`` raise StepInterrupted until a checkpoint is
         loaded with ``load_state_dict`` (and the model's weights restored with it)."""
         self._check_can_release()
+        self._check_batch_usable()
         loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
         t = self._dp_step + 1
         reduce = self._reduce()
         try:
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
             groups, owners, new_states, _ = self._groups()
             be, result = F.prepare_step(
                 groups,
@@ -610,10 +646,9 @@ class DPOptimizer(torch.optim.Optimizer):
                 nonfinite=self.nonfinite,
                 reduce=reduce,
             )
-        except (ValueError, FloatingPointError):
-            self._release_failed = True  # the logical batch stays, for a retry only
+        except BaseException as exc:  # nothing changed, but the batch can't be retried
+            self._fail_batch(exc, f"step() {t}")
             raise
-        self._release_failed = False
         with deferred_signals():
             try:
                 F.apply_step(
@@ -656,20 +691,19 @@ class DPOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch.optim's zero_grad, and also clears ``p.grad_sample`` (Opacus convention).
         Accumulated micro-batches are kept (they belong to the logical batch), except
-        after a ``step()`` that raised: that logical batch is then dropped, with a
-        warning (its micro-batches would otherwise join the next batch's release).
+        after a ``step()`` that raised or an ``accumulate()`` / ``accumulate_clipped()``
+        stopped midway (out of memory, Ctrl-C): that logical batch is then dropped, with
+        a warning, and nothing of it is released.
 
         Raises: ValueError when Opacus' DPOptimizer (``make_private``) wraps this one."""
         refuse_opacus_wrapper(self)
-        if self._release_failed:
-            if self._accum:
-                warnings.warn(
-                    "zero_grad() after a failed step(): the accumulated micro-batches of "
-                    "that logical batch were dropped (nothing of them was released)",
-                    stacklevel=2,
-                )
-            self._accum.clear()
-            self._release_failed = False
+        if self._batch_failed is not None:
+            warnings.warn(
+                f"zero_grad() after {self._batch_failed}: the micro-batches accumulated "
+                "for that logical batch were dropped (nothing of them was released)",
+                stacklevel=2,
+            )
+            self._drop_batch()
         super().zero_grad(set_to_none=set_to_none)
         for group in self.param_groups:
             for p in group["params"]:
@@ -731,7 +765,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self._dp_step = step
         self._failed = None
         self._accum.clear()
-        self._release_failed = False
+        self._batch_failed = None
         if self._seed is None:
             self._key = secure_key()  # never reuse a (key, step) pair after a resume
         elif seed is not None:
