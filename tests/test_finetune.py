@@ -170,6 +170,17 @@ def test_local_hf_model_dir_loads_via_model(text_file, tmp_path, capsys):
     assert loaded.config.vocab_size == 300 and loaded.config.n_positions == 32
 
 
+def test_model_from_an_earlier_run_says_its_ledger_starts_at_zero(text_file, tmp_path, capsys):
+    src = _tiny_gpt2_dir(tmp_path / "tiny-gpt2")
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert finetune("--model", src, "--data", text_file, "--steps", 1, "--out", first, *TINY) == 0
+    assert "earlier dpkern finetune run" not in capsys.readouterr().err
+    argv = ("--model", first, "--data", text_file, "--steps", 1, "--out", second, *TINY)
+    assert finetune(*argv) == 0
+    err = capsys.readouterr().err
+    assert "earlier dpkern finetune run" in err and "composition of both" in err
+
+
 def test_opacus_grad_sample_matches_functorch():
     pytest.importorskip("opacus")
     from dpkern.cli.finetune.clipping import PerSample

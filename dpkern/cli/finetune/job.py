@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ... import models
-from .checkpoint import BASE_DIR, UsageError, check_out, load_checkpoint
+from .checkpoint import BASE_DIR, UsageError, check_out, is_run_dir, load_checkpoint
 from .clipping import FSDP_NEEDS_GHOST, Ghost, PerSample, choose_clipping
 from .options import DEFAULT_MICRO_BATCH, check_numbers, require
 from .plan import (
@@ -65,6 +65,15 @@ class Job:
     total_params: int = 0
 
 
+#: Said when --model DIR is an earlier run's output: this run's ledger starts at zero.
+EARLIER_RUN_NOTE = (
+    "dpkern finetune: note: --model DIR is the output of an earlier dpkern finetune run; "
+    "this run accounts its own epsilon from zero: if the two runs' data overlap, the "
+    "final model's privacy is the composition of both (the epsilons add up at most); "
+    "--resume DIR continues that run's ledger instead"
+)
+
+
 def load_model(plan: Plan, args):
     """(model, tokenizer or None): the built-in model (--arch), a --model DIR, or the
     resumed checkpoint's; then --bf16 (weights cast to bfloat16), --gradient-checkpointing
@@ -97,6 +106,8 @@ def load_model(plan: Plan, args):
                 else ""
             )
             raise UsageError(option, what + str(exc)) from None
+    if option == "--model" and is_run_dir(Path(source)):
+        print(EARLIER_RUN_NOTE, file=sys.stderr)
     ctx = models.context_length(model)
     if ctx is not None and plan.block_size > ctx:
         raise UsageError(
