@@ -220,6 +220,31 @@ def _run_mismatch(rank, world, data):
     out["nan_retry"] = _catch(opt.step)  # then a valid (empty) step works on every rank
     out["nan_after"] = [p.detach().clone() for p in net.parameters()]
     out.update(_run_inner_failures(net))
+    out.update(_run_one_rank_fails(rank, net))
+    return out
+
+
+def _run_one_rank_fails(rank, net):
+    """Rank 0 alone fails (an earlier micro-batch, the closure): no rank releases."""
+    out = {}
+    for case in ("micro_batch", "closure"):
+        opt = DistributedDPOptimizer(_make_opt("sgd", net.parameters(), seed=11))
+        good = [torch.ones_like(p) for p in opt.optimizer.trainable_params()]
+        opt.accumulate_clipped(good, batch_size=1)
+        closure = None
+        if rank == 0 and case == "micro_batch":
+            bad = [torch.full_like(p, float("nan")) for p in opt.optimizer.trainable_params()]
+            out[f"{case}_local"] = _catch(lambda: opt.accumulate_clipped(bad, batch_size=1))
+        if rank == 0 and case == "closure":
+
+            def closure():
+                raise RuntimeError("the closure failed")
+
+        before = [p.detach().clone() for p in net.parameters()]
+        out[case] = _catch(lambda: opt.step(closure))
+        out[f"{case}_untouched"] = all(torch.equal(a, p) for a, p in zip(before, net.parameters()))
+        out[f"{case}_step"] = opt.dp_step
+        out[f"{case}_left"] = float(sum(b.abs().sum() for b in opt.optimizer._accum.values()))
     return out
 
 
@@ -648,6 +673,15 @@ def test_mismatches_are_detected_on_every_rank(run):
         assert m["inner_left"] == 0.0  # dropped, not kept for a second all-reduce
         assert m["midway"] == ("MemoryError", "simulated out of memory")
         assert m["reload"] is None and m["after_reload"] is None
+        for case, why in (("micro_batch", "cannot be released"), ("closure", "closure failed")):
+            want = (
+                ("ValueError" if case == "micro_batch" else "RuntimeError")
+                if rank == 0
+                else ("DistributedDPError")
+            )
+            assert m[case][0] == want, m[case]
+            assert (why if rank == 0 else "failed their local step") in m[case][1]
+            assert m[f"{case}_untouched"] and m[f"{case}_step"] == 0 and m[f"{case}_left"] == 0
 
 
 def test_fsdp2_errors_are_clear_and_raised_on_every_rank(run):

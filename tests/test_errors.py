@@ -189,6 +189,9 @@ def test_failed_step_leaves_everything_untouched_then_a_valid_step_works(cls, co
     with pytest.raises(exc, match=match):
         opt.step()
     _assert_same(before, _snapshot(model, opt))
+    assert all(getattr(p, "grad_sample", None) is None for p in model.parameters())  # consumed
+    _fill(model, seed=2)
+    corrupt(model)
     with pytest.raises(exc, match=match):
         opt.accumulate()
     _assert_same(before, _snapshot(model, opt))
@@ -305,12 +308,32 @@ def test_accumulate_stopped_midway_fails_the_logical_batch(monkeypatch):
         torch.testing.assert_close(p.detach(), q, rtol=0, atol=0)
 
 
+def test_a_failed_accumulate_ends_the_logical_batch():
+    """Micro-batch 2 of a logical batch is non-finite: a loop that zero_grad()s and goes
+    on to the next batch must not release micro-batch 1 with it."""
+    model = _model()
+    opt = _make(dpkern.DPSGD, model.parameters(), noise_multiplier=0.0)
+    _fill(model, seed=1)
+    opt.accumulate()
+    _nan_micro_batch(model, seed=2)
+    with pytest.raises(FloatingPointError):
+        opt.accumulate()
+    with pytest.warns(UserWarning, match=r"accumulate\(\) raised FloatingPointError"):
+        opt.zero_grad()
+    _fill(model, seed=3)
+    opt.step()
+    for p, q in zip(model.parameters(), _released_alone(dpkern.DPSGD, [3]), strict=True):
+        torch.testing.assert_close(p.detach(), q, rtol=0, atol=0)
+
+
 def test_a_failed_step_with_nothing_accumulated_fails_no_batch():
     model = _model()
     opt = _make(dpkern.DPSGD, model.parameters())
     _nan_micro_batch(model, seed=1)
     with pytest.raises(FloatingPointError):
         opt.step()
+    # consumed: Opacus' hooks would otherwise append the next batch's rows to these
+    assert all(p.grad_sample is None for p in model.parameters())
     _fill(model, seed=2)  # the next logical batch, without zero_grad()
     opt.accumulate()
     _fill(model, seed=3)
@@ -400,16 +423,21 @@ def test_accumulate_clipped_refuses_nonfinite_sum_and_keeps_buffers(bad):
         params, lr=0.1, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=4
     )
     good = [torch.randn(p.shape) for p in params]
-    opt.accumulate_clipped(good, 2)
-    before = [b.clone() for b in opt.clipped_sum_buffers()]
     for k in range(len(params)):
+        if k:
+            with pytest.warns(UserWarning, match="dropped"):
+                opt.zero_grad()  # the previous round's failed batch
+        opt.accumulate_clipped(good, 2)
+        before = [b.clone() for b in opt.clipped_sum_buffers()]
         sums = [torch.randn(p.shape) for p in params]
         sums[k].view(-1)[-1] = bad
         with pytest.raises(ValueError, match=rf"clipped_sums\[{k}\]: non-finite"):
             opt.accumulate_clipped(sums, 2)
         for b, want in zip(opt.clipped_sum_buffers(), before, strict=True):
             assert torch.equal(b, want)
-    assert opt.stats["samples"] == 2
+        with pytest.raises(ValueError, match="cannot be released"):  # the batch ended
+            opt.accumulate_clipped(good, 2)
+    assert opt.stats["samples"] == 2 * len(params)
 
 
 def test_accumulate_clipped_accepts_finite_sums_whose_norm_overflows():

@@ -197,24 +197,25 @@ class DistributedDPOptimizer:
         """One global DP step (a collective: every rank calls it, empty batch or not).
 
         Returns the closure's loss (local) or None."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        error = None
-        per_sample = self._has_grad_sample()
-        if per_sample:
-            try:  # sharded: local validation only, the clipping all-reduces norms below
+        loss, error, per_sample = None, None, False
+        try:  # this rank's outcome joins the agreement: no rank releases a failed batch
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            self.optimizer._check_batch_usable()  # (an earlier failure on this rank)
+            per_sample = self._has_grad_sample()
+            if per_sample:  # sharded: local validation only, the clipping all-reduces norms
                 (self.optimizer.check_inputs if self.sharded else self.optimizer.accumulate)()
-            except (ValueError, FloatingPointError) as exc:
-                error = exc
+        except Exception as exc:  # noqa: BLE001 (re-raised by _agree, after agreeing)
+            error = exc
         try:
             self._agree(
                 error,
                 per_sample,
                 (_SECURE, _CONFIG, _STEP, _KEY) + ((_PER_SAMPLE,) if self.sharded else ()),
-                "failed to clip their local batch; the logical batch was dropped "
-                "on every rank, nothing was updated",
+                "failed their local step (the clipping, the closure, or an earlier "
+                "error in this logical batch); the logical batch was dropped on every "
+                "rank, nothing was updated",
             )
             if per_sample and self.sharded:  # every rank: same rows, all-reduced norms,
                 self.optimizer.accumulate()  # so a non-finite row fails on every rank

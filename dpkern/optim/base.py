@@ -430,8 +430,10 @@ class DPOptimizer(torch.optim.Optimizer):
         :meth:`accumulate` would, without computing or modifying anything (no collective:
         sharded callers run it on every rank before the norms' all-reduce).
 
-        Raises: ValueError (the message names the parameter), StepInterrupted."""
+        Raises: ValueError (the message names the parameter, or the logical batch can no
+        longer be released: see ``step()``), StepInterrupted."""
         self._check_can_release()
+        self._check_batch_usable()
         groups = self._groups()[0]  # (no accumulation buffers: accumulate() makes them)
         F.check_params(groups)
         self._reduce()
@@ -496,16 +498,13 @@ class DPOptimizer(torch.optim.Optimizer):
             )
 
     def _fail_batch(self, exc: BaseException, what: str) -> None:
-        """Mark the accumulated logical batch unreleasable (see _check_batch_usable)
-        and say so on ``exc`` (Python >= 3.11 shows the note with the traceback)."""
-        if not self._accum:
-            return
-        self._batch_failed = f"{what} raised {type(exc).__name__}"
-        if hasattr(exc, "add_note"):
-            exc.add_note(
-                "dpkern: the logical batch's accumulated micro-batches will not be "
-                "released; call zero_grad() to drop them before the next logical batch"
-            )
+        """A release call raised: consume this micro-batch's ``grad_sample`` (a later
+        backward must not add to it: Opacus' hooks append) and, when micro-batches were
+        accumulated, refuse that logical batch (see _check_batch_usable).
+        Parameters and optimizer state are untouched."""
+        self._consume_grad_samples()
+        if self._accum:
+            self._batch_failed = f"{what} raised {type(exc).__name__}"
 
     def _drop_batch(self) -> None:
         """Forget the accumulated logical batch (nothing of it is released)."""
@@ -520,14 +519,15 @@ class DPOptimizer(torch.optim.Optimizer):
         batch (fp32 buffers) and consume ``p.grad_sample``. No noise is added here.
 
         Raises: ValueError (no, stale or inconsistent grad_sample; or the logical batch
-        can no longer be released, see ``step()``), FloatingPointError (non-finite with
-        nonfinite="error"); buffers and state are untouched when these raise. Any other
-        error (out of memory, Ctrl-C) may leave the buffers partly written: the logical
-        batch is then refused until ``zero_grad()`` drops it."""
+        can no longer be released), FloatingPointError (non-finite with
+        nonfinite="error"). Any error ends the logical batch, as in ``step()``: the
+        micro-batches accumulated before it are refused until ``zero_grad()`` drops them
+        (an error after a write, out of memory or Ctrl-C, may leave buffers partly
+        written; a repeat of the micro-batch would count it twice)."""
         self._check_can_release()
         self._check_batch_usable()
-        groups, _, _, new_buffers = self._groups(for_accumulate=True)
-        try:  # validation errors come before any write; anything else may follow one
+        try:  # any error ends the logical batch (a retry could count a sample twice)
+            groups, _, _, new_buffers = self._groups(for_accumulate=True)
             result = F.accumulate_groups(
                 groups,
                 step=self._dp_step + 1,
@@ -536,14 +536,12 @@ class DPOptimizer(torch.optim.Optimizer):
                 nonfinite=self.nonfinite,
                 reduce=self._reduce(),
             )
-        except (ValueError, FloatingPointError):
-            raise
-        except BaseException as exc:  # (out of memory, Ctrl-C: buffers partly written)
+            self._accum.update(new_buffers)
+            self._record(result, step=False)
+            self._consume_grad_samples()
+        except BaseException as exc:
             self._fail_batch(exc, "accumulate()")
             raise
-        self._accum.update(new_buffers)
-        self._record(result, step=False)
-        self._consume_grad_samples()
 
     def trainable_params(self) -> list[Tensor]:
         """Trainable parameters in noise-index order (param_groups order, frozen skipped)."""
@@ -585,22 +583,22 @@ class DPOptimizer(torch.optim.Optimizer):
                 were clipped (c_i < 1); nonfinite_samples: how many were dropped as
                 non-finite. For ``stats`` only (exact counts, kept in memory only).
         Raises: ValueError (wrong count, shape, device, non-finite values; or the logical
-        batch can no longer be released, see ``step()``); nothing is modified when it
-        raises. Any other error (out of memory, Ctrl-C) may leave the buffers partly
-        written: the logical batch is then refused until ``zero_grad()`` drops it."""
+        batch can no longer be released). Any error ends the logical batch, as in
+        ``step()``: the sums accumulated before it are refused until ``zero_grad()``
+        drops them."""
         self._check_can_release()
         self._check_batch_usable()
-        clipped_sums = check_clipped_sums(clipped_sums, self.trainable_params())
-        try:
+        try:  # any error ends the logical batch (a retry could count a sample twice)
+            clipped_sums = check_clipped_sums(clipped_sums, self.trainable_params())
             for s, buf in zip(clipped_sums, self.clipped_sum_buffers(), strict=True):
                 if s is not None:
                     buf += s.float()
-        except BaseException as exc:  # (out of memory, Ctrl-C: buffers partly written)
+            self.stats["samples"] += int(batch_size)
+            self.stats["clipped_samples"] += int(clipped_samples)
+            self.stats["nonfinite_samples"] += int(nonfinite_samples)
+        except BaseException as exc:
             self._fail_batch(exc, "accumulate_clipped()")
             raise
-        self.stats["samples"] += int(batch_size)
-        self.stats["clipped_samples"] += int(clipped_samples)
-        self.stats["nonfinite_samples"] += int(nonfinite_samples)
 
     @torch.no_grad()
     @torch._disable_dynamo
@@ -614,13 +612,15 @@ class DPOptimizer(torch.optim.Optimizer):
 
         Raises: ValueError (no fresh, stale or inconsistent grad_sample / parameters, SPEC
         section 1), FloatingPointError (non-finite per-sample gradient with
-        nonfinite="error"): parameters, optimizer state and accumulation buffers are then
-        exactly as before, and a later valid step works. Micro-batches accumulated before
-        a step that raised (any exception, the closure's too) are never released: a
-        retry cannot be told apart from the next logical batch (a sample drawn in both
-        would add up to 2C). ``step()``, ``accumulate()`` and ``accumulate_clipped()``
-        then raise ValueError until ``zero_grad()`` drops them. StepInterrupted: an
-        earlier step failed midway (see below).
+        nonfinite="error"): parameters and optimizer state are then exactly as before.
+        Any error before the update (the closure's too) ends the logical batch: this
+        micro-batch's ``grad_sample`` is consumed (a later backward must not add to it),
+        and micro-batches accumulated before are never released -- a retry cannot be
+        told apart from the next logical batch, and a sample drawn in both would add up
+        to 2C --: ``step()``, ``accumulate()`` and ``accumulate_clipped()`` raise
+        ValueError until ``zero_grad()`` drops them. With nothing accumulated, the next
+        batch's step works at once. StepInterrupted: an earlier step failed midway (see
+        below).
 
         Atomicity: SIGINT / SIGTERM arriving during the update are delivered after it (the
         step completes). An error of the machine after the update began (out of memory)
@@ -632,11 +632,11 @@ class DPOptimizer(torch.optim.Optimizer):
         self._check_batch_usable()
         loss = None
         t = self._dp_step + 1
-        reduce = self._reduce()
-        try:
+        try:  # any error ends the logical batch (a retry looks like the next batch)
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
+            reduce = self._reduce()
             groups, owners, new_states, _ = self._groups()
             be, result = F.prepare_step(
                 groups,
@@ -646,7 +646,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 nonfinite=self.nonfinite,
                 reduce=reduce,
             )
-        except BaseException as exc:  # nothing changed, but the batch can't be retried
+        except BaseException as exc:
             self._fail_batch(exc, f"step() {t}")
             raise
         with deferred_signals():
