@@ -333,6 +333,19 @@ def _run_fsdp_errors(rank, world, data):
     out["shape_step"] = _catch(opt.step)
     out["shape_untouched"] = all(torch.equal(a, p.full_tensor()) for a, p in zip(before, params))
     opt.zero_grad()
+    # a micro-batch accumulated, then a bad one raised on every rank by the wrapper's
+    # check: the logical batch ended on every rank (not kept for the next one)
+    shard_grad_samples(params, gs)
+    opt.accumulate()
+    shard_grad_samples(params, gs)
+    if rank == world - 1:
+        params[1].grad_sample = params[1].grad_sample[:, :0]
+    out["bad_micro_batch"] = _catch(opt.accumulate)
+    out["after_bad_micro_batch"] = _catch(opt.step)
+    out["after_bad_untouched"] = all(
+        torch.equal(a, p.full_tensor()) for a, p in zip(before, params)
+    )
+    opt.zero_grad()
     # torch.func cannot trace FSDP2 modules: a clear error, not an AttributeError
     out["func"] = _catch(lambda: compute_grad_sample(model, _loss, data["x"][:2], data["y"][:2]))
     # a root that owns parameters keeps them unsharded after an evaluation forward:
@@ -697,6 +710,10 @@ def test_fsdp2_errors_are_clear_and_raised_on_every_rank(run):
         assert e["nan"][0] == "FloatingPointError" and "rows [0]" in e["nan"][1]
         assert e["nan_untouched"] and not e["nan_state"]
         assert e["shape_untouched"]
+        assert e["bad_micro_batch"][0] in ("ValueError", "DistributedDPError")
+        assert e["after_bad_micro_batch"][0] == "ValueError", e["after_bad_micro_batch"]
+        assert "cannot be released" in e["after_bad_micro_batch"][1]
+        assert e["after_bad_untouched"]
         assert e["func"][0] == "ValueError" and "shard_grad_samples" in e["func"][1]
         assert e["eval_then_ghost"] is None
         assert e["empty"][0] == "RuntimeError" and "losses[:0]" in e["empty"][1]

@@ -326,6 +326,40 @@ def test_a_failed_accumulate_ends_the_logical_batch():
         torch.testing.assert_close(p.detach(), q, rtol=0, atol=0)
 
 
+def test_drop_batch_abandons_a_logical_batch_after_an_error_elsewhere():
+    """Your forward fails mid logical batch (dpkern cannot see it): zero_grad() keeps the
+    accumulated micro-batches, drop_batch() drops them."""
+    model = _model()
+    opt = _make(dpkern.DPSGD, model.parameters(), noise_multiplier=0.0)
+    _fill(model, seed=1)
+    opt.accumulate()
+    _fill(model, seed=2)  # (its forward failed: abandoned)
+    opt.drop_batch()
+    assert not opt._accum and all(p.grad_sample is None for p in model.parameters())
+    _fill(model, seed=3)
+    opt.step()
+    for p, q in zip(model.parameters(), _released_alone(dpkern.DPSGD, [3]), strict=True):
+        torch.testing.assert_close(p.detach(), q, rtol=0, atol=0)
+
+
+def test_a_ghost_clipping_error_ends_the_logical_batch():
+    from dpkern.ghost import GhostClipping
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    opt = _make(dpkern.DPSGD, net.parameters())
+    gc = GhostClipping(net, opt, verify="off").attach()
+    x = torch.randn(5, 4)
+    gc.backward(net(x).square().sum(1))
+    with pytest.raises(ValueError):
+        gc.backward(net(x).square().sum())  # a scalar, not per-sample losses
+    with pytest.raises(ValueError, match=r"GhostClipping.backward\(\) raised ValueError"):
+        opt.step()
+    with pytest.warns(UserWarning, match="dropped"):
+        opt.zero_grad()
+    assert opt.dp_step == 0 and not opt._accum
+
+
 def test_a_failed_step_with_nothing_accumulated_fails_no_batch():
     model = _model()
     opt = _make(dpkern.DPSGD, model.parameters())

@@ -108,11 +108,14 @@ class DistributedDPOptimizer:
         TypeError: ``optimizer`` is not a DPOptimizer.
         DistributedDPError: ranks disagree (at construction, or at any step: the
             lockstep check, one 48-byte all-gather, runs before each), or a rank failed
-            its local clipping in ``step()`` / ``accumulate()`` (it re-raises its own
-            error, the others this one); the logical batch is then dropped on every rank
-            and parameters and optimizer state are untouched everywhere. Errors raised by
-            ``GhostClipping.backward`` are local under DDP (catch them and still call
-            ``step()`` on every rank); under FSDP2 they are raised on every rank.
+            its local step in ``step()`` (its closure, an earlier error in the logical
+            batch, the clipping) or ``accumulate()`` (it re-raises its own error, the
+            others this one); the logical batch is then dropped on every rank and
+            parameters and optimizer state are untouched everywhere. Errors raised by
+            ``GhostClipping.backward`` are local under DDP: they end that rank's logical
+            batch, so the next ``step()`` raises on every rank and drops it (call it on
+            every rank, then ``zero_grad()``); under FSDP2 they are raised on every
+            rank.
     """
 
     def __init__(self, optimizer: DPOptimizer, group=None, *, bucket_numel: int = _BUCKET_NUMEL):
@@ -139,19 +142,24 @@ class DistributedDPOptimizer:
         Sharded (FSDP2) parameters: a collective (the per-sample norms are all-reduced),
         preceded by a check that every rank's inputs are valid, so a bad input raises on
         every rank instead of leaving the others waiting."""
-        if self.sharded:
-            error = None
-            try:
-                self.optimizer.check_inputs()
-            except ValueError as exc:
-                error = exc
-            self._agree(
-                error,
-                self._has_grad_sample(),
-                (_PER_SAMPLE,),
-                "have invalid per-sample gradients; nothing was accumulated on any rank",
-            )
-        self.optimizer.accumulate()
+        try:
+            if self.sharded:
+                error = None
+                try:
+                    self.optimizer.check_inputs()
+                except Exception as exc:  # noqa: BLE001 (re-raised by _agree, after agreeing)
+                    error = exc
+                self._agree(
+                    error,
+                    self._has_grad_sample(),
+                    (_PER_SAMPLE,),
+                    "have invalid per-sample gradients or a failed logical batch; "
+                    "nothing was accumulated on any rank",
+                )
+            self.optimizer.accumulate()
+        except BaseException as exc:  # ends the logical batch, as the inner accumulate()
+            self.optimizer._fail_batch(exc, "accumulate()")
+            raise
 
     def _agree(self, error, per_sample: bool, columns, failure: str) -> None:
         """The lockstep all-gather with this rank's outcome: re-raise this rank's
@@ -180,17 +188,21 @@ class DistributedDPOptimizer:
         reduce-scattered right away (:func:`reduce_scatter_clipped_sums`, a collective:
         every rank calls it, ``None`` entries count as zeros); DTensor sums (FSDP's own
         reduce-scattered ``p.grad``) are already global and are taken as they are."""
-        clipped_sums = list(clipped_sums)
-        if self.sharded and not any(is_sharded(s) for s in clipped_sums if s is not None):
-            clipped_sums = reduce_scatter_clipped_sums(
-                self.optimizer.trainable_params(), clipped_sums, self.bucket_numel
+        try:
+            clipped_sums = list(clipped_sums)
+            if self.sharded and not any(is_sharded(s) for s in clipped_sums if s is not None):
+                clipped_sums = reduce_scatter_clipped_sums(
+                    self.optimizer.trainable_params(), clipped_sums, self.bucket_numel
+                )
+            self.optimizer.accumulate_clipped(
+                clipped_sums,
+                batch_size,
+                clipped_samples=clipped_samples,
+                nonfinite_samples=nonfinite_samples,
             )
-        self.optimizer.accumulate_clipped(
-            clipped_sums,
-            batch_size,
-            clipped_samples=clipped_samples,
-            nonfinite_samples=nonfinite_samples,
-        )
+        except BaseException as exc:  # ends the logical batch, as the inner call
+            self.optimizer._fail_batch(exc, "accumulate_clipped()")
+            raise
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -202,11 +214,12 @@ class DistributedDPOptimizer:
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
+            self.optimizer._check_can_release()  # (StepInterrupted on this rank)
             self.optimizer._check_batch_usable()  # (an earlier failure on this rank)
             per_sample = self._has_grad_sample()
             if per_sample:  # sharded: local validation only, the clipping all-reduces norms
                 (self.optimizer.check_inputs if self.sharded else self.optimizer.accumulate)()
-        except Exception as exc:  # noqa: BLE001 (re-raised by _agree, after agreeing)
+        except BaseException as exc:  # (re-raised by _agree, after agreeing)
             error = exc
         try:
             self._agree(
@@ -222,8 +235,8 @@ class DistributedDPOptimizer:
             if not self.sharded:  # FSDP: the reduce-scatter / shard_grad_samples summed
                 all_reduce_clipped_sums(self.optimizer, self.group, self.bucket_numel)
             self.optimizer.step()
-        except BaseException:  # drop the logical batch on every rank, consistently (a
-            self.optimizer._drop_batch()  # retry would all-reduce the global sums again)
+        except BaseException:  # drop the logical batch (on every rank when they agreed
+            self.optimizer.drop_batch()  # to fail; a retry would all-reduce again)
             self.optimizer.zero_grad()
             raise
         return loss

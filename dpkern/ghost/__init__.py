@@ -330,18 +330,24 @@ class GhostClipping:
         ``optimizer.step()`` after the last micro-batch of the logical batch.
 
         Args: losses: float ``[B]`` per-sample losses. Raises: see :meth:`clipped_sums`;
-        nothing is added to the optimizer when it raises. Under FSDP2 (a sharded
+        nothing is added to the optimizer when it raises, and the error ends the logical
+        batch (the micro-batches accumulated before it are refused until
+        ``optimizer.zero_grad()`` drops them, SPEC section 9). Under FSDP2 (a sharded
         DistributedDPOptimizer) an error found after the backward (a non-finite sample,
         a batch mismatch) is raised on every rank: the others get DistributedDPError."""
         try:
-            sums, _ = self.clipped_sums(losses)
-        except (ValueError, FloatingPointError) as exc:
-            if self.sharded:  # the other ranks wait in the reduce-scatter's validity check:
-                from ..distributed.fsdp import mesh_group  # fail them too
-                from ..distributed.lockstep import raise_if_any_failed
+            try:
+                sums, _ = self.clipped_sums(losses)
+            except (ValueError, FloatingPointError) as exc:
+                if self.sharded:  # the other ranks wait in the reduce-scatter's validity
+                    from ..distributed.fsdp import mesh_group  # check: fail them too
+                    from ..distributed.lockstep import raise_if_any_failed
 
-                params = self.capture.params
-                raise_if_any_failed(exc, mesh_group(params), params[0].device, "ghost clipping")
+                    params = self.capture.params
+                    raise_if_any_failed(exc, mesh_group(params), params[0].device, "ghost clipping")
+                raise
+        except BaseException as exc:  # ends the logical batch (SPEC 9), as accumulate() does
+            self.optimizer._fail_batch(exc, "GhostClipping.backward()")
             raise
         B, clipped, nonfinite = self._last
         self.optimizer.accumulate_clipped(

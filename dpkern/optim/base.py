@@ -484,10 +484,10 @@ class DPOptimizer(torch.optim.Optimizer):
         self._check_usable()
 
     def _check_batch_usable(self) -> None:
-        """Raise ValueError when the accumulated logical batch may not be released: its
-        ``step()`` raised, or an ``accumulate()`` stopped after writing some buffers. What
-        comes next cannot be told apart from the next logical batch or a repeat of a
-        micro-batch (a sample counted twice, or drawn in two Poisson batches, would add
+        """Raise ValueError when the accumulated logical batch may not be released: a
+        ``step()``, ``accumulate()`` or ``accumulate_clipped()`` raised after micro-batches
+        were accumulated. What comes next cannot be told apart from the next logical
+        batch or a repeat of a micro-batch (a sample counted twice, or drawn in two Poisson batches, would add
         up to 2C under one noise draw and one accounted step)."""
         if self._batch_failed is not None and self._accum:
             raise ValueError(
@@ -506,8 +506,16 @@ class DPOptimizer(torch.optim.Optimizer):
         if self._accum:
             self._batch_failed = f"{what} raised {type(exc).__name__}"
 
-    def _drop_batch(self) -> None:
-        """Forget the accumulated logical batch (nothing of it is released)."""
+    def drop_batch(self) -> None:
+        """Drop the logical batch accumulated so far: nothing of it is released, and this
+        micro-batch's ``p.grad_sample`` is consumed. Call it when an error outside
+        dpkern's calls (your forward, a data loader) interrupts a logical batch that you
+        then abandon; ``zero_grad()`` keeps accumulated micro-batches otherwise (they
+        belong to the logical batch), and the next logical batch's step would release
+        them with its own. Errors of ``step()``, ``accumulate()``,
+        ``accumulate_clipped()`` and ``GhostClipping.backward`` end the batch by
+        themselves (see ``step()``)."""
+        self._consume_grad_samples()
         self._accum.clear()
         self._batch_failed = None
 
@@ -691,9 +699,10 @@ class DPOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch.optim's zero_grad, and also clears ``p.grad_sample`` (Opacus convention).
         Accumulated micro-batches are kept (they belong to the logical batch), except
-        after a ``step()`` that raised or an ``accumulate()`` / ``accumulate_clipped()``
-        stopped midway (out of memory, Ctrl-C): that logical batch is then dropped, with
-        a warning, and nothing of it is released.
+        after any error of ``step()``, ``accumulate()``, ``accumulate_clipped()`` or
+        ``GhostClipping.backward`` once micro-batches were accumulated: that logical batch
+        is then dropped, with a warning, and nothing of it is released. To abandon a batch
+        after an error elsewhere (your forward), call :meth:`drop_batch`.
 
         Raises: ValueError when Opacus' DPOptimizer (``make_private``) wraps this one."""
         refuse_opacus_wrapper(self)
@@ -703,7 +712,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 "for that logical batch were dropped (nothing of them was released)",
                 stacklevel=2,
             )
-            self._drop_batch()
+            self.drop_batch()
         super().zero_grad(set_to_none=set_to_none)
         for group in self.param_groups:
             for p in group["params"]:
