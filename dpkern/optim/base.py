@@ -487,8 +487,9 @@ class DPOptimizer(torch.optim.Optimizer):
         """Raise ValueError when the accumulated logical batch may not be released: a
         ``step()``, ``accumulate()`` or ``accumulate_clipped()`` raised after micro-batches
         were accumulated. What comes next cannot be told apart from the next logical
-        batch or a repeat of a micro-batch (a sample counted twice, or drawn in two Poisson batches, would add
-        up to 2C under one noise draw and one accounted step)."""
+        batch or a repeat of a micro-batch (a sample counted twice, or drawn in two
+        Poisson batches, would add up to 2C under one noise draw and one accounted
+        step)."""
         if self._batch_failed is not None and self._accum:
             raise ValueError(
                 f"{self._batch_failed}: the micro-batches accumulated for that logical "
@@ -749,9 +750,10 @@ class DPOptimizer(torch.optim.Optimizer):
         Follows torch.optim's order: load-state-dict pre-hooks, then validation and
         installation, then post-hooks (what they write stays). The constructor's
         ``max_grad_norm``, ``noise_multiplier``, ``expected_batch_size`` (as Opacus
-        does) and ``stochastic_rounding`` are kept: recalibrating sigma at a resume takes effect. Secure mode draws a
-        fresh noise key, so no (key, step) pair is ever used twice; reproducible mode
-        takes the checkpoint's seed.
+        does) and ``stochastic_rounding`` are kept: recalibrating sigma at a resume
+        takes effect. Secure mode draws a fresh noise key, so no (key, step) pair is
+        ever used twice; reproducible mode takes the checkpoint's seed. The accumulated
+        logical batch (and an ended one's refusal) is dropped.
 
         Raises: ValueError (not a dpkern optimizer's state_dict -- e.g. torch.optim's or
         Opacus' DPOptimizer's, whose step counts and moments cannot be mapped exactly --,
