@@ -325,7 +325,9 @@ def test_centered_with_the_correction_is_refused():
     for name, val in before[1][0].items():
         assert torch.equal(opt.state_dict()["state"][0][name], val)
     opt.param_groups[0]["centered"] = False
-    opt.step()  # the same grad_sample: the failed step did not consume it
+    assert p.grad_sample is None  # the failed step consumed it (SPEC 9)
+    p.grad_sample = torch.randn(2, 3)
+    opt.step()
     assert opt.dp_step == 2
 
 
