@@ -206,12 +206,18 @@ def _nan_micro_batch(model, seed):
     model[0].weight.grad_sample[1, 0, 0] = float("nan")
 
 
-def _accumulated_then_failed(cls):
-    """Micro-batch A accumulated, then step() raises on a non-finite micro-batch."""
+def _one_micro_batch_accumulated(cls=dpkern.DPSGD):
+    """(model, optimizer without noise) with micro-batch 1 accumulated."""
     model = _model()
     opt = _make(cls, model.parameters(), noise_multiplier=0.0)
     _fill(model, seed=1)
     opt.accumulate()
+    return model, opt
+
+
+def _accumulated_then_failed(cls):
+    """Micro-batch A accumulated, then step() raises on a non-finite micro-batch."""
+    model, opt = _one_micro_batch_accumulated(cls)
     _nan_micro_batch(model, seed=2)
     with pytest.raises(FloatingPointError):
         opt.step()
@@ -230,6 +236,14 @@ def _released_alone(cls, seeds):
     return [p.detach().clone() for p in model.parameters()]
 
 
+def _assert_next_batch_released_alone(model, opt, cls=dpkern.DPSGD):
+    """Step on micro-batch 3: the parameters are those of a step over it alone."""
+    _fill(model, seed=3)
+    opt.step()
+    for p, q in zip(model.parameters(), _released_alone(cls, [3]), strict=True):
+        torch.testing.assert_close(p.detach(), q, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("cls", [dpkern.DPSGD, dpkern.DPAdamW])
 def test_zero_grad_after_a_failed_step_drops_that_logical_batch(cls):
     """The next logical batch is released alone: a micro-batch of the failed one would
@@ -238,10 +252,7 @@ def test_zero_grad_after_a_failed_step_drops_that_logical_batch(cls):
     with pytest.warns(UserWarning, match="dropped"):
         opt.zero_grad()
     assert not opt._accum
-    _fill(model, seed=3)
-    opt.step()
-    for p, q in zip(model.parameters(), _released_alone(cls, [3]), strict=True):
-        torch.testing.assert_close(p.detach(), q, rtol=0, atol=0)
+    _assert_next_batch_released_alone(model, opt, cls)
 
 
 def test_after_a_failed_step_its_logical_batch_is_refused_until_zero_grad():
@@ -283,10 +294,7 @@ def test_accumulate_stopped_midway_fails_the_logical_batch(monkeypatch):
     would count it twice, so the batch is refused until zero_grad() drops it."""
     from dpkern.backends import reference
 
-    model = _model()
-    opt = _make(dpkern.DPSGD, model.parameters(), noise_multiplier=0.0)
-    _fill(model, seed=1)
-    opt.accumulate()
+    model, opt = _one_micro_batch_accumulated()
     real = reference.accumulate
 
     def writes_then_fails(*args, **kwargs):
@@ -302,44 +310,29 @@ def test_accumulate_stopped_midway_fails_the_logical_batch(monkeypatch):
         opt.accumulate()  # (the same micro-batch again)
     with pytest.warns(UserWarning, match="dropped"):
         opt.zero_grad()
-    _fill(model, seed=3)
-    opt.step()
-    for p, q in zip(model.parameters(), _released_alone(dpkern.DPSGD, [3]), strict=True):
-        torch.testing.assert_close(p.detach(), q, rtol=0, atol=0)
+    _assert_next_batch_released_alone(model, opt)
 
 
 def test_a_failed_accumulate_ends_the_logical_batch():
     """Micro-batch 2 of a logical batch is non-finite: a loop that zero_grad()s and goes
     on to the next batch must not release micro-batch 1 with it."""
-    model = _model()
-    opt = _make(dpkern.DPSGD, model.parameters(), noise_multiplier=0.0)
-    _fill(model, seed=1)
-    opt.accumulate()
+    model, opt = _one_micro_batch_accumulated()
     _nan_micro_batch(model, seed=2)
     with pytest.raises(FloatingPointError):
         opt.accumulate()
     with pytest.warns(UserWarning, match=r"accumulate\(\) raised FloatingPointError"):
         opt.zero_grad()
-    _fill(model, seed=3)
-    opt.step()
-    for p, q in zip(model.parameters(), _released_alone(dpkern.DPSGD, [3]), strict=True):
-        torch.testing.assert_close(p.detach(), q, rtol=0, atol=0)
+    _assert_next_batch_released_alone(model, opt)
 
 
 def test_drop_batch_abandons_a_logical_batch_after_an_error_elsewhere():
     """Your forward fails mid logical batch (dpkern cannot see it): zero_grad() keeps the
     accumulated micro-batches, drop_batch() drops them."""
-    model = _model()
-    opt = _make(dpkern.DPSGD, model.parameters(), noise_multiplier=0.0)
-    _fill(model, seed=1)
-    opt.accumulate()
+    model, opt = _one_micro_batch_accumulated()
     _fill(model, seed=2)  # (its forward failed: abandoned)
     opt.drop_batch()
     assert not opt._accum and all(p.grad_sample is None for p in model.parameters())
-    _fill(model, seed=3)
-    opt.step()
-    for p, q in zip(model.parameters(), _released_alone(dpkern.DPSGD, [3]), strict=True):
-        torch.testing.assert_close(p.detach(), q, rtol=0, atol=0)
+    _assert_next_batch_released_alone(model, opt)
 
 
 def test_a_ghost_clipping_error_ends_the_logical_batch():
