@@ -336,18 +336,15 @@ class GhostClipping:
         DistributedDPOptimizer) an error found after the backward (a non-finite sample,
         a batch mismatch) is raised on every rank: the others get DistributedDPError."""
         try:
-            try:
-                sums, _ = self.clipped_sums(losses)
-            except (ValueError, FloatingPointError) as exc:
-                if self.sharded:  # the other ranks wait in the reduce-scatter's validity
-                    from ..distributed.fsdp import mesh_group  # check: fail them too
-                    from ..distributed.lockstep import raise_if_any_failed
-
-                    params = self.capture.params
-                    raise_if_any_failed(exc, mesh_group(params), params[0].device, "ghost clipping")
-                raise
+            sums, _ = self.clipped_sums(losses)
         except BaseException as exc:  # ends the logical batch (SPEC 9), as accumulate() does
             self.optimizer._fail_batch(exc, "GhostClipping.backward()")
+            if self.sharded and isinstance(exc, (ValueError, FloatingPointError)):
+                from ..distributed.fsdp import mesh_group  # the other ranks wait in the
+                from ..distributed.lockstep import raise_if_any_failed  # reduce-scatter's
+
+                params = self.capture.params  # validity check: fail them too
+                raise_if_any_failed(exc, mesh_group(params), params[0].device, "ghost clipping")
             raise
         B, clipped, nonfinite = self._last
         self.optimizer.accumulate_clipped(

@@ -680,8 +680,7 @@ class DPOptimizer(torch.optim.Optimizer):
                     "the last checkpoint (model weights and optimizer "
                     "load_state_dict) before stepping or saving again"
                 )
-                self._accum.clear()
-                self._consume_grad_samples()
+                self.drop_batch()
                 raise
             self._commit(groups, owners, new_states)
             self._dp_step = t
