@@ -461,7 +461,7 @@ def _run_fsdp(rank, world, data, name, local_indices=False):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    import dpkern.optim.base
+    import dpkern.optim.groups
     from dpkern.distributed import shard_grad_samples, shard_offsets
     from dpkern.functional import clip_factors, per_sample_norms
     from dpkern.ghost import GhostClipping
@@ -474,13 +474,13 @@ def _run_fsdp(rank, world, data, name, local_indices=False):
     for layer in (model, model[0], model[2]):
         layer.set_gradient_divide_factor(1.0)  # each FSDP unit reduce-scatters with SUM
         layer.set_force_sum_reduction_for_comms(True)  # (gloo has no PREMUL_SUM)
-    real_local_shard = dpkern.optim.base.local_shard
+    real_local_shard = dpkern.optim.groups.local_shard
     fake = (lambda p, name="": (real_local_shard(p, name)[0], 0)) if local_indices else None
     rule, path = FSDP_CASES[name]
     opt = DistributedDPOptimizer(_make_opt(rule, model.parameters(), seed=77))
     ghost = GhostClipping(model, opt) if path == "ghost" else None
     snaps = []
-    with mock.patch.object(dpkern.optim.base, "local_shard", fake or real_local_shard):
+    with mock.patch.object(dpkern.optim.groups, "local_shard", fake or real_local_shard):
         for batch in BATCHES:
             local = batch[rank::world]
             for r, p in zip(replica.parameters(), model.parameters()):

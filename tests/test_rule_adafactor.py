@@ -322,13 +322,13 @@ def test_fsdp2_shards_are_refused(monkeypatch):
     """The factors are reductions over rows / columns: a coordinate shard cannot update
     its part alone (the registry's fsdp is False); a shard is refused with a clear error
     before anything changes."""
-    from dpkern.optim import base
+    from dpkern.optim import groups
 
     spec = rules.get("adafactor")
     assert not spec.fsdp
     p = torch.nn.Parameter(torch.randn(4, 3))
     opt = _opt([p])
-    monkeypatch.setattr(base, "local_shard", lambda t, name="": (t.detach()[:2], 0))
+    monkeypatch.setattr(groups, "local_shard", lambda t, name="": (t.detach()[:2], 0))
     p.grad_sample = torch.randn(3, 4, 3)
     with pytest.raises(ValueError, match="DP-Adafactor keeps states that are not shaped like"):
         opt.step()

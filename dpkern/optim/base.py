@@ -35,7 +35,6 @@ from .. import backends
 from .. import functional as F
 from ..guards import (
     DPOPTIMIZER_IS_A_BASE,
-    NO_FRESH_GRAD_SAMPLE,
     StepInterrupted,
     check_group_options,
     deferred_signals,
@@ -52,6 +51,7 @@ from ..keys import NoiseKey, key_fingerprint, secure_key
 from ..rules import PARAM, RuleSpec
 from ..sharding import common_mesh, local_shard
 from .checkpoint import _check_seed, check_state_shape, validated_state_dict
+from .groups import build_groups, step_of
 from .inputs import check_clipped_sums, consume_grad_samples, grad_sample_of
 
 __all__ = ["DPOptimizer", "key_fingerprint", "secure_key"]
@@ -71,12 +71,6 @@ class _Checked:
 
     def __set__(self, obj, value):
         setattr(obj, self.private, self.check(self.name, value))
-
-
-def _step_of(state: dict) -> int:
-    """A parameter's own step count (0 before its first step)."""
-    step = state.get("step")
-    return 0 if step is None else int(step)
 
 
 class DPOptimizer(torch.optim.Optimizer):
@@ -279,125 +273,12 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def _rule_step(self, hyper: Hyper, state: dict, new: dict) -> int:
         """The update rule's t for a parameter: its own step count + 1."""
-        return _step_of(state) + 1
+        return step_of(state) + 1
 
     def _groups(self, for_accumulate: bool = False):
-        """Build functional Groups over trainable params; validate the grad_sample rules.
-
-        Each param group becomes one functional Group per distinct (own step, phi) of its
-        parameters (parameters added or unfrozen later have their own bias corrections).
-
-        Returns (groups, owners, new_states, new_buffers): ``owners[k]`` the parameters of
-        ``groups[k]``; tensors created for params seen for the first time, to commit into
-        ``self.state`` / ``self._accum`` on success only."""
-        trainable = [
-            (gi, pi, p)
-            for gi, g in enumerate(self.param_groups)
-            for pi, p in enumerate(g["params"])
-            if p.requires_grad
-        ]
-        n_total = sum(p.numel() for _, _, p in trainable)  # global numel for DTensors
-        any_gs = any(getattr(p, "grad_sample", None) is not None for _, _, p in trainable)
-        if not any_gs and (for_accumulate or not self._accum):
-            if self._dp_step > 0:
-                raise ValueError(NO_FRESH_GRAD_SAMPLE)
-            raise ValueError(
-                "no parameter has a grad_sample: per-sample gradients were "
-                "never computed (wrap the model with opacus.GradSampleModule "
-                "or call dpkern.grad_sample.compute_grad_sample); an empty batch "
-                "is grad_sample tensors with B = 0, not their absence"
-            )
-        new_states, new_buffers = {}, {}
-        groups, owners, offset = [], [], 0
-        for gi, group in enumerate(self.param_groups):
-            hyper = self.group_hyper(group)
-            unused = self._unused_states(hyper)
-            buckets: dict[tuple, dict] = {}
-            for pi, p in enumerate(group["params"]):
-                if not p.requires_grad:
-                    continue
-                name = f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)})"
-                local, start = local_shard(p, name)
-                if local.shape != p.shape:
-                    name = f"{name[:-1]}, local shard {tuple(local.shape)})"
-                    if not self.rule.fsdp:
-                        raise ValueError(
-                            f"{name}: {self.rule.title} keeps states that are not shaped "
-                            "like the parameter; they cannot be sharded coordinate-wise"
-                        )
-                gs = self._grad_sample(p, name)
-                if gs is None and any_gs and p.grad is not None:
-                    raise ValueError(
-                        f"{name}: has .grad but no grad_sample (was it created "
-                        "outside the module wrapped for per-sample gradients?)"
-                    )
-                state = self.state.get(p)
-                new = {}
-                if not state:
-                    new = {
-                        k: v
-                        for k, v in self._fresh_state(local, n_total).items()
-                        if k not in unused
-                    }
-                    state = new
-                elif any(k not in state and k not in unused for k in self.rule.state_names):
-                    # a state needed from now on (e.g. momentum switched on): zeros
-                    fresh = self._fresh_state(local, n_total)
-                    new = {
-                        k: fresh[k]
-                        for k in self.rule.state_names
-                        if k not in state and k not in unused
-                    }
-                    state = {**state, **new}
-                if new:
-                    self._init_states(hyper, new)
-                    new_states[p] = new
-                t_p = self._rule_step(hyper, state, new)
-                key = (t_p, self._param_noise_var(state))
-                b = buckets.get(key)
-                if b is None:
-                    b = buckets[key] = {
-                        "params": [],
-                        "gss": [],
-                        "summed": [],
-                        "offsets": [],
-                        "names": [],
-                        "owners": [],
-                        "states": {s: [] for s in self.rule.kernel_state_names},
-                    }
-                for sname in b["states"]:
-                    b["states"][sname].append(state.get(sname))  # None: unused by the rule
-                buf = self._accum.get(p)
-                if buf is None and for_accumulate:
-                    buf = new_buffers[p] = torch.zeros_like(
-                        local, dtype=torch.float32, memory_format=torch.contiguous_format
-                    )
-                b["params"].append(local)
-                b["gss"].append(gs)
-                b["summed"].append(buf)
-                b["offsets"].append(offset + start)
-                b["names"].append(name)
-                b["owners"].append(p)
-                offset += p.numel()
-            for (t_p, phi_prev), b in buckets.items():
-                groups.append(
-                    F.Group(
-                        hyper,
-                        b["params"],
-                        b["gss"],
-                        b["summed"],
-                        b["states"],
-                        b["offsets"],
-                        b["names"],
-                        self._noise_var_avg(hyper, phi_prev, t_p),
-                        step=t_p,
-                    )
-                )
-                owners.append(b["owners"])
-        if not groups:
-            raise ValueError("the optimizer owns no trainable parameter")
-        self._check_rule_steps(groups)
-        return groups, owners, new_states, new_buffers
+        """The step's functional Groups, owners and new tensors: see
+        :func:`dpkern.optim.groups.build_groups` (changes nothing)."""
+        return build_groups(self, for_accumulate)
 
     def _check_rule_steps(self, groups) -> None:
         """Hook: refuse parameters whose own step differs where the rule cannot have it."""
@@ -437,24 +318,6 @@ class DPOptimizer(torch.optim.Optimizer):
         groups = self._groups()[0]  # (no accumulation buffers: accumulate() makes them)
         F.check_params(groups)
         self._reduce()
-
-    def _unused_states(self, hyper: Hyper) -> set[str]:
-        """State names the update does not use with these hyper-parameters (never
-        allocated, passed to the backends as None): ``StateSpec.needed``."""
-        return set(self.rule.state_names) - set(self.rule.needed_states(hyper))
-
-    def _param_noise_var(self, state: dict) -> float:
-        """The parameter's phi_{t-1} (noise-bias-corrected rules; 0.0 for the others)."""
-        phi = state.get("noise_var_avg")
-        return 0.0 if phi is None else float(phi)
-
-    def _noise_var_avg(self, hyper: Hyper, prev: float, t: int) -> float:
-        """phi_t from the parameter's phi_{t-1} at its step t, by the rule's recursion
-        (``RuleSpec.noise_var_ema``), for the groups that correct (0.0 otherwise)."""
-        if not self.rule.corrects(hyper):
-            return 0.0
-        noise_var = F.noise_var(self.max_grad_norm, self.noise_multiplier, self.expected_batch_size)
-        return self.rule.next_noise_var(hyper, prev, noise_var, t)
 
     def _check_state_shape(self, name: str, value: Tensor, shape) -> None:
         """A loaded state's shape: as its StateSpec says for the parameter (shard); other
