@@ -97,6 +97,15 @@ NO_FRESH_GRAD_SAMPLE = (
     "for each micro-batch, not loss.backward().)"
 )
 
+ONLY_SUMMED_GRAD = (
+    "no parameter has a grad_sample, but p.grad is set: a plain loss.backward() ran, "
+    "which gives only the summed gradient (dpkern never steps on it: it cannot be "
+    "clipped per sample). With dpkern.ghost.GhostClipping, call gc.backward(losses) on "
+    "the per-sample losses (float [B], reduction='none') instead of loss.backward(); "
+    "otherwise compute per-sample gradients (opacus.GradSampleModule, or "
+    "dpkern.grad_sample.compute_grad_sample)"
+)
+
 ALREADY_RELEASED = (
     "{name}: this grad_sample tensor was already used by an earlier step() or "
     "accumulate(); releasing it again would spend the same samples twice. Compute fresh "

@@ -331,6 +331,22 @@ def test_auto_runs_a_rule_without_kernel_on_the_reference(toy):
         assert torch.equal(a, b)
 
 
+def test_repr_names_what_auto_resolves_to(toy, monkeypatch):
+    _, opt = _toy_run("auto", steps=0)
+    # no kernel for the toy rule: auto runs it on the reference, and the repr says so
+    assert backends.resolved_name("auto", "cpu", TOY.name) == "torch"
+    assert "backend: auto (torch)" in repr(opt)
+    p = torch.nn.Parameter(torch.randn(3))
+    sgd = dpkern.DPSGD([p], lr=0.1, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=2)
+    ran = "cpp" if backends.is_available("cpp") else "torch"
+    assert "backend: auto (" + ran + ")" in repr(sgd)
+    assert backends.describe("auto", "cpu", "sgd") == f"auto ({ran})"
+    assert backends.describe("torch", "cpu") == "torch"
+    monkeypatch.setattr(backends, "_load", lambda name: (None, "not built"))
+    assert "backend: auto (torch)" in repr(sgd)  # cpp missing: the reference, said so
+    assert backends.describe("auto", "cuda") == "auto (torch)"
+
+
 # ---------------------------------------------------------------------------------------
 # The optimizers' public hooks
 # ---------------------------------------------------------------------------------------

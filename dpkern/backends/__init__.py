@@ -56,6 +56,29 @@ def is_available(name: str) -> bool:
     return _load(name)[0] is not None
 
 
+def resolved_name(backend: str, device, rule: str | None = None) -> str:
+    """The short name (``"torch"``, ``"triton"`` or ``"cpp"``) of the backend that
+    :func:`resolve` picks for ``backend`` on tensors of ``device`` (and, if given, the
+    update rule ``rule``), without warning and without raising: an explicit name that
+    cannot run there is returned as is (``resolve`` raises for it)."""
+    check_name(backend)
+    device = torch.device(device)
+    if backend != "auto":
+        return backend
+    name = {"cuda": "triton", "cpu": "cpp"}.get(device.type)
+    module = _load(name)[0] if name is not None else None
+    if module is None or (rule is not None and not module.supports(rule)):
+        return "torch"
+    return name
+
+
+def describe(backend: str, device, rule: str | None = None) -> str:
+    """``backend`` as a user reads it: ``"auto (cpp)"`` names the backend ``"auto"``
+    resolves to on ``device``; an explicit name is returned unchanged."""
+    name = resolved_name(backend, device, rule)
+    return f"auto ({name})" if backend == "auto" else name
+
+
 def resolve(
     backend: str, device: torch.device, rule: str | None = None, update_rms_clip=None
 ) -> ModuleType:

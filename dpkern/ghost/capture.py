@@ -55,7 +55,7 @@ from .batch import _CASTS as CASTS
 from .batch import _one as layout_one
 from .batch import FLAT, LEAD, UNKNOWN, Form, Tracker, layout_of, param_form, propagate
 from . import early as early_mod
-from .graph import grad_of, refuse_mixed
+from .graph import grad_of, next_sequence_nr, refuse_mixed, used_before
 from .rules import Rec, RULES, pending_uses, uses_of
 
 __all__ = ["Capture", "module_kind", "KINDS"]
@@ -183,6 +183,7 @@ class Capture:
         self._generic_records: list[_ModuleRecord] = []
         self._stack: list[nn.Module] = []
         self._batch: int | None = None
+        self._seq0: int | None = None  # autograd node number where recording began
         self._roots: list[Tensor] = []  # tensors outside the parameters that require grad
         # (forward inputs, tensors made to require grad in the forward: see early.requests)
         self._mode = None
@@ -214,6 +215,26 @@ class Capture:
         """Drop the records of forwards whose loss will not be back-propagated."""
         self._reset()
 
+    def _refuse_unrecorded(self, losses: Tensor, seq0, records) -> None:
+        """Raise ValueError if the losses reach a trainable parameter through an operation
+        run before the recorded forward began (its gradient would be missing from the
+        per-sample norms: an unbounded contribution). Skipped when the node numbers are
+        not comparable (a forward on another thread numbers its nodes apart)."""
+        if seq0 is None or any(
+            r.edge.node is not None and r.edge.node._sequence_nr() < seq0 for r in records
+        ):
+            return
+        bad = used_before(losses, seq0, {id(p): p for p in self.params})
+        if bad:
+            raise ValueError(
+                "ghost clipping: parameter(s) "
+                + ", ".join(self._pname(p) for p in bad)
+                + " take part in the loss outside the recorded forward (a forward run "
+                "before `with GhostClipping(...)` / attach(), or before the recorded "
+                "forward began): their per-sample norm cannot be recorded; run the "
+                "forward inside the `with`; nothing was updated"
+            )
+
     def _recording(self) -> bool:
         return self._active and torch.is_grad_enabled() and not self._in_backward
 
@@ -230,6 +251,8 @@ class Capture:
                 f"{self._batch} in the same micro-batch"
             )
         self._batch = B
+        if self._seq0 is None:
+            self._seq0 = next_sequence_nr()
         self._roots += [t for t in tensors if t.requires_grad]
         for t in tensors:
             if t.dim() > 0 and t.shape[0] == B:
@@ -471,6 +494,7 @@ class Capture:
         """
         records, generic = self._records, self._generic_records
         unknown, roots, mixed = self._unknown, self._roots, self._mixed
+        seq0 = self._seq0
         self._reset()
         if losses.dim() != 1:
             raise ValueError(
@@ -514,6 +538,7 @@ class Capture:
             )
         if mixed:
             refuse_mixed(losses, mixed)
+        self._refuse_unrecorded(losses, seq0, records)
         used = {id(p) for r in records for p in r.params}
         used |= {id(p) for g in generic for p in self.owners[g.module].values()}
         extra = list(self.params) if check else [p for p in self.params if id(p) not in used]
@@ -549,20 +574,22 @@ class Capture:
         n = len(outputs)
         gouts, gparams = grads[:n], grads[n : n + len(extra)]
         summed = list(gparams) if check else None
+        if not outputs and not hooked:
+            raise ValueError(
+                "ghost clipping: no forward was recorded: run the model's forward with "
+                "grad enabled inside `with GhostClipping(model, optimizer)` (or after "
+                "attach()); a forward run before it is not recorded"
+            )
         if not check:
             bad = [self._pname(p) for p, g in zip(extra, gparams) if g is not None]
             if bad:
                 raise ValueError(
                     "ghost clipping: parameter(s) " + ", ".join(bad) + " take part "
-                    "in the loss outside the recorded forward (or through an "
-                    "operation that bypasses torch functions): their per-sample "
-                    "norm cannot be recorded; use the per-sample path"
+                    "in the loss outside the recorded forward (a forward run before "
+                    "`with GhostClipping(...)` / attach(), or an operation that bypasses "
+                    "torch functions): their per-sample norm cannot be recorded; run the "
+                    "forward inside the `with`, or use the per-sample path"
                 )
-        if not outputs and not hooked:
-            raise ValueError(
-                "ghost clipping: no forward was recorded (run the model's "
-                "forward with grad enabled while the hooks are attached)"
-            )
         for r, g in zip(rest, gouts[: len(rest)]):
             if g is not None:
                 early_mod.take(r, g, B, formed, uses)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["grad_of", "reached", "refuse_mixed"]
+__all__ = ["grad_of", "next_sequence_nr", "reached", "refuse_mixed", "used_before"]
 
 REENTRANT = (
     "ghost clipping cannot run through reentrant activation checkpointing "
@@ -58,6 +58,69 @@ def refuse_mixed(loss: Tensor, mixed: list) -> None:
             "moved): each sample's gradient would carry the others' data; "
             "refused (nothing was updated)"
         )
+
+
+def next_sequence_nr() -> int:
+    """The sequence number the next autograd node of this thread gets (autograd numbers
+    the nodes of each thread in creation order): a tensor op run now, under grad mode,
+    whose node number is then returned."""
+    with torch.enable_grad():
+        return (torch.zeros((), requires_grad=True) * 1).grad_fn._sequence_nr() + 1
+
+
+#: Unary autograd nodes that transform a tensor without data (a cast, a view, a copy):
+#: autocast caches a parameter's cast across forwards, so such a chain ending at a
+#: parameter can predate the recorded forward and still be used only inside it.
+_PARAM_TRANSFORMS = frozenset(
+    {
+        "ToCopyBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0",
+        "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "ExpandBackward0",
+        "AliasBackward0", "CloneBackward0", "UnsqueezeBackward0", "SqueezeBackward0",
+        "SqueezeBackward1",
+    }
+)  # fmt: skip
+
+
+def _param_transform(node) -> bool:
+    """``node`` is a chain of :data:`_PARAM_TRANSFORMS` ending at a leaf's accumulator."""
+    while type(node).__name__ in _PARAM_TRANSFORMS:
+        nxt = [fn for fn, _ in node.next_functions if fn is not None]
+        if len(nxt) != 1:
+            return False
+        node = nxt[0]
+    return hasattr(node, "variable")
+
+
+def used_before(loss: Tensor, seq0: int, params: dict) -> list:
+    """The parameters of ``params`` (``{id(p): p}``) that the graph of ``loss`` reaches
+    through a computation made before autograd node number ``seq0`` (an operation run
+    before the recorded forward began, e.g. a forward before ``with GhostClipping(...)``):
+    their gradient through it is invisible to the records. A node's inputs are always
+    older than the node, so below an older node every node is older; a chain that only
+    casts or views a parameter (autocast's cached weight casts) is no computation and is
+    not counted. Walks the graph once."""
+    seen, old_seen, todo, hit = set(), set(), [loss.grad_fn], {}
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if node._sequence_nr() < seq0 and not hasattr(node, "variable"):
+            if _param_transform(node):
+                continue
+            below = [node]  # everything below is older: collect its parameters
+            while below:  # (its own seen set: a cast chain skipped above counts here)
+                n = below.pop()
+                for fn, _ in n.next_functions:
+                    if fn is None or fn in old_seen:
+                        continue
+                    old_seen.add(fn)
+                    if id(getattr(fn, "variable", None)) in params:
+                        hit.setdefault(id(fn.variable), fn.variable)
+                    below.append(fn)
+            continue
+        todo.extend(fn for fn, _ in node.next_functions)
+    return list(hit.values())
 
 
 def _reentrant(node) -> bool:

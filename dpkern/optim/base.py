@@ -57,6 +57,13 @@ from .inputs import check_clipped_sums, consume_grad_samples, grad_sample_of
 __all__ = ["DPOptimizer", "key_fingerprint", "secure_key"]
 
 
+NO_NOISE = (
+    "dpkern: noise_multiplier=0: no noise is added, so the steps are clipped but not "
+    "differentially private (the accountant's epsilon is infinite); a test or a clipping "
+    "baseline only"
+)
+
+
 class _Checked:
     """An attribute validated on every assignment (``check(name, value)`` -> value)."""
 
@@ -117,6 +124,8 @@ class DPOptimizer(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self.noise_multiplier = noise_multiplier
         self.expected_batch_size = expected_batch_size
+        if self.noise_multiplier == 0:
+            warnings.warn(NO_NOISE, UserWarning, stacklevel=3)
         self._seed = _check_seed(seed)
         self.backend = backends.check_name(backend)
         self.nonfinite = F.check_nonfinite(nonfinite)
@@ -167,15 +176,26 @@ class DPOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         dp = (
             f"    max_grad_norm: {self.max_grad_norm}\n"
-            f"    noise_multiplier: {self.noise_multiplier}\n"
-            f"    expected_batch_size: {self.expected_batch_size}\n"
-            f"    secure: {self.secure}"
+            + f"    noise_multiplier: {self.noise_multiplier}"
+            + (" (no noise: not private)\n" if self.noise_multiplier == 0 else "\n")
+            + f"    expected_batch_size: {self.expected_batch_size}\n"
+            + f"    secure: {self.secure}"
             + ("" if self.secure else " (seed given: the noise key is known, not private)")
-            + f"\n    backend: {self.backend}\n    dp_step: {self._dp_step}\n"
+            + f"\n    backend: {self._backend_line()}\n    dp_step: {self._dp_step}\n"
             + ("    stochastic_rounding: True\n" if self.stochastic_rounding else "")
         )
         base = super().__repr__()
         return base[:-1] + "DP settings\n" + dp + ")" if base.endswith(")") else base + "\n" + dp
+
+    def _backend_line(self) -> str:
+        """The backend setting and, for ``"auto"``, what it runs on the parameters'
+        devices: ``auto (cpp)``."""
+        devices = sorted(
+            {str(p.device) for g in self.param_groups for p in g["params"]}, key=str
+        ) or ["cpu"]
+        rule = self.rule.name if self.rule is not None else None
+        names = sorted({backends.resolved_name(self.backend, d, rule) for d in devices})
+        return f"auto ({', '.join(names)})" if self.backend == "auto" else self.backend
 
     def key_fingerprint(self) -> int:
         """:func:`dpkern.keys.key_fingerprint` of this optimizer's noise key (never the key

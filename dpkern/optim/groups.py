@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .. import functional as F
-from ..guards import NO_FRESH_GRAD_SAMPLE
+from ..guards import NO_FRESH_GRAD_SAMPLE, ONLY_SUMMED_GRAD
 from ..hyper import Hyper
 from ..sharding import local_shard
 
@@ -66,6 +66,8 @@ def build_groups(opt, for_accumulate: bool = False):
     if not any_gs and (for_accumulate or not opt._accum):
         if opt._dp_step > 0:
             raise ValueError(NO_FRESH_GRAD_SAMPLE)
+        if any(p.grad is not None for _, _, p in trainable):
+            raise ValueError(ONLY_SUMMED_GRAD)  # before any step: no earlier grad_sample
         raise ValueError(
             "no parameter has a grad_sample: per-sample gradients were "
             "never computed (wrap the model with opacus.GradSampleModule "
