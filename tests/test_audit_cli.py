@@ -137,3 +137,6 @@ def test_faults_are_no_user_option(capsys):
     help_text = capsys.readouterr().out
     assert "--canaries" in help_text and "--quick" in help_text and "--epsilon" in help_text
     assert not re.search(r"\bfaults?\b", help_text, re.I) and "sigma/4" not in help_text
+    # finetune options the audit refuses are not offered
+    for refused in ("--out", "--resume", "--overwrite", "--save-every", "--fsdp"):
+        assert not re.search(re.escape(refused) + r"\b", help_text), refused

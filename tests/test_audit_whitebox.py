@@ -164,6 +164,13 @@ def test_summary_says_when_sigma_eff_is_not_estimable():
     assert "sigma_eff not estimable" in line and "inf" not in line, line
     honest = calibration_check(rng.normal(size=200) + 0.5, out, sim_in, sim_out, sigma=0.44)
     assert f"sigma_eff {honest.sigma_effective:.4g} vs 0.44" in honest.summary()
+    # the Adam family rescales the signal: no sigma_eff that would read as a noise error
+    adam = calibration_check(
+        rng.normal(size=200) + 0.5, out, sim_in, sim_out, sigma=0.44, linear=False
+    )
+    assert adam.sigma_effective != adam.sigma_effective  # NaN: JSON null
+    assert "sigma_eff is estimated for DP-SGD only" in adam.summary()
+    assert "vs 0.44" not in adam.summary()
 
 
 @pytest.mark.slow

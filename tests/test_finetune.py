@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from dpkern import data, models
+from dpkern import backends, data, models
 from dpkern.cli.__main__ import main
 
 
@@ -66,6 +66,9 @@ def test_end_to_end_loss_drops_and_budget_is_met(text_file, tmp_path, capsys):
     assert tok is None and reloaded.config.vocab_size == models.BYTE_VOCAB
     summary = capsys.readouterr().out
     assert "perplexity" in summary and "epsilon" in summary and "sigma" in summary
+    # the summary names what backend="auto" ran on (cpp where it is built, else torch)
+    ran = "cpp" if backends.is_available("cpp") else "torch"
+    assert f"backend auto ({ran})" in summary and m["backend_resolved"] == f"auto ({ran})"
 
 
 def test_resume_continues_from_saved_step(text_file, tmp_path, capsys):
@@ -82,7 +85,10 @@ def test_resume_continues_from_saved_step(text_file, tmp_path, capsys):
     assert (
         finetune("--resume", first, "--steps", 8, "--epsilon", 10, "--out", second, "--quiet") == 0
     )
-    assert "steps 4 -> 8" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "steps 4 -> 8" in printed.out
+    sigma2 = read_metrics(second)["noise_multiplier"]
+    assert f"sigma recalibrated {m1['noise_multiplier']:.4g} -> {sigma2:.4g}" in printed.err
     m2 = read_metrics(second)
     assert m2["step"] == 8
     assert m2["val_loss_initial"] == m1["val_loss_before"]

@@ -33,6 +33,19 @@ def test_readme_ghost_clipping_example_runs(tmp_path):
     assert ns["optimizer"].state_dict()["state"], "no step was taken"
 
 
+def test_readme_privacy_units_example_runs(tmp_path, capsys):
+    """The Sampling and privacy units section's snippet runs as written, one row per user."""
+    section = README.read_text().split("## Sampling and privacy units", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    assert blocks, "README.md's Sampling and privacy units section has no python block"
+    script = tmp_path / "units_example.py"
+    script.write_text(blocks[0])
+    ns = runpy.run_path(str(script), run_name="__main__")
+    assert capsys.readouterr().out.strip() == "10 steps, expected batch 10 users"
+    assert ns["optimizer"].stats["samples"] <= 40 * 10  # users counted, never examples
+    assert ns["optimizer"].stats["samples"] < int(ns["sampler"].expected_batch_size * 10 * 3)
+
+
 def test_docs_spec_extends_the_shared_contract():
     """docs/SPEC.md began as the project contract (shared/SPEC.md) and extends it: every
     paragraph of the shared contract is still there, word for word; additions are marked

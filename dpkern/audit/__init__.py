@@ -289,7 +289,13 @@ def audit_whitebox(
             sim[name] = trajectory_scores(th, rule, group, unit=C / Be)
         out_scores = np.concatenate([scores[~included], scores_all[m:]])
         cal = calibration_check(
-            scores[included], out_scores, sim["in"], sim["out"], sigma=sigma, alpha=alpha
+            scores[included],
+            out_scores,
+            sim["in"],
+            sim["out"],
+            sigma=sigma,
+            alpha=alpha,
+            linear=rule == "sgd",
         )
     else:
         cal = not_available(f"no simulator for {rule}", alpha, sigma)

@@ -137,8 +137,10 @@ class Calibration:
     (DP-SGD: sigma_actual / sigma). ``signal_ratio``: the included canaries' mean shift,
     observed / honest (DP-SGD: C_actual / C; the Adam family: about sigma / sigma_actual).
     ``z_noise``, ``z_signal``: their z statistics; ``sigma_effective`` = sigma *
-    noise_ratio / signal_ratio, the noise in units of one canary's contribution (exact for
-    DP-SGD, first order for the Adam family). ``ok``: both |z| below the two-sided
+    noise_ratio / signal_ratio, the noise in units of one canary's contribution, for
+    DP-SGD only (NaN for the Adam family, whose normalised update rescales the signal by
+    about sigma / sigma_actual: the ratio would read as a noise error where there is none).
+    ``ok``: both |z| below the two-sided
     critical value at ``alpha``; ``available``: False for a rule that is not simulated
     (then ``reason`` says why and the numbers are NaN)."""
 
@@ -157,7 +159,9 @@ class Calibration:
         if not self.available:
             return f"n/a ({self.reason})"
         word = "ok" if self.ok else "FAIL"
-        if math.isfinite(self.sigma_effective):
+        if math.isnan(self.sigma_effective):
+            eff = "sigma_eff is estimated for DP-SGD only"
+        elif math.isfinite(self.sigma_effective):
             eff = f"sigma_eff {self.sigma_effective:.4g} vs {self.sigma:.4g}"
         else:  # no positive signal to divide by: the canaries' shift is lost in the noise
             eff = "sigma_eff not estimable (no positive signal: too few steps or canaries)"
@@ -193,13 +197,15 @@ def calibration_check(
     *,
     sigma: float,
     alpha: float = 1e-4,
+    linear: bool = True,
 ) -> Calibration:
     """Compare observed canary scores (included / excluded) with honest simulated ones.
 
     noise: log(std_out / std_sim_out), standard error sqrt((k - 1) / 4) over sqrt(n) for
     each sample (k: the simulated scores' kurtosis; 3 for Gaussian scores).
     signal: (mean_in - mean_out) - (sim_mean_in - sim_mean_out), with the standard error of
-    a difference of four independent means."""
+    a difference of four independent means. ``linear``: the update is linear in the
+    noisy sum (DP-SGD), so sigma_effective is estimated; False (the Adam family): NaN."""
     so, si = np.asarray(scores_out, np.float64), np.asarray(scores_in, np.float64)
     mo, mi = np.asarray(sim_out, np.float64), np.asarray(sim_in, np.float64)
     crit = z_critical(alpha)
@@ -222,7 +228,11 @@ def calibration_check(
     z_signal = (shift_obs - shift_sim) / se_s if se_s > 0 else math.copysign(math.inf, shift_obs)
     signal_ratio = shift_obs / shift_sim if shift_sim != 0 else math.nan
     sigma_eff = (
-        sigma * noise_ratio / signal_ratio if signal_ratio and signal_ratio > 0 else math.inf
+        math.nan
+        if not linear
+        else sigma * noise_ratio / signal_ratio
+        if signal_ratio and signal_ratio > 0
+        else math.inf
     )
     ok = abs(z_noise) < crit and abs(z_signal) < crit
     return Calibration(

@@ -66,6 +66,9 @@ REFUSED = {
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """finetune's options, then the audit's own."""
     add_finetune_arguments(parser)
+    for action in parser._actions:  # refused below: not listed in --help
+        if action.dest in REFUSED:
+            action.help = argparse.SUPPRESS
     g = parser.add_argument_group("audit")
     g.add_argument(
         "--path",

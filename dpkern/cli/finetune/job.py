@@ -481,6 +481,14 @@ def prepare(args) -> Job:
                 plan.accountant,
                 guess=float(saved["noise_multiplier"]),
             )
+            print(
+                f"dpkern finetune: note: the plan changed on resume (steps {saved.get('steps')}"
+                f" -> {steps}, epsilon {saved.get('epsilon')} -> {plan.epsilon:g}): sigma "
+                f"recalibrated {float(saved['noise_multiplier']):.4g} -> {sigma:.4g} for the "
+                f"{steps - done} steps left, so that the whole run spends at most epsilon "
+                f"{plan.epsilon:g}",
+                file=sys.stderr,
+            )
     plan.steps, plan.epochs = steps, None
     plan.n_train, plan.n_val, plan.sample_rate = n_blocks, val.shape[0], q
     plan.noise_multiplier, plan.n_units = sigma, n

@@ -138,6 +138,7 @@ def run_training(args, job, dist_ctx=None, stop: StopSignals | None = None) -> i
             "accountant": plan.accountant,
             "optimizer": plan.optimizer,
             "backend": args.backend,
+            "backend_resolved": optimizer._backend_line(),
             "val_loss_before": val_before,
             "val_perplexity_before": math.exp(val_before),
             "val_loss_after": val_after,
@@ -483,7 +484,7 @@ def _print_summary(plan, args, m, n_bytes, done, out) -> None:
             else f"  data        {data}"  # unit sizes are private: the unit line gives N
         ),
         f"  unit        {_unit_line(plan)}",
-        f"  optimizer   {plan.optimizer}, lr {plan.lr:g}, backend {args.backend}, "
+        f"  optimizer   {plan.optimizer}, lr {plan.lr:g}, backend {m.get('backend_resolved', args.backend)}, "
         f"clipping {args.clipping}"
         + (f" (per-sample gradients {args.grad_sample})" if args.clipping == "per-sample" else ""),
         f"  privacy     {privacy}",
