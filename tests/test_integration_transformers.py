@@ -203,6 +203,37 @@ def test_empty_micro_batch_collates_to_zero_rows():
     assert all(v.shape[0] == 0 for v in empty.values())
 
 
+def test_a_padding_free_collator_is_refused_before_any_step(tmp_path):
+    """DataCollatorWithFlattening puts a micro-batch's examples in one row: clipping that
+    row would bound the group, not each example. Refused at the first batch."""
+    from transformers import DataCollatorWithFlattening
+
+    data = make_data(5)
+    flat = DataCollatorWithFlattening()
+    packed = flat([{"input_ids": d["input_ids"].tolist()} for d in data[:3]])
+    assert packed["input_ids"].shape[0] == 1  # 3 examples, 1 row
+    with pytest.raises(ValueError, match=r"1 row\(s\) from 3 examples.*one privacy unit"):
+        _EmptySafeCollator(flat, data)([{"input_ids": d["input_ids"].tolist()} for d in data[:3]])
+    with pytest.raises(ValueError, match="packing keys"):
+        _EmptySafeCollator(lambda f: {**collate(f), "cu_seq_lens_q": torch.zeros(2)}, data)(
+            data[:2]
+        )
+    model = hf_tiny.build("llama").model
+    before = params_of(model)
+    tr = DPTrainer(
+        model=model,
+        args=targs(tmp_path),
+        train_dataset=[{"input_ids": d["input_ids"].tolist()} for d in make_data(48)],
+        data_collator=DataCollatorWithFlattening(),
+        privacy=privacy(),
+    )
+    with pytest.raises(ValueError, match="each row must be exactly one example"):
+        tr.train()
+    assert tr.state.global_step == 0
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
+
+
 # -- DPTrainer end to end --------------------------------------------------------------------
 def _realised_sizes(data_loader_collate, drawn=None):
     """A collator that records each micro-batch's size (and, into ``drawn``, its examples'
@@ -265,11 +296,39 @@ def test_trainer_end_to_end_epsilon_within_target_and_nothing_leaked(tmp_path):
             for enc in key_bytes(key):
                 assert enc not in blob, f"the noise key is in {f.name}"
     assert "seed" not in torch.load(ck / "optimizer.pt", weights_only=True)["dp"]
+    # the exact training loss is logged live, never written to a file that is shared
+    tr.save_state()
+    tr.create_model_card()
+    for state_file in (ck / "trainer_state.json", tmp_path / "trainer_state.json"):
+        saved = json.loads(state_file.read_text())["log_history"]
+        assert any("epsilon" in e for e in saved)
+        assert not any(k in e for e in saved for k in ("loss", "train_loss")), state_file
+    assert any("loss" in e for e in tr.state.log_history)  # in memory: still there
+    card = (tmp_path / "README.md").read_text()
+    assert f"{logs[-1]['loss']:.4f}" not in card and "train_loss" not in card
     changed = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
     assert len(changed) == len(before)
     ids = torch.tensor([[5, 6, 7]])
     gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=3)
     assert gen.shape == (1, 6) and torch.equal(gen[:, :3], ids)
+
+
+def test_a_model_saved_by_an_earlier_run_says_its_ledger_starts_at_zero(tmp_path):
+    """save_model writes the privacy record beside the model; a new DPTrainer on a model
+    loaded from there warns that its ledger starts at zero (composition is the user's)."""
+    tr = trainer(hf_tiny.build("llama").model, tmp_path / "run", max_steps=1)
+    tr.train()
+    tr.save_model(str(tmp_path / "final"))
+    rec = json.loads((tmp_path / "final" / PRIVACY_FILE).read_text())
+    assert rec["dp_step"] == 1 and rec["ledger"]["history"]
+    again = type(tr.model).from_pretrained(str(tmp_path / "final"))
+    with pytest.warns(UserWarning, match="ledger starts at zero.*composition"):
+        trainer(again, tmp_path / "run2")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        trainer(hf_tiny.build("llama").model, tmp_path / "run3")  # a fresh model: no note
 
 
 def test_logs_are_the_same_whatever_the_poisson_draws(tmp_path):
@@ -583,6 +642,27 @@ def test_guard_for_plain_loops():
 def test_refused_training_arguments(tmp_path, kw, match):
     with pytest.raises(ValueError, match=match):
         trainer(hf_tiny.build("llama").model, tmp_path, **kw)
+
+
+@pytest.mark.parametrize(
+    "env,match",
+    [
+        ({"ACCELERATE_MIXED_PRECISION": "fp16"}, "fp16 mixed precision"),
+        ({"ACCELERATE_DYNAMO_BACKEND": "inductor"}, "dynamo backend 'inductor'"),
+    ],
+)
+def test_accelerate_settings_behind_the_training_arguments_are_refused(
+    tmp_path, monkeypatch, env, match
+):
+    """fp16 and torch.compile set by Accelerate's environment (accelerate launch), not by
+    TrainingArguments, are refused as their TrainingArguments twins are."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError, match=match):
+        trainer(hf_tiny.build("llama").model, tmp_path)
+    for k in env:
+        monkeypatch.delenv(k)
+    assert trainer(hf_tiny.build("llama").model, tmp_path).accelerator.mixed_precision == "no"
 
 
 def test_refused_trainer_arguments(tmp_path, monkeypatch):

@@ -184,7 +184,7 @@ def delta_note(m: int, delta: float, beta: float, fractions=GUESS_FRACTIONS) -> 
     return (
         f"2 m delta = {2 * m * delta:.3g} is not small against beta / {len(fractions)} = "
         f"{share:.3g}: the delta term of the paper's main theorem weakens this bound (fewer canaries "
-        "or a smaller --delta sharpen it)"
+        "or a smaller delta (`--delta`, `delta=`) sharpen it)"
     )
 
 

@@ -181,12 +181,23 @@ def markdown_table(summary: list[dict], task: Task, delta: float, header: str = 
     return "\n".join(lines) + "\n"
 
 
-def plot(summary: list[dict], task: Task, path: Path) -> None:
-    """metric vs epsilon per optimizer (mean with ± std error bars) as a PNG."""
+def _pyplot():
+    """matplotlib.pyplot on the Agg backend, its font-manager chatter (the font cache
+    built on first use, findfont fallbacks) kept off the user's terminal."""
+    import logging
+
     import matplotlib
 
+    logging.getLogger("matplotlib.font_manager").setLevel(logging.ERROR)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot(summary: list[dict], task: Task, path: Path) -> None:
+    """metric vs epsilon per optimizer (mean with ± std error bars) as a PNG."""
+    plt = _pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
     for n in dict.fromkeys(r["optimizer"] for r in summary):
@@ -303,10 +314,7 @@ def sensitivity_table(sens: list[dict], task: Task) -> str:
 def plot_sensitivity(sens: list[dict], task: Task, path: Path) -> None:
     """Validation metric vs lr / (the cell's best lr), log x, one panel per epsilon, one
     line per optimizer, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     epss = sorted({r["epsilon"] for r in sens})
     fig, axes = plt.subplots(

@@ -65,11 +65,18 @@ logging, evaluation, checkpoints, callbacks, Accelerate):
   that process (torchrun then stops the others).
 - **Padding.** Batches must be right-padded (or carry ``position_ids``): with left
   padding a sample's positions would depend on the longest sample of its batch. A
-  left-padded batch is a ValueError.
+  left-padded batch is a ValueError. One row per example: a collator that returns
+  another number of rows than examples, or packing keys (``cu_seq_lens_*``:
+  ``DataCollatorWithFlattening``), is a ValueError at the first batch (a clipped row
+  would hold several examples).
 - **What is not logged.** ``grad_norm`` (the norm of ``.grad``, which DP training never
   fills), ``total_flos`` is 0 (it would count the sampled tokens), and nothing counts
   the realised batch; the logged loss is the un-noised training loss
-  (sum of per-sample losses / B_e), for the operator only.
+  (sum of per-sample losses / B_e), for the operator only: logged live, and left out of
+  the files written from the log (``trainer_state.json``, the model card).
+- **The privacy unit** is one ``train_dataset`` row (a document packed into k rows gets
+  group privacy for k). ``save_model`` writes the privacy record beside the model; a
+  DPTrainer on a model loaded from such a directory warns that its ledger starts at 0.
 - **Gradient checkpointing.** ``TrainingArguments(gradient_checkpointing=True)`` (in
   transformers 5 also ``activation_checkpointing=True``) recomputes the blocks in the
   backward; the norms stay exact. DPTrainer sets ``use_reentrant=False`` in
@@ -83,7 +90,8 @@ logging, evaluation, checkpoints, callbacks, Accelerate):
   one process (DataParallel), parallel modes other than torch.distributed DDP (TPU,
   SageMaker, ``parallelism_config``), DeepSpeed, FSDP (:mod:`dpkern.distributed` has
   FSDP2 for own loops), model parallelism, fp16 (its loss
-  scaler works on ``.grad``; bf16 works), ``torch_compile``, reentrant checkpointing,
+  scaler works on ``.grad``; bf16 works), ``torch_compile`` (both also when Accelerate's
+  config or environment sets them), reentrant checkpointing,
   label smoothing, NEFTune, ``include_num_input_tokens_seen``, ``auto_find_batch_size``,
   non-random sampling strategies, an iterable dataset, ``optimizers=`` /
   ``optimizer_cls_and_kwargs=`` (the optimizer is built here, with the calibrated

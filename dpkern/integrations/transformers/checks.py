@@ -138,3 +138,23 @@ def _check_right_padded(mask) -> None:
             "others' gradients). Pad on the right (tokenizer.padding_side = 'right'), "
             "or have the collator pass position_ids"
         )
+
+
+def _check_accelerator(accelerator) -> None:
+    """Refuse what Accelerate's own config or environment turns on behind the
+    TrainingArguments (``ACCELERATE_MIXED_PRECISION=fp16``, ``accelerate launch
+    --dynamo_backend``), like their TrainingArguments twins."""
+    mp = str(getattr(accelerator, "mixed_precision", "no"))
+    _refuse(
+        mp != "fp16",
+        "fp16 mixed precision (from Accelerate's config or ACCELERATE_MIXED_PRECISION): "
+        "the fp16 loss scaler rescales .grad, which DP training does not use; use bf16",
+    )
+    plugin = getattr(getattr(accelerator, "state", None), "dynamo_plugin", None)
+    backend = getattr(plugin, "backend", None)
+    name = str(getattr(backend, "value", backend) or "no").lower()
+    _refuse(
+        name in ("no", "none"),
+        f"torch.compile through Accelerate (dynamo backend {name!r}, from its config or "
+        "ACCELERATE_DYNAMO_BACKEND) is not supported yet",
+    )

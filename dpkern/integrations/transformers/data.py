@@ -131,10 +131,36 @@ class _EmptySafeCollator:
 
     def __call__(self, features):
         if len(features):
-            return self.collate_fn(features)
+            out = self.collate_fn(features)
+            check_one_row_per_example(out, len(features))
+            return out
         if self._empty is None:
             self._empty = _zero_rows(self.collate_fn([self.dataset[0]]))
         return dict(self._empty)
+
+
+#: Keys of padding-free / packed batches (several examples in one row; transformers'
+#: DataCollatorWithFlattening, TRL's packing).
+PACKED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+
+def check_one_row_per_example(batch, n: int) -> None:
+    """Raise ValueError unless the collated ``batch`` holds one row per example (``n``
+    features in, ``n`` rows out, no packing keys): each row is clipped as one privacy
+    unit, so a row holding several examples would bound the group, not each example (one
+    example could move the released sum by far more than C)."""
+    packed = [k for k in PACKED_KEYS if isinstance(batch, Mapping) and k in batch]
+    rows = _batch_rows(batch) if isinstance(batch, Mapping) else None
+    if packed or rows != n:
+        why = f"packing keys {packed}" if packed else f"{rows} row(s) from {n} examples"
+        raise ValueError(
+            f"DPTrainer: the data collator's batch has {why}: each row must be exactly one "
+            "example (one privacy unit, clipped to max_grad_norm on its own). Padding-free "
+            "or packing collators (DataCollatorWithFlattening, TRL packing) put several "
+            "examples in one row, so clipping a row would bound the group, not each example "
+            "(not DP); use a padding collator (DataCollatorForLanguageModeling, "
+            "DataCollatorWithPadding) or pack the texts into blocks before the dataset"
+        )
 
 
 def _batch_rows(inputs) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 from ...keys import NOT_PRIVATE
 
@@ -86,3 +87,19 @@ def write_record(output_dir: str, record: dict) -> None:
     with open(tmp, "w") as f:
         json.dump(record, f, indent=2)
     os.replace(tmp, os.path.join(output_dir, PRIVACY_FILE))
+
+
+def note_earlier_run(model) -> None:
+    """Warn when ``model`` was loaded from the output of an earlier DPTrainer run (its
+    directory holds a privacy record): this run's ledger starts at zero."""
+    config = getattr(getattr(model, "base_model", model), "config", None)
+    path = getattr(model, "name_or_path", None) or getattr(config, "_name_or_path", None)
+    if isinstance(path, str) and path and os.path.isfile(os.path.join(path, PRIVACY_FILE)):
+        warnings.warn(
+            f"DPTrainer: the model was loaded from {path}, the output of an earlier DPTrainer "
+            f"run (it holds {PRIVACY_FILE}): this run's privacy ledger starts at zero. If "
+            "the two runs' data overlap, the final model's epsilon is the composition of "
+            "both runs'; to continue that run, pass its checkpoint to "
+            "train(resume_from_checkpoint=...) instead",
+            stacklevel=3,
+        )

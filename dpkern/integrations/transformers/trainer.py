@@ -4,6 +4,7 @@ accounts each release."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
 from collections.abc import Mapping
@@ -26,6 +27,7 @@ from .arguments import (
     _param_groups,
 )
 from .checks import (
+    _check_accelerator,
     _check_right_padded,
     _check_trainer_kwargs,
     _check_training_args,
@@ -34,11 +36,14 @@ from .checks import (
 )
 from .data import PoissonMicroBatchSampler, _batch_rows, _EmptySafeCollator, _row_chunks
 from .plan import calibrate, compute_plan, dataset_size
-from .records import build_record, read_record, write_record
+from .records import build_record, note_earlier_run, read_record, write_record
 
 #: Log keys never passed on: ``grad_norm`` is the norm of ``.grad`` (not the released
 #: gradient; an exact un-noised statistic if anything filled it).
 _DROPPED_LOGS = ("grad_norm",)
+#: Logged live (console, report_to), never written to a file dpkern's Trainer saves or
+#: shares (trainer_state.json, the model card): the exact, un-noised training loss.
+_UNSAVED_LOGS = ("loss", "train_loss")
 
 #: The plan and privacy settings every data-parallel rank must share (compared at train()).
 _SHARED = (
@@ -156,12 +161,14 @@ class DPTrainer(Trainer):
         _check_training_args(self.args)
         _non_reentrant_checkpointing(self.args)  # (the Trainer enables it in train())
         _refuse(not self.is_model_parallel, "a model spread over several devices is not supported")
+        _check_accelerator(self.accelerator)
         if not self.privacy.private:
             warnings.warn(
                 f"DPTrainer: noise_seed={self.privacy.noise_seed} given: {NOT_PRIVATE} "
                 "(a reproducible run; it logs epsilon_if_noise_key_were_secret)",
                 stacklevel=2,
             )
+        note_earlier_run(self.model)
         self.accountant = PrivacyAccountant(self.privacy.accountant)
         self.noise_multiplier = None
         self._plan = None
@@ -488,6 +495,14 @@ class DPTrainer(Trainer):
         rec.update({k: v for k, v in spent.items() if k not in ("private", "steps")})
         return rec
 
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """``Trainer.save_model``, and once training started the privacy record
+        (``dpkern_privacy.json``: ledger, epsilon) beside the model, so that a later run
+        from this directory is told its ledger starts at zero."""
+        super().save_model(output_dir, _internal_call)
+        if self._plan is not None and self.optimizer is not None and self.args.should_save:
+            write_record(output_dir or self.args.output_dir, self._record())
+
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
         if self.args.should_save:
@@ -504,6 +519,33 @@ class DPTrainer(Trainer):
                 f"{opt.dp_step}, privacy ledger at {done}, Trainer at {self.state.global_step}"
             )
         self._accounted = opt.dp_step
+
+    @contextlib.contextmanager
+    def _history_without_loss(self):
+        """``state.log_history`` without the training loss while a file is written from
+        it (a checkpoint's or save_state's trainer_state.json, the model card)."""
+        history = self.state.log_history
+        self.state.log_history = [
+            {k: v for k, v in e.items() if k not in _UNSAVED_LOGS} for e in history
+        ]
+        try:
+            yield
+        finally:
+            self.state.log_history = history
+
+    def _save_checkpoint(self, model, trial) -> None:
+        with self._history_without_loss():
+            super()._save_checkpoint(model, trial)
+
+    def save_state(self) -> None:
+        """``Trainer.save_state`` without the training loss in trainer_state.json."""
+        with self._history_without_loss():
+            super().save_state()
+
+    def create_model_card(self, *args, **kwargs) -> None:
+        """``Trainer.create_model_card`` without the training loss."""
+        with self._history_without_loss():
+            super().create_model_card(*args, **kwargs)
 
     def log(self, logs: dict, start_time=None) -> None:
         """``Trainer.log`` with the privacy spent next to the training loss (``epsilon``,
