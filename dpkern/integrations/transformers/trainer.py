@@ -500,7 +500,14 @@ class DPTrainer(Trainer):
         (``dpkern_privacy.json``: ledger, epsilon) beside the model, so that a later run
         from this directory is told its ledger starts at zero."""
         super().save_model(output_dir, _internal_call)
-        if self._plan is not None and self.optimizer is not None and self.args.should_save:
+        # (a checkpoint's record is written with its optimizer state, once)
+        into_checkpoint = _internal_call and output_dir not in (None, self.args.output_dir)
+        if (
+            self._plan is not None
+            and self.optimizer is not None
+            and self.args.should_save
+            and not into_checkpoint
+        ):
             write_record(output_dir or self.args.output_dir, self._record())
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
