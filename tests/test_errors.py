@@ -551,3 +551,16 @@ def test_noise_multiplier_zero_warns_and_the_repr_says_not_private(cls):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # sigma > 0: no warning
         assert "not private" not in repr(_make(cls, [p], seed=None))
+
+
+def test_ghost_clipping_refuses_a_torch_compile_wrapper_and_takes_its_module():
+    """GhostClipping(torch.compile(model)) failed inside dynamo with an internal
+    AssertionError; it is refused up front, naming model._orig_mod, which works (the
+    forward through the wrapper runs the hooked eager modules; verify passes)."""
+    model, opt, x, y = _ghost_setup()
+    compiled = torch.compile(model, backend="eager")  # dynamo only: no codegen to wait for
+    with pytest.raises(ValueError, match=r"model\._orig_mod"):
+        dpkern.ghost.GhostClipping(compiled, opt)
+    with dpkern.ghost.GhostClipping(compiled._orig_mod, opt) as gc:
+        gc.backward(torch.nn.functional.cross_entropy(compiled(x), y, reduction="none"))
+    assert gc.verified and opt.stats["samples"] == 6

@@ -120,7 +120,8 @@ class GhostClipping:
             ``verify_seconds`` (up to 4 extra backward passes); ``verified``: a check passed.
     Raises:
         ValueError: DP-MacAdam; an uncovered trainable parameter (named); an invalid
-            backend or verify mode; a parameter the model does not own.
+            backend or verify mode; a parameter the model does not own; a
+            ``torch.compile`` wrapper as ``model`` (pass ``model._orig_mod``).
 
     Use as a context manager (hooks attached inside), or call ``attach()`` / ``detach()``.
     """
@@ -153,6 +154,12 @@ class GhostClipping:
             )
         if backend not in NORM_BACKENDS:
             raise ValueError(f"invalid backend={backend!r}: expected one of {NORM_BACKENDS}")
+        if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
+            raise ValueError(
+                "ghost clipping records the eager forward of each operation: pass the "
+                "uncompiled module (model._orig_mod, the one torch.compile wrapped), not the "
+                "torch.compile wrapper"
+            )
         self.optimizer = optimizer
         self.backend = backend
         self.chunk_bytes = int(chunk_bytes)
