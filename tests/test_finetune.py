@@ -89,6 +89,7 @@ def test_resume_continues_from_saved_step(text_file, tmp_path, capsys):
     assert "steps 4 -> 8" in printed.out
     sigma2 = read_metrics(second)["noise_multiplier"]
     assert f"sigma recalibrated {m1['noise_multiplier']:.4g} -> {sigma2:.4g}" in printed.err
+    assert "(steps 4 -> 8, epsilon 8 -> 10)" in printed.err, printed.err
     m2 = read_metrics(second)
     assert m2["step"] == 8
     assert m2["val_loss_initial"] == m1["val_loss_before"]

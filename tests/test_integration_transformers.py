@@ -376,7 +376,9 @@ def test_resume_through_checkpoints_equals_the_uninterrupted_run(tmp_path):
 
     with pytest.warns(UserWarning, match=NOT_PRIVATE):
         again = trainer(hf_tiny.build("llama").model, tmp_path / "resumed", data, priv, **kw)
-    again.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
+    # checkpoint-4 of the same run exists: resuming from checkpoint-2 abandons it (warned)
+    with pytest.warns(UserWarning, match=r"later checkpoints exist \(.*checkpoint-4\)"):
+        again.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
     assert again.noise_multiplier == full.noise_multiplier
     # equal up to float rounding: ghost clipping picks each parameter's exact route (Gram
     # or kept per-sample gradient) per step, and the two round differently
@@ -396,6 +398,22 @@ def test_resume_through_checkpoints_equals_the_uninterrupted_run(tmp_path):
     t = trainer(hf_tiny.build("llama").model, tmp_path / "y", data, privacy(), **kw)
     with pytest.raises(ValueError, match="not private and cannot become so"):
         t.train(resume_from_checkpoint=str(broken))
+
+
+def test_later_checkpoints_are_named_only_when_they_exist(tmp_path):
+    import warnings
+
+    from dpkern.integrations.transformers.records import warn_later_checkpoints
+
+    for step in (2, 4):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        (tmp_path / f"checkpoint-{step}" / PRIVACY_FILE).write_text(json.dumps({"dp_step": step}))
+    (tmp_path / "checkpoint-9").mkdir()  # not a DPTrainer checkpoint: ignored
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_later_checkpoints(tmp_path / "checkpoint-4", {"dp_step": 4}, tmp_path)
+    with pytest.warns(UserWarning, match=r"step 2\) while later checkpoints exist"):
+        warn_later_checkpoints(tmp_path / "checkpoint-2", {"dp_step": 2}, tmp_path / "other")
 
 
 def test_a_resumed_calibrated_run_keeps_sigma_or_recalibrates_the_rest(tmp_path, monkeypatch):

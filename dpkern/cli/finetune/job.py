@@ -481,11 +481,17 @@ def prepare(args) -> Job:
                 plan.accountant,
                 guess=float(saved["noise_multiplier"]),
             )
+            changed = (
+                [f"steps {saved.get('steps')} -> {steps}"] if steps != saved.get("steps") else []
+            )
+            if plan.epsilon != saved.get("epsilon"):
+                old_eps = saved.get("epsilon")
+                old_eps = f"{old_eps:g}" if isinstance(old_eps, (int, float)) else old_eps
+                changed.append(f"epsilon {old_eps} -> {plan.epsilon:g}")
             print(
-                f"dpkern finetune: note: the plan changed on resume (steps {saved.get('steps')}"
-                f" -> {steps}, epsilon {saved.get('epsilon')} -> {plan.epsilon:g}): sigma "
-                f"recalibrated {float(saved['noise_multiplier']):.4g} -> {sigma:.4g} for the "
-                f"{steps - done} steps left, so that the whole run spends at most epsilon "
+                f"dpkern finetune: note: the plan changed on resume ({', '.join(changed)}): "
+                f"sigma recalibrated {float(saved['noise_multiplier']):.4g} -> {sigma:.4g} for "
+                f"the {steps - done} steps left, so that the whole run spends at most epsilon "
                 f"{plan.epsilon:g}",
                 file=sys.stderr,
             )

@@ -103,3 +103,36 @@ def note_earlier_run(model) -> None:
             "train(resume_from_checkpoint=...) instead",
             stacklevel=3,
         )
+
+
+def warn_later_checkpoints(path, record: dict, output_dir) -> None:
+    """Warn when checkpoints past the one resumed from (``path``, its ``record``) hold a
+    privacy record in ``path``'s folder or ``output_dir``: a branch this run abandons. Its
+    steps were trained on the data and are in no ledger of this run: the epsilon reported
+    covers only the line resumed, so those checkpoints must stay unreleased (or be
+    deleted)."""
+    step = int(record.get("dp_step", 0))
+    later = set()
+    for folder in {os.path.dirname(os.path.abspath(path)), os.path.abspath(str(output_dir))}:
+        if not os.path.isdir(folder):
+            continue
+        for name in os.listdir(folder):
+            file = os.path.join(folder, name, PRIVACY_FILE)
+            if not name.startswith("checkpoint-") or not os.path.isfile(file):
+                continue
+            try:
+                with open(file) as f:
+                    other = json.load(f)
+                if int(other.get("dp_step", 0)) > step:
+                    later.add(os.path.join(folder, name))
+            except (OSError, ValueError, TypeError):
+                continue
+    if later:
+        warnings.warn(
+            f"DPTrainer: resuming from {path} (step {step}) while later checkpoints exist "
+            f"({', '.join(sorted(later))}): their steps are a branch this run abandons, "
+            "trained on the same data and counted in no ledger of this run. The epsilon "
+            "reported covers the line resumed only: keep those checkpoints unreleased, or "
+            "delete them",
+            stacklevel=3,
+        )

@@ -36,7 +36,13 @@ from .checks import (
 )
 from .data import PoissonMicroBatchSampler, _batch_rows, _EmptySafeCollator, _row_chunks
 from .plan import calibrate, compute_plan, dataset_size
-from .records import build_record, note_earlier_run, read_record, write_record
+from .records import (
+    build_record,
+    note_earlier_run,
+    read_record,
+    warn_later_checkpoints,
+    write_record,
+)
 
 #: Log keys never passed on: ``grad_norm`` is the norm of ``.grad`` (not the released
 #: gradient; an exact un-noised statistic if anything filled it).
@@ -480,6 +486,8 @@ class DPTrainer(Trainer):
                     f"No valid checkpoint found in output directory ({self.args.output_dir})"
                 )
         self._resume_record = None if path is None else read_record(path, self.privacy)
+        if path is not None and self.args.should_save:
+            warn_later_checkpoints(path, self._resume_record, self.args.output_dir)
         try:
             return super().train(resume_from_checkpoint=path, trial=trial, **kwargs)
         finally:
