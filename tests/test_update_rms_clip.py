@@ -26,7 +26,7 @@ SHAPES = [(5, 3), (7,), (2, 3, 4), (1,), (3, 1)]  # odd sizes, 1-D, 3-D, single 
 CLASSES = {"adamw": dpkern.DPAdamW, "adamw_bc": dpkern.DPAdamWBC, "adafactor": dpkern.DPAdafactor}
 KW = {
     "adamw": dict(lr=0.05, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1),
-    "adamw_bc": dict(lr=0.05, betas=(0.8, 0.9), gamma=1e-4, weight_decay=0.1),
+    "adamw_bc": dict(lr=0.05, betas=(0.8, 0.9), gamma=1e-2, weight_decay=0.1),
     "adafactor": dict(lr=0.05, d=4.0, weight_decay=0.1),
 }
 PRIV = dict(max_grad_norm=1.5, noise_multiplier=0.8, expected_batch_size=3.0)

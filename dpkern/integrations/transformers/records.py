@@ -1,6 +1,7 @@
 """The privacy record of a :class:`~dpkern.integrations.transformers.DPTrainer`
 checkpoint (``dpkern_privacy.json``: the ledger, sigma, q, the plan): written next to the
-optimizer state, read and checked on resume."""
+optimizer state (and by ``save_model``), read and checked on resume; the warnings it
+grounds (a model from an earlier run, later checkpoints beside the one resumed)."""
 
 from __future__ import annotations
 
