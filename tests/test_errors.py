@@ -515,7 +515,7 @@ def test_forward_before_ghost_clipping_says_to_run_it_inside_the_with():
     # check refuses it (norms disagree); past it (verify="off") the unrecorded use is named
     with dpkern.ghost.GhostClipping(model, opt, verify="off") as gc:
         losses = torch.nn.functional.cross_entropy(out2 + model(x), y, reduction="none")
-        with pytest.raises(ValueError, match=r"outside the recorded forward.*inside the `with`"):
+        with pytest.raises(ValueError, match=r"outside the recorded forward.*within the `with`"):
             gc.backward(losses)
     assert not opt.state and opt.dp_step == 0
     for k, v in model.state_dict().items():
@@ -564,3 +564,47 @@ def test_ghost_clipping_refuses_a_torch_compile_wrapper_and_takes_its_module():
     with dpkern.ghost.GhostClipping(compiled._orig_mod, opt) as gc:
         gc.backward(torch.nn.functional.cross_entropy(compiled(x), y, reduction="none"))
     assert gc.verified and opt.stats["samples"] == 6
+
+
+def test_a_parameter_used_in_the_loss_outside_the_forward_is_refused():
+    """A submodule called, or a weight used, in the loss after model(...) (a regulariser),
+    a stale state across detach()/attach(), and a view of a weight kept from __init__: each
+    is a use the records do not see (its gradient would be missing from the clipped sums);
+    each is refused, also with verify="off", and nothing moves."""
+    F_ = torch.nn.functional
+    model, opt, x, y = _ghost_setup()
+    before = copy.deepcopy(model.state_dict())
+    cases = [
+        lambda: F_.cross_entropy(model(x), y, reduction="none") + model[0](x).pow(2).sum(1),
+        lambda: F_.cross_entropy(model(x), y, reduction="none") + model[2].weight.pow(2).sum(),
+    ]
+    for loss_of in cases:
+        with dpkern.ghost.GhostClipping(model, opt, verify="off") as gc:
+            with pytest.raises(ValueError, match=r"outside the recorded forward.*weight_decay"):
+                gc.backward(loss_of())
+    gc = dpkern.ghost.GhostClipping(model, opt, verify="off")
+    with gc:
+        model(x)  # recorded, never back-propagated: dropped at the exit
+    warm = model(x)
+    with gc:
+        with pytest.raises(ValueError, match="outside the recorded forward"):
+            gc.backward(F_.cross_entropy(warm + model(x), y, reduction="none"))
+    assert not opt.state and opt.dp_step == 0
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(7, 4)
+            self.w_t = self.emb.weight.t()  # a view made once, outside any forward
+
+        def forward(self, ids):
+            return self.emb(ids).mean(1) @ self.w_t
+
+    tied = Tied()
+    opt2 = _make(dpkern.DPAdamW, tied.parameters())
+    ids = torch.randint(0, 7, (5, 3))
+    with dpkern.ghost.GhostClipping(tied, opt2, verify="off") as gc:
+        with pytest.raises(ValueError, match=r"emb\.weight.*outside the recorded forward"):
+            gc.backward(F_.cross_entropy(tied(ids), torch.randint(0, 7, (5,)), reduction="none"))

@@ -38,7 +38,9 @@ torch.func); an activation whose batch dimension cannot be proven; operations th
 samples (``batch_norm`` in training mode, with or without parameters); ``nn.Embedding``
 with ``max_norm`` (its forward renormalises weight rows in place) or
 ``scale_grad_by_freq``. A parameter that takes part in the loss outside the recorded
-forward is detected in the same backward.
+forward is detected in the same backward: by the ``extra`` gradients when no record uses
+it, and by the autograd node numbers of the recorded forwards
+(:func:`.graph.unrecorded_uses`) when one does.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from .batch import _CASTS as CASTS
 from .batch import _one as layout_one
 from .batch import FLAT, LEAD, UNKNOWN, Form, Tracker, layout_of, param_form, propagate
 from . import early as early_mod
-from .graph import grad_of, next_sequence_nr, refuse_mixed, used_before
+from .graph import grad_of, next_sequence_nr, refuse_mixed, unrecorded_uses
 from .rules import Rec, RULES, pending_uses, uses_of
 
 __all__ = ["Capture", "module_kind", "KINDS"]
@@ -183,7 +185,9 @@ class Capture:
         self._generic_records: list[_ModuleRecord] = []
         self._stack: list[nn.Module] = []
         self._batch: int | None = None
-        self._seq0: int | None = None  # autograd node number where recording began
+        # [start, end) autograd node numbers of each recorded root forward (this thread)
+        self._ranges: list[tuple[int, int]] = []
+        self._range_start: int | None = None
         self._roots: list[Tensor] = []  # tensors outside the parameters that require grad
         # (forward inputs, tensors made to require grad in the forward: see early.requests)
         self._mode = None
@@ -208,31 +212,31 @@ class Capture:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        self._records.clear()
+        self._reset()  # (also the node ranges: a later attach starts afresh)
         self._active = False
 
     def discard(self) -> None:
         """Drop the records of forwards whose loss will not be back-propagated."""
         self._reset()
 
-    def _refuse_unrecorded(self, losses: Tensor, seq0, records) -> None:
-        """Raise ValueError if the losses reach a trainable parameter through an operation
-        run before the recorded forward began (its gradient would be missing from the
-        per-sample norms: an unbounded contribution). Skipped when the node numbers are
-        not comparable (a forward on another thread numbers its nodes apart)."""
-        if seq0 is None or any(
-            r.edge.node is not None and r.edge.node._sequence_nr() < seq0 for r in records
-        ):
+    def _refuse_unrecorded(self, losses: Tensor, ranges) -> None:
+        """Raise ValueError if the losses reach a trainable parameter through a node made
+        outside every recorded forward (:func:`.graph.unrecorded_uses`): that use's
+        gradient would be missing from the norms and the clipped sums (training silently
+        wrong; the bound would hold)."""
+        if not ranges:
             return
-        bad = used_before(losses, seq0, {id(p): p for p in self.params})
+        bad = unrecorded_uses(losses, ranges, {id(p): p for p in self.params})
         if bad:
             raise ValueError(
                 "ghost clipping: parameter(s) "
                 + ", ".join(self._pname(p) for p in bad)
-                + " take part in the loss outside the recorded forward (a forward run "
-                "before `with GhostClipping(...)` / attach(), or before the recorded "
-                "forward began): their per-sample norm cannot be recorded; run the "
-                "forward inside the `with`; nothing was updated"
+                + " take part in the loss outside the recorded forward: a forward run "
+                "before `with GhostClipping(...)` / attach(), a submodule or weight used in "
+                "the loss outside model(...) (a regulariser on the weights: use the "
+                "optimizer's weight_decay), or a view of a weight kept from an earlier "
+                "step. Their gradient there cannot be clipped per sample; run all of it "
+                "inside the model's forward, within the `with`. Nothing was updated"
             )
 
     def _recording(self) -> bool:
@@ -251,8 +255,7 @@ class Capture:
                 f"{self._batch} in the same micro-batch"
             )
         self._batch = B
-        if self._seq0 is None:
-            self._seq0 = next_sequence_nr()
+        self._range_start = next_sequence_nr()
         self._roots += [t for t in tensors if t.requires_grad]
         for t in tensors:
             if t.dim() > 0 and t.shape[0] == B:
@@ -274,6 +277,9 @@ class Capture:
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
             self._mode = None
+            if self._range_start is not None:
+                self._ranges.append((self._range_start, next_sequence_nr()))
+                self._range_start = None
         self._depth = 0
 
     def _enter(self, module, args):
@@ -494,7 +500,7 @@ class Capture:
         """
         records, generic = self._records, self._generic_records
         unknown, roots, mixed = self._unknown, self._roots, self._mixed
-        seq0 = self._seq0
+        ranges = self._ranges
         self._reset()
         if losses.dim() != 1:
             raise ValueError(
@@ -538,7 +544,7 @@ class Capture:
             )
         if mixed:
             refuse_mixed(losses, mixed)
-        self._refuse_unrecorded(losses, seq0, records)
+        self._refuse_unrecorded(losses, ranges)
         used = {id(p) for r in records for p in r.params}
         used |= {id(p) for g in generic for p in self.owners[g.module].values()}
         extra = list(self.params) if check else [p for p in self.params if id(p) not in used]

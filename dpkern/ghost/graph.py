@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["grad_of", "next_sequence_nr", "reached", "refuse_mixed", "used_before"]
+__all__ = ["grad_of", "next_sequence_nr", "reached", "refuse_mixed", "unrecorded_uses"]
 
 REENTRANT = (
     "ghost clipping cannot run through reentrant activation checkpointing "
@@ -68,58 +68,49 @@ def next_sequence_nr() -> int:
         return (torch.zeros((), requires_grad=True) * 1).grad_fn._sequence_nr() + 1
 
 
-#: Unary autograd nodes that transform a tensor without data (a cast, a view, a copy):
-#: autocast caches a parameter's cast across forwards, so such a chain ending at a
-#: parameter can predate the recorded forward and still be used only inside it.
-_PARAM_TRANSFORMS = frozenset(
-    {
-        "ToCopyBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0",
-        "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "ExpandBackward0",
-        "AliasBackward0", "CloneBackward0", "UnsqueezeBackward0", "SqueezeBackward0",
-        "SqueezeBackward1",
-    }
-)  # fmt: skip
+def _is_leaf(node) -> bool:
+    return hasattr(node, "variable")  # an AccumulateGrad node
 
 
-def _param_transform(node) -> bool:
-    """``node`` is a chain of :data:`_PARAM_TRANSFORMS` ending at a leaf's accumulator."""
-    while type(node).__name__ in _PARAM_TRANSFORMS:
-        nxt = [fn for fn, _ in node.next_functions if fn is not None]
-        if len(nxt) != 1:
-            return False
-        node = nxt[0]
-    return hasattr(node, "variable")
+def _cached_cast(node) -> bool:
+    """A cast straight onto a leaf (``ToCopyBackward0`` -> accumulator): autocast's weight
+    cache, made in an earlier forward and reused; its consumers are what count."""
+    if type(node).__name__ != "ToCopyBackward0":
+        return False
+    nxt = [fn for fn, _ in node.next_functions if fn is not None]
+    return len(nxt) == 1 and _is_leaf(nxt[0])
 
 
-def used_before(loss: Tensor, seq0: int, params: dict) -> list:
+def unrecorded_uses(loss: Tensor, ranges: list, params: dict) -> list:
     """The parameters of ``params`` (``{id(p): p}``) that the graph of ``loss`` reaches
-    through a computation made before autograd node number ``seq0`` (an operation run
-    before the recorded forward began, e.g. a forward before ``with GhostClipping(...)``):
-    their gradient through it is invisible to the records. A node's inputs are always
-    older than the node, so below an older node every node is older; a chain that only
-    casts or views a parameter (autocast's cached weight casts) is no computation and is
-    not counted. Walks the graph once."""
-    seen, old_seen, todo, hit = set(), set(), [loss.grad_fn], {}
+    through a node made outside every recorded forward (``ranges``: the ``[start, end)``
+    autograd node numbers of each recorded forward of this thread): a use before it (a
+    forward before ``with GhostClipping(...)``, a view of the weight kept from an earlier
+    step) or after it (a submodule called, or a weight used, in the loss outside
+    ``model(...)``), which the records do not see: its gradient would be missing from the
+    norms and the clipped sums. The node consuming the parameter's accumulator is the one
+    checked; autocast's cached casts (:func:`_cached_cast`) are looked through to their
+    consumers. Walks the graph once."""
+
+    def inside(node) -> bool:
+        n = node._sequence_nr()
+        return any(lo <= n < hi for lo, hi in ranges)
+
+    seen, todo, hit = set(), [loss.grad_fn], {}
     while todo:
         node = todo.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        if node._sequence_nr() < seq0 and not hasattr(node, "variable"):
-            if _param_transform(node):
+        if _is_leaf(node) or _cached_cast(node):
+            continue  # (a cached cast's consumer was checked when it was visited)
+        for fn, _ in node.next_functions:
+            if fn is None:
                 continue
-            below = [node]  # everything below is older: collect its parameters
-            while below:  # (its own seen set: a cast chain skipped above counts here)
-                n = below.pop()
-                for fn, _ in n.next_functions:
-                    if fn is None or fn in old_seen:
-                        continue
-                    old_seen.add(fn)
-                    if id(getattr(fn, "variable", None)) in params:
-                        hit.setdefault(id(fn.variable), fn.variable)
-                    below.append(fn)
-            continue
-        todo.extend(fn for fn, _ in node.next_functions)
+            leaf = fn if _is_leaf(fn) else (fn.next_functions[0][0] if _cached_cast(fn) else None)
+            if leaf is not None and id(leaf.variable) in params and not inside(node):
+                hit.setdefault(id(leaf.variable), leaf.variable)
+            todo.append(fn)
     return list(hit.values())
 
 
