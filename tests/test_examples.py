@@ -21,13 +21,13 @@ def test_ddp_train_runs_under_torchrun(tmp_path):
         "--nproc_per_node=2",
         str(EXAMPLES / "ddp_train.py"),
     ]
-    for _ in range(2):
+    for _ in range(3):
         proc = subprocess.run(
             cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path
         )
         # torch 2.13's gloo occasionally aborts a rank at interpreter exit, after the
         # script finished ("terminate called without an active exception", about 1 run in
-        # 15 here, not dpkern code): run again once in that case only
+        # 15 here, not dpkern code): run again, in that case only (up to 3 runs)
         if proc.returncode == 0 or "terminate called" not in proc.stderr:
             break
     assert proc.returncode == 0, proc.stderr[-3000:]
