@@ -74,9 +74,13 @@ def resolved_name(backend: str, device, rule: str | None = None) -> str:
 
 def describe(backend: str, device, rule: str | None = None) -> str:
     """``backend`` as a user reads it: ``"auto (cpp)"`` names the backend ``"auto"``
-    resolves to on ``device``; an explicit name is returned unchanged."""
-    name = resolved_name(backend, device, rule)
-    return f"auto ({name})" if backend == "auto" else name
+    resolves to on ``device`` (a device, or a list of them: ``"auto (cpp, triton)"``); an
+    explicit name is returned unchanged."""
+    if backend != "auto":
+        return check_name(backend)
+    devices = device if isinstance(device, (list, tuple, set)) else [device]
+    names = sorted({resolved_name(backend, d, rule) for d in devices})
+    return f"auto ({', '.join(names)})"
 
 
 def resolve(

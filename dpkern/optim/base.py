@@ -190,12 +190,9 @@ class DPOptimizer(torch.optim.Optimizer):
     def _backend_line(self) -> str:
         """The backend setting and, for ``"auto"``, what it runs on the parameters'
         devices: ``auto (cpp)``."""
-        devices = sorted(
-            {str(p.device) for g in self.param_groups for p in g["params"]}, key=str
-        ) or ["cpu"]
+        devices = {str(p.device) for g in self.param_groups for p in g["params"]} or ["cpu"]
         rule = self.rule.name if self.rule is not None else None
-        names = sorted({backends.resolved_name(self.backend, d, rule) for d in devices})
-        return f"auto ({', '.join(names)})" if self.backend == "auto" else self.backend
+        return backends.describe(self.backend, devices, rule)
 
     def key_fingerprint(self) -> int:
         """:func:`dpkern.keys.key_fingerprint` of this optimizer's noise key (never the key
