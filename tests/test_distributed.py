@@ -388,6 +388,23 @@ def _run_fsdp_errors(rank, world, data):
     out["one_ghost_untouched"] = (
         all(torch.equal(a, p.full_tensor()) for a, p in zip(before, params)) and not gopt._accum
     )
+    # a weight of the root (FSDP2 keeps it unsharded after the forward: the graph's leaf
+    # is the unsharded tensor, not the optimizer's DTensor) used in the loss outside the
+    # forward: its gradient there would escape the clipping; refused on every rank
+    outside = _net()
+    fully_shard(outside[0], mesh=params[0].device_mesh)
+    fully_shard(outside, mesh=params[0].device_mesh)
+    oopt = DistributedDPOptimizer(_make_opt("adamw", outside.parameters(), seed=5))
+    oparams = list(outside.parameters())  # (the DTensor shards the optimizer holds)
+    o_before = [p.full_tensor().clone() for p in oparams]
+    with GhostClipping(outside, oopt) as gc:
+        losses = nn.functional.cross_entropy(
+            outside(data["x"][:2]), data["y"][:2], reduction="none"
+        )
+        out["outside"] = _catch(lambda: gc.backward(losses + (outside[2].weight ** 2).sum()))
+    out["outside_untouched"] = (
+        all(torch.equal(a, p.full_tensor()) for a, p in zip(o_before, oparams)) and not oopt._accum
+    )
     # a state_dict that fits on all ranks but one: every rank keeps its old state
     gopt.accumulate_clipped([None] * len(params))  # an empty batch: a noise-only step
     gopt.step()  # gives every parameter a state
@@ -716,6 +733,8 @@ def test_fsdp2_errors_are_clear_and_raised_on_every_rank(run):
         assert e["after_bad_untouched"]
         assert e["func"][0] == "ValueError" and "shard_grad_samples" in e["func"][1]
         assert e["eval_then_ghost"] is None
+        assert e["outside"][0] == "ValueError" and "2.weight" in e["outside"][1]
+        assert "outside the recorded forward" in e["outside"][1] and e["outside_untouched"]
         assert e["empty"][0] == "RuntimeError" and "losses[:0]" in e["empty"][1]
         assert e["one_ghost_untouched"] and e["one_load_step"] == 5
     others = ["DistributedDPError"] * (world - 1)

@@ -188,6 +188,9 @@ class Capture:
         # [start, end) autograd node numbers of each recorded root forward (this thread)
         self._ranges: list[tuple[int, int]] = []
         self._range_start: int | None = None
+        # id(t) -> (weakref(t), p): a tensor module m holds in place of its parameter p
+        # during the forward (FSDP2's unsharded parameter: the graph's leaf, not p)
+        self._aliases: dict[int, tuple] = {}
         self._roots: list[Tensor] = []  # tensors outside the parameters that require grad
         # (forward inputs, tensors made to require grad in the forward: see early.requests)
         self._mode = None
@@ -219,14 +222,16 @@ class Capture:
         """Drop the records of forwards whose loss will not be back-propagated."""
         self._reset()
 
-    def _refuse_unrecorded(self, losses: Tensor, ranges) -> None:
+    def _refuse_unrecorded(self, losses: Tensor, ranges, aliases) -> None:
         """Raise ValueError if the losses reach a trainable parameter through a node made
         outside every recorded forward (:func:`.graph.unrecorded_uses`): that use's
         gradient would be missing from the norms and the clipped sums (training silently
         wrong; the bound would hold)."""
         if not ranges:
             return
-        bad = unrecorded_uses(losses, ranges, {id(p): p for p in self.params})
+        params = {k: p for k, (ref, p) in aliases.items() if ref() is not None}
+        params.update((id(p), p) for p in self.params)
+        bad = unrecorded_uses(losses, ranges, params)
         if bad:
             raise ValueError(
                 "ghost clipping: parameter(s) "
@@ -266,6 +271,8 @@ class Capture:
                 cur = getattr(m, n, None)
                 if isinstance(cur, Tensor):
                     put(cur, identity[id(p)] if cur is p else Form(p))
+                    if cur is not p:
+                        self._aliases[id(cur)] = (weakref.ref(cur), p)
         self._depth = 1
         self._mode = _Mode(self)
         self._mode.__enter__()
@@ -292,6 +299,7 @@ class Capture:
                 cur = getattr(module, n, None)
                 if isinstance(cur, Tensor) and cur is not p:  # (p itself: mapped at the root)
                     self.forms.put(cur, param_form(p, cur))
+                    self._aliases[id(cur)] = (weakref.ref(cur), p)
 
     def _leave(self, module, args, kwargs, output):
         if self._mode is None or not self._stack:
@@ -500,7 +508,7 @@ class Capture:
         """
         records, generic = self._records, self._generic_records
         unknown, roots, mixed = self._unknown, self._roots, self._mixed
-        ranges = self._ranges
+        ranges, aliases = self._ranges, self._aliases
         self._reset()
         if losses.dim() != 1:
             raise ValueError(
@@ -544,7 +552,7 @@ class Capture:
             )
         if mixed:
             refuse_mixed(losses, mixed)
-        self._refuse_unrecorded(losses, ranges)
+        self._refuse_unrecorded(losses, ranges, aliases)
         used = {id(p) for r in records for p in r.params}
         used |= {id(p) for g in generic for p in self.owners[g.module].values()}
         extra = list(self.params) if check else [p for p in self.params if id(p) not in used]

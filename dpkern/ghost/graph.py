@@ -82,9 +82,11 @@ def _cached_cast(node) -> bool:
 
 
 def unrecorded_uses(loss: Tensor, ranges: list, params: dict) -> list:
-    """The parameters of ``params`` (``{id(p): p}``) that the graph of ``loss`` reaches
-    through a node made outside every recorded forward (``ranges``: the ``[start, end)``
-    autograd node numbers of each recorded forward of this thread): a use before it (a
+    """The parameters of ``params`` (``{id(leaf): p}``: a parameter by itself, or the
+    tensor that stands for it in the graph, such as FSDP2's unsharded parameter) that the
+    graph of ``loss`` reaches through a node made outside every recorded forward
+    (``ranges``: the ``[start, end)`` autograd node numbers of each recorded forward of
+    this thread): a use before it (a
     forward before ``with GhostClipping(...)``, a view of the weight kept from an earlier
     step) or after it (a submodule called, or a weight used, in the loss outside
     ``model(...)``), which the records do not see: its gradient would be missing from the
@@ -108,8 +110,9 @@ def unrecorded_uses(loss: Tensor, ranges: list, params: dict) -> list:
             if fn is None:
                 continue
             leaf = fn if _is_leaf(fn) else (fn.next_functions[0][0] if _cached_cast(fn) else None)
-            if leaf is not None and id(leaf.variable) in params and not inside(node):
-                hit.setdefault(id(leaf.variable), leaf.variable)
+            p = params.get(id(leaf.variable)) if leaf is not None else None
+            if p is not None and not inside(node):
+                hit.setdefault(id(p), p)
             todo.append(fn)
     return list(hit.values())
 
