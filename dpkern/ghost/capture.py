@@ -40,7 +40,8 @@ with ``max_norm`` (its forward renormalises weight rows in place) or
 ``scale_grad_by_freq``. A parameter that takes part in the loss outside the recorded
 forward is detected in the same backward: by the ``extra`` gradients when no record uses
 it, and by the autograd node numbers of the recorded forwards
-(:func:`.graph.unrecorded_uses`) when one does.
+(:func:`.graph.unrecorded_uses`) when one does; a view of a parameter made outside the
+forward (kept from ``__init__``) is refused where the forward consumes it.
 """
 
 from __future__ import annotations
@@ -367,6 +368,8 @@ class Capture:
             e = fd.get(k)
             if e is not None and e[0]() is t:
                 forms = [(t, e[1])] if forms is _NONE else forms + [(t, e[1])]
+            elif t._base is not None and t.requires_grad:
+                self._refuse_kept_view(func, t)
             e = pd.get(k)
             if e is not None and e[0]() is t:
                 pend = [(t, e[1])] if pend is _NONE else pend + [(t, e[1])]
@@ -404,6 +407,25 @@ class Capture:
                         if layout_of(self.layouts, o) == UNKNOWN:
                             self._note_mixed(func, o, tainted)
         return out
+
+    def _refuse_kept_view(self, func, t: Tensor) -> None:
+        """Raise ValueError if ``t``, a view this forward did not make, is a view of a
+        trainable parameter (``self.wt = self.weight.T`` in ``__init__``): its use has no
+        record, so its gradient would be missing from the norms and the clipped sums. The
+        graph-node check of :meth:`backward` misses it once an in-place change of the
+        parameter (an optimizer step, an initialisation) has made autograd regenerate the
+        view's node inside the forward. Views made inside this forward without a form
+        belong to a parameter already marked as having no rule (refused, or handled by
+        ``instantiate_unsupported``)."""
+        p = t._base
+        if id(p) not in self._identity or id(p) in self._unknown:
+            return
+        raise ValueError(
+            f"ghost clipping: {getattr(func, '__name__', func)} in {self.where()} consumes "
+            f"a view of trainable parameter {self._pname(p)} made outside the forward "
+            "(kept from __init__ or an earlier step): its gradient there cannot be "
+            "clipped per sample. Take the view inside forward (e.g. self.weight.T there)"
+        )
 
     def _note_mixed(self, func, out: Tensor, tainted) -> None:
         """Remember ``out``'s node: it requires grad and depends on the samples in an
