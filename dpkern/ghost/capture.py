@@ -189,9 +189,6 @@ class Capture:
         # [start, end) autograd node numbers of each recorded root forward (this thread)
         self._ranges: list[tuple[int, int]] = []
         self._range_start: int | None = None
-        # id(t) -> (weakref(t), p): a tensor module m holds in place of its parameter p
-        # during the forward (FSDP2's unsharded parameter: the graph's leaf, not p)
-        self._aliases: dict[int, tuple] = {}
         self._roots: list[Tensor] = []  # tensors outside the parameters that require grad
         # (forward inputs, tensors made to require grad in the forward: see early.requests)
         self._mode = None
@@ -223,14 +220,16 @@ class Capture:
         """Drop the records of forwards whose loss will not be back-propagated."""
         self._reset()
 
-    def _refuse_unrecorded(self, losses: Tensor, ranges, aliases) -> None:
+    def _refuse_unrecorded(self, losses: Tensor, ranges, forms: Tracker) -> None:
         """Raise ValueError if the losses reach a trainable parameter through a node made
         outside every recorded forward (:func:`.graph.unrecorded_uses`): that use's
         gradient would be missing from the norms and the clipped sums (training silently
-        wrong; the bound would hold)."""
+        wrong; the bound would hold). ``forms``: the forward's; a tensor a module held in
+        place of its parameter (FSDP2's unsharded parameter: the graph's leaf, not p) is
+        among them."""
         if not ranges:
             return
-        params = {k: p for k, (ref, p) in aliases.items() if ref() is not None}
+        params = {k: f.param for k, (ref, f) in forms._d.items() if ref() is not None}
         params.update((id(p), p) for p in self.params)
         bad = unrecorded_uses(losses, ranges, params)
         if bad:
@@ -272,8 +271,6 @@ class Capture:
                 cur = getattr(m, n, None)
                 if isinstance(cur, Tensor):
                     put(cur, identity[id(p)] if cur is p else Form(p))
-                    if cur is not p:
-                        self._aliases[id(cur)] = (weakref.ref(cur), p)
         self._depth = 1
         self._mode = _Mode(self)
         self._mode.__enter__()
@@ -300,7 +297,6 @@ class Capture:
                 cur = getattr(module, n, None)
                 if isinstance(cur, Tensor) and cur is not p:  # (p itself: mapped at the root)
                     self.forms.put(cur, param_form(p, cur))
-                    self._aliases[id(cur)] = (weakref.ref(cur), p)
 
     def _leave(self, module, args, kwargs, output):
         if self._mode is None or not self._stack:
@@ -361,14 +357,14 @@ class Capture:
             tensors = ordered = a_top + a_sub
         else:
             tensors = ordered = a_top
-        fd, pd, ld = self._fd, self._pd, self._ld
+        fd, pd, ld, ident = self._fd, self._pd, self._ld, self._identity
         forms, pend, tainted = _NONE, _NONE, []
         for t in tensors:
             k = id(t)
             e = fd.get(k)
             if e is not None and e[0]() is t:
                 forms = [(t, e[1])] if forms is _NONE else forms + [(t, e[1])]
-            elif t._base is not None and t.requires_grad:
+            elif (b := t._base) is not None and id(b) in ident:  # (activations: skipped)
                 self._refuse_kept_view(func, t)
             e = pd.get(k)
             if e is not None and e[0]() is t:
@@ -418,7 +414,7 @@ class Capture:
         belong to a parameter already marked as having no rule (refused, or handled by
         ``instantiate_unsupported``)."""
         p = t._base
-        if id(p) not in self._identity or id(p) in self._unknown:
+        if not t.requires_grad or id(p) in self._unknown:
             return
         raise ValueError(
             f"ghost clipping: {getattr(func, '__name__', func)} in {self.where()} consumes "
@@ -530,7 +526,7 @@ class Capture:
         """
         records, generic = self._records, self._generic_records
         unknown, roots, mixed = self._unknown, self._roots, self._mixed
-        ranges, aliases = self._ranges, self._aliases
+        ranges, forms = self._ranges, self.forms
         self._reset()
         if losses.dim() != 1:
             raise ValueError(
@@ -574,7 +570,7 @@ class Capture:
             )
         if mixed:
             refuse_mixed(losses, mixed)
-        self._refuse_unrecorded(losses, ranges, aliases)
+        self._refuse_unrecorded(losses, ranges, forms)
         used = {id(p) for r in records for p in r.params}
         used |= {id(p) for g in generic for p in self.owners[g.module].values()}
         extra = list(self.params) if check else [p for p in self.params if id(p) not in used]

@@ -86,9 +86,8 @@ def unrecorded_uses(loss: Tensor, ranges: list, params: dict) -> list:
     tensor that stands for it in the graph, such as FSDP2's unsharded parameter) that the
     graph of ``loss`` reaches through a node made outside every recorded forward
     (``ranges``: the ``[start, end)`` autograd node numbers of each recorded forward of
-    this thread): a use before it (a
-    forward before ``with GhostClipping(...)``, a view of the weight kept from an earlier
-    step) or after it (a submodule called, or a weight used, in the loss outside
+    this thread): a use before it (a forward before ``with GhostClipping(...)``, a view
+    of the weight kept from an earlier step) or after it (a submodule called, or a weight used, in the loss outside
     ``model(...)``), which the records do not see: its gradient would be missing from the
     norms and the clipped sums. The node consuming the parameter's accumulator is the one
     checked; autocast's cached casts (:func:`_cached_cast`) are looked through to their
