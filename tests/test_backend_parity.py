@@ -57,8 +57,14 @@ HYPERS = {
     "rmsprop_bc": RMSpropHyper(lr=1e-2, alpha=0.9, noise_bias_correction=True, gamma=1e-2),
     "adagrad": AdagradHyper(lr=1e-2, lr_decay=0.1, weight_decay=0.01),
     "adagrad_bc": AdagradHyper(lr=1e-2, noise_bias_correction=True, gamma=1e-2),
-    "adadelta": AdadeltaHyper(lr=1.0, weight_decay=0.01),
-    "adadelta_bc": AdadeltaHyper(lr=0.5, weight_decay=0.01, noise_bias_correction=True, gamma=1e-2),
+    # Adadelta's step is g * sqrt(acc_delta + eps) / sqrt(square_avg + eps): with eps = 1e-6
+    # and a random square_avg near 0 that ratio reaches ~1e3 and turns the tolerated
+    # 2e-6 difference in z (docs/SPEC.md section 3) into more than atol (1 case in ~1800). With
+    # eps = 1e-2 the ratio stays below ~30.
+    "adadelta": AdadeltaHyper(lr=1.0, weight_decay=0.01, eps=1e-2),
+    "adadelta_bc": AdadeltaHyper(
+        lr=0.5, weight_decay=0.01, eps=1e-2, noise_bias_correction=True, gamma=1e-2
+    ),
     "ademamix": AdEMAMixHyper(lr=1e-2, weight_decay=0.1),
     "ademamix_bc_warmup": AdEMAMixHyper(
         lr=1e-2, weight_decay=0.1, noise_bias_correction=True, gamma=1e-2, t_alpha_beta3=5
