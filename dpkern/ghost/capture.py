@@ -46,6 +46,7 @@ forward (kept from ``__init__``) is refused where the forward consumes it.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from dataclasses import dataclass, field
 
@@ -57,9 +58,12 @@ from torch.overrides import TorchFunctionMode
 from .batch import _CASTS as CASTS
 from .batch import _one as layout_one
 from .batch import FLAT, LEAD, UNKNOWN, Form, Tracker, layout_of, param_form, propagate
-from . import early as early_mod
-from .graph import grad_of, next_sequence_nr, refuse_mixed, unrecorded_uses
+from . import backward as backward_mod
+from .graph import next_sequence_nr
 from .rules import Rec, RULES, pending_uses, uses_of
+
+#: the code of the frame every module call runs in (its local ``self``: the module)
+_CALL_IMPL = nn.Module._call_impl.__code__
 
 __all__ = ["Capture", "module_kind", "KINDS"]
 
@@ -201,7 +205,7 @@ class Capture:
             return
         self._handles.append(self.model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
         self._handles.append(self.model.register_forward_hook(self._root_post, always_call=True))
-        for m in self.module_names:
+        for m in self.owners:  # (the rest: found by where(); a hook slows every call)
             self._handles.append(m.register_forward_pre_hook(self._enter))
             self._handles.append(
                 m.register_forward_hook(self._leave, with_kwargs=True, always_call=True)
@@ -219,30 +223,6 @@ class Capture:
     def discard(self) -> None:
         """Drop the records of forwards whose loss will not be back-propagated."""
         self._reset()
-
-    def _refuse_unrecorded(self, losses: Tensor, ranges, forms: Tracker) -> None:
-        """Raise ValueError if the losses reach a trainable parameter through a node made
-        outside every recorded forward (:func:`.graph.unrecorded_uses`): that use's
-        gradient would be missing from the norms and the clipped sums (training silently
-        wrong; the bound would hold). ``forms``: the forward's; a tensor a module held in
-        place of its parameter (FSDP2's unsharded parameter: the graph's leaf, not p) is
-        among them."""
-        if not ranges:
-            return
-        params = {k: f.param for k, (ref, f) in forms._d.items() if ref() is not None}
-        params.update((id(p), p) for p in self.params)
-        bad = unrecorded_uses(losses, ranges, params)
-        if bad:
-            raise ValueError(
-                "ghost clipping: parameter(s) "
-                + ", ".join(self._pname(p) for p in bad)
-                + " take part in the loss outside the recorded forward: a forward run "
-                "before `with GhostClipping(...)` / attach(), a submodule or weight used in "
-                "the loss outside model(...) (a regulariser on the weights: use the "
-                "optimizer's weight_decay), or a view of a weight kept from an earlier "
-                "step. Their gradient there cannot be clipped per sample; run all of it "
-                "inside the model's forward, within the `with`. Nothing was updated"
-            )
 
     def _recording(self) -> bool:
         return self._active and torch.is_grad_enabled() and not self._in_backward
@@ -306,8 +286,22 @@ class Capture:
             det = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
             self._generic_records.append(_ModuleRecord(module, det, dict(kwargs), output))
 
+    def current_module(self) -> nn.Module | None:
+        """The innermost of the model's modules whose call is running (read off the
+        Python stack: the frames of ``nn.Module._call_impl``), or None outside them."""
+        names, f = self.module_names, sys._getframe(1)
+        while f is not None:
+            if f.f_code is _CALL_IMPL:
+                m = f.f_locals.get("self")
+                if m in names:
+                    return m
+            f = f.f_back
+        return None
+
     def where(self) -> str:
-        return self.module_names.get(self._stack[-1], "?") if self._stack else "the model"
+        """The path of :meth:`current_module` (messages), or "the model"."""
+        m = self.current_module()
+        return self.module_names[m] if m is not None else "the model"
 
     # -- the mode ----------------------------------------------------------------------------
     def _on_op(self, func, args, kwargs):
@@ -453,9 +447,11 @@ class Capture:
             for _, f in forms:
                 self._unknown.setdefault(id(f.param), f"{name} in {self.where()}")
             return
+        module = self.current_module()
+        where = f"{name} in {self.module_names[module] if module is not None else 'the model'}"
         for rec in recs:
-            rec.where = f"{name} in {self.where()}"
-            rec.module = self._stack[-1] if self._stack else None
+            rec.where = where
+            rec.module = module
             if rec.pending:
                 self._pending.put(out, rec)
             else:
@@ -499,178 +495,13 @@ class Capture:
         self._records.append(rec)
 
     # -- the backward ------------------------------------------------------------------------
-    def backward(
-        self,
-        losses: Tensor,
-        *,
-        check: bool = False,
-        keep_bytes: int | None = None,
-        early: bool = True,
-    ):
-        """Back-propagate ``losses.sum()`` once and turn the records into uses.
-
-        Args:
-            losses: float ``[B]``, the per-sample losses of the recorded forward(s).
-            check: also compute autograd's summed gradient of every parameter, returned
-                for :func:`dpkern.ghost.GhostClipping` to compare (a debugging aid).
-            keep_bytes: memory allowed for per-sample gradients formed during the
-                backward (:func:`.plan.plan_early`; 0: none); early: allow them at all
-                (off under FSDP2 and with ``check``).
-        Returns: ``(B, uses, summed, formed)``: uses = one list per entry of ``params``
-            (empty: unused, zero gradient, or formed); summed = autograd's gradients
-            (``check``) or None; formed = a :class:`.plan.Formed` or None.
-        Raises: ValueError (losses not ``[B]``, no record, batch mismatch, a parameter
-            consumed by an operation without a rule or used outside the recorded forward,
-            reentrant activation checkpointing), RuntimeError (autograd errors of the
-            backward itself).
-        """
-        records, generic = self._records, self._generic_records
-        unknown, roots, mixed = self._unknown, self._roots, self._mixed
-        ranges, forms = self._ranges, self.forms
-        self._reset()
-        if losses.dim() != 1:
-            raise ValueError(
-                f"ghost clipping: expected per-sample losses of shape [B], got "
-                f"{tuple(losses.shape)} (do not average over the batch)"
-            )
-        B = losses.shape[0]
-        bad = [
-            f"{self._pname(p)} (consumed by {unknown[id(p)]})"
-            for p in self.params
-            if id(p) in unknown and not self.instantiate_unsupported
-        ]
-        if bad and B:
-            raise ValueError(
-                "ghost clipping has no rule for the operation consuming "
-                "trainable parameter(s) " + ", ".join(bad) + ": freeze them, "
-                "use the per-sample path (dpkern.grad_sample.compute_grad_sample "
-                "+ optimizer.step()), or pass instantiate_unsupported=True"
-            )
-        generic_modules = {
-            m for m, own in self.owners.items() if any(id(p) in unknown for p in own.values())
-        }
-        if generic_modules:
-            records = [r for r in records if r.module not in generic_modules]
-            generic = [g for g in generic if g.module in generic_modules]
-        else:
-            generic = []
-        outputs = [r.edge for r in records] + [g.output for g in generic]
-        if B == 0:  # an empty micro-batch: zero gradient
-            if losses.requires_grad and outputs:  # still back-propagated: under FSDP2 the
-                self._in_backward = True  # backward runs collectives (parameter
-                try:  # all-gathers) every rank must join
-                    grad_of(losses.sum(), outputs)
-                finally:
-                    self._in_backward = False
-            return 0, [[] for _ in self.params], None, None
-        if not losses.requires_grad:
-            raise ValueError(
-                "ghost clipping: the losses do not require grad (computed under "
-                "torch.no_grad(), or from frozen parameters only)"
-            )
-        if mixed:
-            refuse_mixed(losses, mixed)
-        self._refuse_unrecorded(losses, ranges, forms)
-        used = {id(p) for r in records for p in r.params}
-        used |= {id(p) for g in generic for p in self.owners[g.module].values()}
-        extra = list(self.params) if check else [p for p in self.params if id(p) not in used]
-        uses: dict[int, list] = {id(p): [] for p in self.params}
-        formed, hooked = None, set()
-        if early and not check:
-            formed = early_mod.plan(self, records, generic, B, keep_bytes)
-        handles, early_ps, fired, also = [], [], set(), []
-        if formed is not None:
-            for r in records:
-                if r.g_map is None and any(id(p) in formed.slot for p in r.params):
-                    hooked.add(id(r))
-                    handles.append(
-                        r.edge.node.register_prehook(early_mod.taker(r, B, formed, uses, fired))
-                    )
-        rest = [r for r in records if id(r) not in hooked]  # their gradients are returned
-        outputs = [r.edge for r in rest] + [g.output for g in generic]
-        if formed is not None:
-            early_ps, also = early_mod.requests(
-                self, records, hooked, formed, bool(outputs or extra), roots
-            )
-        self._in_backward = True
-        try:
-            # the early parameters' summed gradients are requested only so that the
-            # backward reaches their uses (their hooks then form them); not used
-            grads = grad_of(losses.sum(), outputs + extra + early_ps + also)
-        finally:
-            self._in_backward = False
-            for h in handles:
-                h.remove()
-        if formed is not None and len(early_ps) < len(formed.members):
-            early_mod.check_reached(self, losses, records, hooked, fired, early_ps)
-        n = len(outputs)
-        gouts, gparams = grads[:n], grads[n : n + len(extra)]
-        summed = list(gparams) if check else None
-        if not outputs and not hooked:
-            raise ValueError(
-                "ghost clipping: no forward was recorded: run the model's forward with "
-                "grad enabled inside `with GhostClipping(model, optimizer)` (or after "
-                "attach()); a forward run before it is not recorded"
-            )
-        if not check:
-            bad = [self._pname(p) for p, g in zip(extra, gparams) if g is not None]
-            if bad:
-                raise ValueError(
-                    "ghost clipping: parameter(s) " + ", ".join(bad) + " take part "
-                    "in the loss outside the recorded forward (a forward run before "
-                    "`with GhostClipping(...)` / attach(), or an operation that bypasses "
-                    "torch functions): their per-sample norm cannot be recorded; run the "
-                    "forward inside the `with`, or use the per-sample path"
-                )
-        for r, g in zip(rest, gouts[: len(rest)]):
-            if g is not None:
-                early_mod.take(r, g, B, formed, uses)
-        for rec, g in zip(generic, gouts[len(rest) :]):
-            if g is not None:
-                for p, use in self._generic(rec, g, B):
-                    uses[id(p)].append(use)
-        return B, [uses[id(p)] for p in self.params], summed, formed
+    def backward(self, losses: Tensor, *, check=False, keep_bytes=None, early=True):
+        """Back-propagate ``losses.sum()`` once and turn the records into uses:
+        :func:`.backward.backward` (arguments, returns and errors there)."""
+        return backward_mod.backward(self, losses, check=check, keep_bytes=keep_bytes, early=early)
 
     def _pname(self, p) -> str:
         return f"{self.param_names.get(id(p), '?')} (shape {tuple(p.shape)})"
-
-    def _generic(self, r: _ModuleRecord, g: Tensor, B: int):
-        """Per-sample gradients of a module's own parameters: vmap over the batch of the
-        vjp of its forward on one sample (torch.func)."""
-        from torch.func import functional_call, vjp, vmap
-
-        from .norms import RowsUse
-
-        own = self.owners[r.module]
-        names = list(own)
-        prm = {n: own[n].detach() for n in names}
-        batched = [
-            k
-            for k, x in enumerate(r.args)
-            if isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == B
-        ]
-        if g.shape[0] != B:
-            raise ValueError(
-                f"ghost clipping: {self.module_names[r.module]} ran on a batch "
-                f"of {g.shape[0]}, the per-sample losses have B = {B}"
-            )
-
-        def one(xs, gi):
-            def f(params):
-                args = list(r.args)
-                for k, x in zip(batched, xs):
-                    args[k] = x.unsqueeze(0)
-                return functional_call(r.module, params, tuple(args), r.kwargs)
-
-            return vjp(f, prm)[1](gi.unsqueeze(0))[0]
-
-        self._active = False  # the re-run forward must not be recorded
-        try:
-            rows = vmap(one)(tuple(r.args[k] for k in batched), g)
-        finally:
-            self._active = bool(self._handles)
-        for n in names:
-            yield own[n], RowsUse(rows[n])
 
 
 # re-exported for the rules' users
