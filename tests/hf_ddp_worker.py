@@ -48,7 +48,7 @@ def run(out, *, steps=STEPS, noise_seed=NOISE_SEED, lr=0.5, n=N, resume=None, sa
     training loader's sampler yields in epoch 0 (this rank's)."""
     from transformers import TrainingArguments
 
-    import dpkern.integrations.transformers.trainer as hft
+    import dpkern.integrations.transformers.saving as hft
     from dpkern.integrations.transformers import DPTrainer, PrivacyArguments
 
     writers = []

@@ -4,7 +4,6 @@ accounts each release."""
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import warnings
 from collections.abc import Mapping
@@ -34,33 +33,14 @@ from .checks import (
     _non_reentrant_checkpointing,
     _refuse,
 )
-from .data import PoissonMicroBatchSampler, _batch_rows, _EmptySafeCollator, _row_chunks
+from .data import _batch_rows, _row_chunks
+from .loader import train_dataloader
 from .plan import calibrate, compute_plan, dataset_size
+from .saving import PrivateSaving
 from .records import (
-    build_record,
     note_earlier_run,
     read_record,
     warn_later_checkpoints,
-    write_record,
-)
-
-#: Log keys never passed on: ``grad_norm`` is the norm of ``.grad`` (not the released
-#: gradient; an exact un-noised statistic if anything filled it).
-_DROPPED_LOGS = ("grad_norm",)
-#: Logged live (console, report_to), never written to a file dpkern's Trainer saves or
-#: shares (trainer_state.json, the model card): the exact, un-noised training loss.
-_UNSAVED_LOGS = ("loss", "train_loss")
-
-#: The plan and privacy settings every data-parallel rank must share (compared at train()).
-_SHARED = (
-    "dataset_size",
-    "expected_batch_size",
-    "micro_batches",
-    "sample_rate",
-    "steps_per_epoch",
-    "planned_steps",
-    "target_delta",
-    "max_grad_norm",
 )
 
 
@@ -77,35 +57,6 @@ def _unwrap_ddp(model):
     return model
 
 
-def _shared_sampling_key(plan: dict, privacy: PrivacyArguments, seed: int | None):
-    """Data-parallel ranks: check that they share the plan and the privacy settings,
-    and give them one sampling key (collectives on the default group). Secure mode: rank
-    0's fresh secret key, broadcast; with a seed: None (each rank derives the epochs'
-    keys from it). Either way the ranks' keys are compared by fingerprint.
-
-    Raises: DistributedDPError on every rank (plan, settings or keys differ)."""
-    import torch.distributed as dist
-
-    from ...distributed import DistributedDPError, broadcast_sampling_key
-    from ...distributed.sampler import check_sampling_keys
-    from ...sampling import sampling_key
-
-    mine = {k: plan[k] for k in _SHARED}
-    mine.update({f"privacy.{k}": v for k, v in asdict(privacy).items() if k != "noise_seed"})
-    mine["privacy.private"] = privacy.private
-    rows = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, mine)  # public numbers only (no key, no seed)
-    differ = sorted(k for k in mine if any(r[k] != rows[0][k] for r in rows))
-    if differ:
-        raise DistributedDPError(
-            "DPTrainer: the ranks' runs differ (" + ", ".join(differ) + "): every rank "
-            "needs the same TrainingArguments, PrivacyArguments and train_dataset"
-        )
-    key = broadcast_sampling_key() if seed is None else None
-    check_sampling_keys(key if key is not None else sampling_key(seed))
-    return key
-
-
 class _PrivacyCallback(TrainerCallback):
     """Account each release when the optimizer steps (and check the first one)."""
 
@@ -119,7 +70,7 @@ class _PrivacyCallback(TrainerCallback):
         self.trainer._after_release()
 
 
-class DPTrainer(Trainer):
+class DPTrainer(PrivateSaving, Trainer):
     """A ``transformers.Trainer`` that trains with differential privacy (DP-SGD style):
     Poisson sampling, per-sample losses, ghost clipping at C, Gaussian noise sigma * C
     once per logical batch, a dpkern optimizer, sigma calibrated to the target epsilon, and
@@ -248,63 +199,8 @@ class DPTrainer(Trainer):
 
     # -- data ---------------------------------------------------------------------------------
     def get_train_dataloader(self):
-        """The Poisson-sampled training loader (:class:`PoissonMicroBatchSampler`),
-        prepared by Accelerate (device placement); columns the model does not take are
-        removed as by the Trainer."""
-        plan = self._plan or self._compute_plan()
-        dataset = self.train_dataset
-        collator = self.data_collator
-        try:
-            import datasets
-
-            is_hf_dataset = isinstance(dataset, datasets.Dataset)
-        except ImportError:
-            is_hf_dataset = False
-        if is_hf_dataset:
-            dataset = self._remove_unused_columns(dataset, description="training")
-        else:
-            collator = self._get_collator_with_removed_columns(collator, description="training")
-        seed = self.privacy.noise_seed
-        seed = None if seed is None else (seed ^ 0x5DEECE66D) % 2**63
-        world = self.args.world_size
-        key = _shared_sampling_key(plan, self.privacy, seed) if world > 1 else None
-        sampler = PoissonMicroBatchSampler(
-            plan["dataset_size"],
-            plan["sample_rate"],
-            plan["steps_per_epoch"],
-            plan["micro_batches"],
-            seed=seed,
-            key=key,
-            rank=self.args.process_index if world > 1 else 0,
-            world_size=world,
-        )
-        args = self.args
-        params = {
-            "batch_sampler": sampler,
-            "collate_fn": _EmptySafeCollator(collator, dataset),
-            "num_workers": args.dataloader_num_workers,
-            "pin_memory": args.dataloader_pin_memory,
-            "persistent_workers": args.dataloader_persistent_workers,
-        }
-        if args.dataloader_num_workers > 0:
-            params["prefetch_factor"] = args.dataloader_prefetch_factor
-        loader = torch.utils.data.DataLoader(dataset, **params)
-        if world > 1:
-            # each rank's loader already yields its part of every logical batch:
-            # Accelerate's prepare would shard the batches again (rank r taking every
-            # W-th micro-batch); only its device placement is wanted here
-            from accelerate.data_loader import prepare_data_loader
-
-            return prepare_data_loader(
-                loader,
-                self.accelerator.device,
-                num_processes=1,
-                process_index=0,
-                put_on_device=True,
-                rng_types=list(self.accelerator.rng_types or []),
-                non_blocking=self.accelerator.non_blocking,
-            )
-        return self.accelerator.prepare(loader)
+        """The Poisson-sampled training loader: :func:`.loader.train_dataloader`."""
+        return train_dataloader(self)
 
     # -- the optimizer ------------------------------------------------------------------------
     def create_optimizer(self, model=None):
@@ -494,95 +390,3 @@ class DPTrainer(Trainer):
             if self._gc is not None:
                 self._gc.detach()
                 self._gc = None
-
-    def _record(self) -> dict:
-        rec = build_record(
-            self.privacy, self._plan, self.accountant, _inner(self.optimizer).dp_step
-        )
-        spent = self.privacy_spent()
-        rec.update({k: v for k, v in spent.items() if k not in ("private", "steps")})
-        return rec
-
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """``Trainer.save_model``, and once training started the privacy record
-        (``dpkern_privacy.json``: ledger, epsilon) beside the model, so that a later run
-        from this directory is told its ledger starts at zero."""
-        super().save_model(output_dir, _internal_call)
-        # (a checkpoint's record is written with its optimizer state, once)
-        into_checkpoint = _internal_call and output_dir not in (None, self.args.output_dir)
-        if (
-            self._plan is not None
-            and self.optimizer is not None
-            and self.args.should_save
-            and not into_checkpoint
-        ):
-            write_record(output_dir or self.args.output_dir, self._record())
-
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        super()._save_optimizer_and_scheduler(output_dir)
-        if self.args.should_save:
-            write_record(output_dir, self._record())
-
-    def _load_optimizer_and_scheduler(self, checkpoint) -> None:
-        super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is None:
-            return
-        opt, done = _inner(self.optimizer), self.accountant.steps
-        if not opt.dp_step == done == self.state.global_step:
-            raise ValueError(
-                f"DPTrainer: {checkpoint} does not fit together: optimizer at step "
-                f"{opt.dp_step}, privacy ledger at {done}, Trainer at {self.state.global_step}"
-            )
-        self._accounted = opt.dp_step
-
-    @contextlib.contextmanager
-    def _history_without_loss(self):
-        """``state.log_history`` without the training loss while a file is written from
-        it (a checkpoint's or save_state's trainer_state.json, the model card)."""
-        history = self.state.log_history
-        self.state.log_history = [
-            {k: v for k, v in e.items() if k not in _UNSAVED_LOGS} for e in history
-        ]
-        try:
-            yield
-        finally:
-            self.state.log_history = history
-
-    def _save_checkpoint(self, model, trial) -> None:
-        with self._history_without_loss():
-            super()._save_checkpoint(model, trial)
-
-    def save_state(self) -> None:
-        """``Trainer.save_state`` without the training loss in trainer_state.json."""
-        with self._history_without_loss():
-            super().save_state()
-
-    def create_model_card(self, *args, **kwargs) -> None:
-        """``Trainer.create_model_card`` without the training loss."""
-        with self._history_without_loss():
-            super().create_model_card(*args, **kwargs)
-
-    def log(self, logs: dict, start_time=None) -> None:
-        """``Trainer.log`` with the privacy spent next to the training loss (``epsilon``,
-        or ``epsilon_if_noise_key_were_secret``), without ``grad_norm``."""
-        for key in _DROPPED_LOGS:
-            logs.pop(key, None)
-        if (
-            ("loss" in logs or "train_loss" in logs)
-            and self._plan is not None
-            and self.optimizer is not None
-        ):
-            spent = self.privacy_spent()
-            key = "epsilon" if self.privacy.private else "epsilon_if_noise_key_were_secret"
-            logs[key] = spent[key]
-            if "train_loss" in logs:
-                logs.update(
-                    delta=spent["delta"],
-                    noise_multiplier=self._plan["noise_multiplier"],
-                    sample_rate=self._plan["sample_rate"],
-                )
-        super().log(logs, start_time)
-
-    def floating_point_ops(self, inputs) -> int:
-        """0: the Trainer's count multiplies the sampled tokens (a data-dependent count)."""
-        return 0
