@@ -5,6 +5,8 @@ its refusal of reentrant activation checkpointing (:func:`grad_of`)."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -68,6 +70,15 @@ def next_sequence_nr() -> int:
         return (torch.zeros((), requires_grad=True) * 1).grad_fn._sequence_nr() + 1
 
 
+@functools.cache
+def _node_types() -> tuple[type, type]:
+    """The classes of autograd's accumulator node (a leaf's) and of a cast's node."""
+    with torch.enable_grad():
+        w = torch.zeros(1, requires_grad=True)
+        cast = w.to(torch.float64).grad_fn
+    return type(cast.next_functions[0][0]), type(cast)
+
+
 def _is_leaf(node) -> bool:
     return hasattr(node, "variable")  # an AccumulateGrad node
 
@@ -97,22 +108,27 @@ def unrecorded_uses(loss: Tensor, ranges: list, params: dict) -> list:
         n = node._sequence_nr()
         return any(lo <= n < hi for lo, hi in ranges)
 
+    acc, to_copy = _node_types()
     seen, todo, hit = set(), [loss.grad_fn], {}
     while todo:
         node = todo.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        if _is_leaf(node) or _cached_cast(node):
-            continue  # (a cached cast's consumer was checked when it was visited)
         for fn, _ in node.next_functions:
             if fn is None:
                 continue
-            leaf = fn if _is_leaf(fn) else (fn.next_functions[0][0] if _cached_cast(fn) else None)
-            p = params.get(id(leaf.variable)) if leaf is not None else None
-            if p is not None and not inside(node):
-                hit.setdefault(id(p), p)
-            todo.append(fn)
+            kind = type(fn)
+            if kind is acc:  # (a leaf: nothing beyond it)
+                leaf = fn
+            elif kind is to_copy and _cached_cast(fn):  # (its consumers are what count)
+                leaf = fn.next_functions[0][0]
+            else:
+                todo.append(fn)
+                continue
+            p = params.get(id(leaf.variable))
+            if p is not None and id(p) not in hit and not inside(node):
+                hit[id(p)] = p
     return list(hit.values())
 
 
