@@ -184,6 +184,26 @@ def test_data_parallel_path(monkeypatch):
     assert bad.bound.epsilon > bad.epsilon_claimed and bad.verdict == "VIOLATION"
 
 
+@pytest.mark.slow
+def test_fsdp2_path(monkeypatch):
+    """Two gloo processes with the model sharded by FSDP2 (ghost clipping): honest, then
+    noise off (caught by the bound)."""
+    res = run_audit("sgd", STRONG, "fsdp", k=6, nproc=2)
+    assert res.path == "fsdp x2 (ghost)"
+    assert res.bound.epsilon <= res.epsilon_claimed and res.calibration.ok, res.to_dict()
+    assert 0.9 < res.calibration.noise_ratio < 1.1 and 0.7 < res.calibration.signal_ratio < 1.3
+    monkeypatch.setattr(_faults, "active", "noise-off")  # (the workers are handed it)
+    bad = run_audit("sgd", STRONG, "fsdp", k=7, nproc=2)
+    assert bad.bound.epsilon > bad.epsilon_claimed and bad.verdict == "VIOLATION"
+
+
+def test_fsdp2_path_clips_with_ghost_only():
+    from dpkern.audit.whitebox import WhiteBoxRun
+
+    with pytest.raises(ValueError, match="fsdp path clips with ghost clipping only"):
+        WhiteBoxRun(path="fsdp", sample_rate=0.5, steps=1, canaries=2, clipping="per-sample")
+
+
 def test_result_is_json_ready():
     import json
 

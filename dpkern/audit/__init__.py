@@ -197,12 +197,12 @@ def audit_whitebox(
         make_optimizer: ``make_optimizer(params) -> optimizer``, the dpkern optimizer under
             audit (its class, lr, weight decay, max_grad_norm C, noise_multiplier sigma,
             expected_batch_size B_e and backend are the audited ones). For ``path="ddp"``
-            it must be picklable (a module-level function or ``functools.partial``).
+            and ``"fsdp"`` it must be picklable (a module-level function or ``functools.partial``).
         sample_rate: Poisson rate q of every sample, canaries included.
         steps: T, optimizer steps of the audited run.
         delta: the delta of the guarantee audited.
-        path: ``"step"``, ``"accumulate"``, ``"ghost"`` or ``"ddp"`` (see
-            :mod:`dpkern.audit.whitebox`).
+        path: ``"step"``, ``"accumulate"``, ``"ghost"``, ``"ddp"`` or ``"fsdp"`` (FSDP2
+            sharding, ghost clipping; see :mod:`dpkern.audit.whitebox`).
         canaries: m (default 1000). free: noise-only coordinates beside them for the
             calibration check (default: up to 4096 coordinates in all).
         epsilon: the claimed epsilon; default: the accountant's for (sigma, q, T, delta).
@@ -213,12 +213,13 @@ def audit_whitebox(
         n_real: real samples (default: B_e / q - m / 2, at least 16, at most 20000, so
             that a logical batch has about B_e samples).
         micro_batch_size: for accumulate / ghost / ddp (default: ceil(B_e / 2)).
-        clipping: what the ddp path clips with, ``"per-sample"`` or ``"ghost"``.
-        nproc: processes of the ddp path (default 2).
+        clipping: what the ddp path clips with, ``"per-sample"`` or ``"ghost"`` (the
+            fsdp path: ghost clipping, whatever is given).
+        nproc: processes of the ddp and fsdp paths (default 2).
         seed: seeds the coins, the tie-breaking, the data and the Poisson sampling
             (reproducible audits); the noise key is the optimizer's own.
         label: the optimizer's name in the result (default: its rule).
-        device: where the single-process paths train (ddp: CPU, gloo).
+        device: where the single-process paths train (ddp, fsdp: CPU, gloo).
     Returns: an :class:`AuditResult`.
     Raises: ValueError on arguments out of range (also from the optimizer)."""
     from ..accounting import get_epsilon
@@ -250,7 +251,7 @@ def audit_whitebox(
         canary_norm=float(canary_norm),
         n_real=int(n_real),
         micro_batch_size=micro,
-        clipping=clipping,
+        clipping="ghost" if path == "fsdp" else clipping,
         nproc=int(nproc),
         data_seed=int(rng.integers(2**31)) if seed is not None else 0,
         sampler_seed=None if seed is None else int(rng.integers(2**62)),
@@ -302,7 +303,13 @@ def audit_whitebox(
     if sigma == 0.0:
         notes.append("sigma = 0: the run adds no noise (no privacy claimed)")
     return AuditResult(
-        path=path if path != "ddp" else f"ddp x{nproc} ({clipping})",
+        path=(
+            f"ddp x{nproc} ({clipping})"
+            if path == "ddp"
+            else f"fsdp x{nproc} (ghost)"
+            if path == "fsdp"
+            else path
+        ),
         optimizer=label or rule,
         backend=backend_label(str(getattr(inner, "backend", "auto")), device),
         canaries=m,

@@ -21,7 +21,14 @@ applies to every canary. The gradients take the path of the user's configuration
 - ``ddp``: ``nproc`` gloo processes (torch.multiprocessing, spawn), each Poisson-sampling
   its shard (:class:`dpkern.distributed.DistributedPoissonSampler`) and clipping by
   per-sample gradients or ghost clipping, :class:`~dpkern.distributed.DistributedDPOptimizer`
-  all-reducing the clipped sums.
+  all-reducing the clipped sums;
+- ``fsdp``: ``nproc`` gloo processes as ``ddp``, the model sharded by FSDP2 (``fully_shard``
+  on each layer and the root, before the optimizer is built over the DTensor shards),
+  ghost clipping (torch.func cannot trace FSDP2 modules): each rank's book-kept clipped
+  sums are reduce-scattered to the shards, and every shard is noised at its global
+  indices. Every rank runs one forward and backward per logical batch, its share empty
+  or not (FSDP2's all-gathers need every rank); the released canary weight is gathered
+  (``full_tensor``) after every step.
 
 What the auditor keeps is the released trajectory of the canary weight (every iterate,
 as DP-SGD's analysis releases every iterate); the scores are computed from it alone."""
@@ -39,7 +46,9 @@ from torch import nn
 
 from . import _faults
 
-PATHS = ("step", "accumulate", "ghost", "ddp")
+PATHS = ("step", "accumulate", "ghost", "ddp", "fsdp")
+#: the paths that run in ``nproc`` gloo processes
+PROCESS_PATHS = ("ddp", "fsdp")
 CLIPPINGS = ("per-sample", "ghost")
 D_IN, HIDDEN = 8, 16
 
@@ -48,7 +57,8 @@ D_IN, HIDDEN = 8, 16
 class WhiteBoxRun:
     """One white-box run (picklable: the data-parallel workers receive it).
 
-    ``path``: one of :data:`PATHS`; ``clipping``: what the ddp path clips with;
+    ``path``: one of :data:`PATHS`; ``clipping``: what the ddp path clips with (fsdp:
+    ghost only);
     ``canaries`` (m) and ``free`` coordinates of the canary weight; ``canary_norm``: the
     canary gradient's norm in units of C (> 1); ``n_real``: real samples;
     ``micro_batch_size``: for accumulate / ghost / ddp; ``data_seed``: the real data and
@@ -81,6 +91,11 @@ class WhiteBoxRun:
         for name, low in (("steps", 1), ("canaries", 1), ("free", 0), ("n_real", 0)):
             if int(getattr(self, name)) < low:
                 raise ValueError(f"invalid {name}={getattr(self, name)!r}: must be >= {low}")
+        if self.path == "fsdp" and self.clipping != "ghost":
+            raise ValueError(
+                "the fsdp path clips with ghost clipping only (torch.func cannot trace "
+                "FSDP2 modules): pass clipping='ghost'"
+            )
         if self.micro_batch_size < 1 or self.nproc < 1:
             raise ValueError("micro_batch_size and nproc must be >= 1")
         if not self.canary_norm > 1.0:
@@ -150,12 +165,18 @@ def _train(model, optimizer, data: Data, sampler, run: WhiteBoxRun, clipping: st
     if clipping == "ghost":
         from ..ghost import GhostClipping
 
-        gc = GhostClipping(model, optimizer).attach()
+        # (FSDP2: the first-step check cannot run on shards; the same canary model is
+        # checked unsharded by the ghost path)
+        verify = "off" if run.path == "fsdp" else "first"
+        gc = GhostClipping(model, optimizer, verify=verify).attach()
     try:
         for t, idx in enumerate(sampler, start=1):
             batch = data.batch(idx, device)
             if run.path == "step":
                 compute_grad_sample(model, _sum_loss, batch)
+                optimizer.step()
+            elif run.path == "fsdp":  # (every rank: one forward and backward, B = 0 too)
+                gc.backward(model(*batch))
                 optimizer.step()
             else:
                 for chunk in _chunks(batch, run.micro_batch_size):
@@ -173,9 +194,11 @@ def _train(model, optimizer, data: Data, sampler, run: WhiteBoxRun, clipping: st
             gc.detach()
 
 
-def _setup(make_optimizer, run: WhiteBoxRun, included: np.ndarray, device="cpu"):
+def _setup(make_optimizer, run: WhiteBoxRun, included: np.ndarray, device="cpu", shard=None):
     torch.manual_seed(run.data_seed)
     model = CanaryModel(run.canaries + run.free).to(device)
+    if shard is not None:  # (FSDP2 replaces the parameters: before the optimizer)
+        shard(model)
     optimizer = make_optimizer(list(model.parameters()))
     C = float(getattr(optimizer, "max_grad_norm", 1.0))
     _faults.apply(optimizer, run.fault)
@@ -194,7 +217,7 @@ def run_canaries(make_optimizer, run: WhiteBoxRun, included: np.ndarray) -> torc
     included = np.asarray(included, dtype=bool)
     if included.shape != (run.canaries,):
         raise ValueError(f"included: expected shape ({run.canaries},), got {included.shape}")
-    if run.path == "ddp":
+    if run.path in PROCESS_PATHS:
         return _spawn(make_optimizer, run, included)
     from ..sampling import PoissonBatchSampler
 
@@ -246,7 +269,8 @@ def _worker(rank: int, world: int, tmp: str, make_optimizer, run: WhiteBoxRun, i
         world_size=world,
     )
     try:
-        model, optimizer, data = _setup(make_optimizer, run, included)
+        shard = _fsdp_shard(world) if run.path == "fsdp" else None
+        model, optimizer, data = _setup(make_optimizer, run, included, shard=shard)
         optimizer = DistributedDPOptimizer(optimizer)  # broadcasts rank 0's key
         seed = run.sampler_seed
         sampler = DistributedPoissonSampler(
@@ -255,15 +279,34 @@ def _worker(rank: int, world: int, tmp: str, make_optimizer, run: WhiteBoxRun, i
         traj = torch.zeros(run.steps + 1, run.canaries + run.free)
         w = model.canary.weight
 
-        def record(t):
-            traj[t] = w.detach()[0]
+        def record(t):  # (fsdp: a collective, every rank gathers the canary weight)
+            traj[t] = (w.full_tensor() if shard is not None else w).detach()[0]
 
-        _train(
-            model, optimizer, data, sampler, replace(run, path="accumulate"), run.clipping, record
-        )
+        inner = run if run.path == "fsdp" else replace(run, path="accumulate")
+        _train(model, optimizer, data, sampler, inner, run.clipping, record)
         if rank == 0:
             torch.save(traj, Path(tmp, "trajectory.pt"))
         mark_finished(tmp, rank)
     finally:
         dist.destroy_process_group()
     end_worker()  # (past gloo's occasional abort at interpreter exit)
+
+
+def _fsdp_shard(world: int):
+    """``shard(model)``: FSDP2 ``fully_shard`` on each layer of the canary model and on
+    the root, over a CPU mesh of ``world`` ranks; the units reduce with SUM (gloo has no
+    PREMUL_SUM; the clipped sums are sums, not means)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def shard(model):
+        mesh = init_device_mesh("cpu", (world,))
+        units = (model.inp, model.canary, model.out)
+        for m in units:
+            fully_shard(m, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        for m in (model, *units):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+
+    return shard

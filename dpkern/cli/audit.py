@@ -9,7 +9,8 @@ canaries can be told apart (the paper's main theorem; exact binomial tails).
 Paths (--path): white-box gradient canaries through the optimizer, clipping and
 data-parallel code of the configuration -- "step" (per-sample gradients, step()),
 "accumulate" (micro-batches, accumulate()), "ghost" (ghost clipping), "ddp" (--nproc
-processes, at least 2) -- and "input": canary blocks of random tokens inserted into the
+processes, at least 2), "fsdp" (as ddp, the model sharded by FSDP2, ghost clipping: the
+white-box audit of an FSDP2 run) -- and "input": canary blocks of random tokens inserted into the
 finetune job's own training data, scored by their loss after training. "auto" (default):
 the white-box path that the configuration trains with, then "input"; "all": every path.
 
@@ -49,7 +50,7 @@ from pathlib import Path
 from .finetune import UsageError
 from .finetune.options import add_arguments as add_finetune_arguments
 
-AUDIT_PATHS = ("auto", "step", "accumulate", "ghost", "ddp", "input", "all")
+AUDIT_PATHS = ("auto", "step", "accumulate", "ghost", "ddp", "fsdp", "input", "all")
 EXIT_PASS, EXIT_VIOLATION, EXIT_USAGE, EXIT_MISCALIBRATED = 0, 1, 2, 3
 QUICK = {"canaries": 500, "input_canaries": 256, "input_steps": 30}
 DEFAULTS = {"canaries": 1000, "input_canaries": 1000}
@@ -59,7 +60,8 @@ REFUSED = {
     "out": "an audit saves no model (use --json for its report)",
     "save_every": "an audit saves no checkpoint",
     "overwrite": "an audit writes no run directory",
-    "fsdp": "FSDP2 sharding is not covered by the audit yet (audit the --nproc DDP path)",
+    "fsdp": "an audit does not run the job sharded: drop --fsdp; --path fsdp audits the "
+    "FSDP2 path with white-box canaries (--nproc processes)",
 }
 
 
@@ -131,7 +133,7 @@ def _check(args) -> None:
 def choose_paths(args, clipping: str) -> list[str]:
     """The paths to run, in order (input last: it trains the prepared job)."""
     if args.path == "all":
-        return ["step", "accumulate", "ghost", "ddp", "input"]
+        return ["step", "accumulate", "ghost", "ddp", "fsdp", "input"]
     if args.path != "auto":
         return [args.path]
     if args.nproc > 1:
@@ -161,11 +163,11 @@ def _run(args) -> int:
     for path in paths:
         if path == "input":
             continue
-        if path == "ghost" and plan.optimizer == "dp-macadam":
-            skipped.append("ghost: dp-macadam cannot use ghost clipping")
+        if path in ("ghost", "fsdp") and plan.optimizer == "dp-macadam":
+            skipped.append(f"{path}: dp-macadam cannot use ghost clipping")
             continue
-        if path == "ddp" and job.device.type != "cpu":
-            skipped.append("ddp: the white-box ddp path runs on CPU (gloo) only")
+        if path in ("ddp", "fsdp") and job.device.type != "cpu":
+            skipped.append(f"{path}: the white-box {path} path runs on CPU (gloo) only")
             continue
         clipping = args.clipping if plan.optimizer != "dp-macadam" else "per-sample"
         if not args.quiet:
