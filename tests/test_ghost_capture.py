@@ -370,3 +370,41 @@ def test_convolution_is_refused_by_default_and_exact_instantiated(dims):
         ]
     )
     assert bool((conv_share > 1e-3).all()), "vacuous: the convolution's gradients vanish"
+
+
+class Threaded(nn.Module):
+    """Runs a submodule in a worker thread during its forward (``swallow``: the worker
+    ignores the error, and the module's weight is used there functionally instead)."""
+
+    def __init__(self, swallow=False):
+        super().__init__()
+        self.a, self.b, self.swallow = nn.Linear(4, 4), nn.Linear(4, 2), swallow
+
+    def _side(self, x):
+        if not self.swallow:
+            return self.a(x)
+        try:
+            self.a(x)
+        except ValueError:
+            pass
+        return F.linear(x, self.a.weight, self.a.bias)
+
+    def forward(self, x):
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(1) as pool:
+            h = pool.submit(self._side, x).result()
+        return self.b(torch.relu(h) + self.a(x))
+
+
+@pytest.mark.parametrize("swallow", [False, True])
+def test_a_module_called_from_another_thread_is_refused(swallow):
+    # the mode sees the forward's own thread only: the worker's use of a.weight would
+    # have no record (its gradient missing from the norms and the sums)
+    model = Threaded(swallow)
+    # (raised in the forward; by the backward when the worker swallowed it)
+    with pytest.raises(ValueError, match=r"\ba was called from another thread"):
+        _ghost(model, lambda m, x: m(x).square().sum(1), torch.randn(5, 4))
+    # one thread: exact
+    model.forward = lambda x: model.b(torch.relu(model._side(x)) + model.a(x))
+    assert_exact_and_bounded(model, lambda m, x: m(x).square().sum(1), torch.randn(5, 4))

@@ -74,8 +74,14 @@ def backward(
     """
     records, generic = cap._records, cap._generic_records
     unknown, roots, mixed = cap._unknown, cap._roots, cap._mixed
-    ranges, forms = cap._ranges, cap.forms
+    ranges, forms, foreign = cap._ranges, cap.forms, cap._foreign
     cap._reset()
+    if foreign is not None:
+        raise ValueError(
+            f"ghost clipping: {foreign} was called from another thread during the "
+            "recorded forward (its operations are not recorded); run the whole forward "
+            "in one thread. Nothing was updated"
+        )
     if losses.dim() != 1:
         raise ValueError(
             f"ghost clipping: expected per-sample losses of shape [B], got "

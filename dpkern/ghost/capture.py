@@ -47,6 +47,7 @@ forward (kept from ``__init__``) is refused where the forward consumes it.
 from __future__ import annotations
 
 import sys
+import threading
 import weakref
 from dataclasses import dataclass, field
 
@@ -197,6 +198,8 @@ class Capture:
         # (forward inputs, tensors made to require grad in the forward: see early.requests)
         self._mode = None
         self._depth = 0
+        self._thread: int | None = None  # the thread of the recorded forward
+        self._foreign: str | None = None  # a module called from another thread meanwhile
 
     # -- hooks -----------------------------------------------------------------------------
     def attach(self) -> None:
@@ -228,6 +231,8 @@ class Capture:
         return self._active and torch.is_grad_enabled() and not self._in_backward
 
     def _root_pre(self, module, args, kwargs):
+        if self._depth and threading.get_ident() != self._thread:
+            self._from_other_thread(module)
         if not self._recording() or self._depth:
             self._depth += bool(self._depth)
             return
@@ -252,6 +257,7 @@ class Capture:
                 if isinstance(cur, Tensor):
                     put(cur, identity[id(p)] if cur is p else Form(p))
         self._depth = 1
+        self._thread = threading.get_ident()
         self._mode = _Mode(self)
         self._mode.__enter__()
 
@@ -270,6 +276,8 @@ class Capture:
     def _enter(self, module, args):
         if self._mode is None:
             return
+        if threading.get_ident() != self._thread:
+            self._from_other_thread(module)
         self._stack.append(module)
         own = self.owners.get(module)
         if own:  # FSDP2 swaps in unsharded tensors: map what the module holds now
@@ -277,6 +285,19 @@ class Capture:
                 cur = getattr(module, n, None)
                 if isinstance(cur, Tensor) and cur is not p:  # (p itself: mapped at the root)
                     self.forms.put(cur, param_form(p, cur))
+
+    def _from_other_thread(self, module) -> None:
+        """Raise ValueError: ``module`` is called from another thread while a recorded
+        forward runs (the mode sees the torch calls of its own thread only: that call's
+        uses of the parameters would have no record). Remembered, so that the backward
+        refuses too if the thread's error was swallowed."""
+        name = self.module_names.get(module, type(module).__name__)
+        self._foreign = self._foreign or name
+        raise ValueError(
+            f"ghost clipping: {name} was called from another thread during the recorded "
+            "forward; the capture sees the operations of the forward's own thread only. "
+            "Run the whole forward in one thread"
+        )
 
     def _leave(self, module, args, kwargs, output):
         if self._mode is None or not self._stack:
