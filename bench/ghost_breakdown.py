@@ -158,10 +158,12 @@ def breakdown(
             adamw.step()
 
     def ghost_step():
-        ghost.detach()
+        with clock("re-attach"):  # (not part of a step: subtracted below)
+            ghost.detach()
         with clock("idle forward"):
             g_net(ids)  # the same forward without the capture (its graph is dropped)
-        ghost.attach()
+        with clock("re-attach"):
+            ghost.attach()
         with clock("forward"):
             out = g_net(ids)
         with clock("loss"):
@@ -186,7 +188,7 @@ def breakdown(
                         continue
                     t = clock.t
                     if name == "ghost":
-                        total -= t["idle forward"]
+                        total -= t["idle forward"] + t["re-attach"]
                         t["of which capture"] = t["forward"] - t["idle forward"]
                         t["clip factors, checks"] = t["ghost backward"] - sum(
                             t.get(k, 0.0) for k in _INSIDE
