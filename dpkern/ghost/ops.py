@@ -1,0 +1,245 @@
+"""The capture's ``TorchFunctionMode`` and what it does with each torch call of the
+recorded forward (:class:`OpRecorder`, a mixin of :class:`.capture.Capture`, which owns
+the state it reads and writes: the trackers of forms, pending tensors and layouts, the
+records, the batch size; see :mod:`.capture` for the design and :mod:`.batch` and
+:mod:`.rules` for the rules it applies).
+
+Per call: refuse what a rule refuses before running it (``rule.refuse``), run it, then look
+up the tracked facts of its tensor arguments once; an output with nothing tracked behind it
+is returned at once (the hot path: every torch call of the forward goes through here).
+Otherwise the output becomes a new form of a parameter (a view, a cast, ``1 + w``), the
+record(s) of a use of a parameter (:func:`.rules.uses_of`), the use of a pending tensor
+where it meets the batch (:func:`.rules.pending_uses`), and/or gets its batch layout
+(:mod:`.batch`)."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import Tensor
+from torch.autograd.graph import get_gradient_edge
+from torch.overrides import TorchFunctionMode
+
+from .batch import _CASTS as CASTS
+from .batch import _one as layout_one
+from .batch import UNKNOWN, layout_of, param_form, propagate
+from .rules import RULES, pending_uses, uses_of
+
+__all__ = ["OpRecorder"]
+
+_SEQ = (list, tuple)
+#: calls that make a tensor require grad during the forward (e.g. transformers'
+#: ``enable_input_require_grads`` hook on the input embeddings); factories are caught by
+#: their ``requires_grad=True`` keyword
+_MAKES_LEAF = frozenset({Tensor.requires_grad_, Tensor.requires_grad.__set__})
+_NONE: list = []  # an empty list that is never appended to
+
+
+class Mode(TorchFunctionMode):
+    """Active during the recorded forward: every torch call goes to ``capture._on_op``."""
+
+    def __init__(self, capture: OpRecorder):
+        super().__init__()
+        self.cap = capture
+        self._on_op = capture._on_op  # (hot path: one lookup less per torch call)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return self._on_op(func, args, kwargs or {})
+
+
+class OpRecorder:
+    """The mode's handlers, mixed into :class:`.capture.Capture`, whose state they use:
+    the trackers ``forms`` / ``_pending`` / ``layouts`` (their dicts ``_fd`` / ``_pd`` /
+    ``_ld``), ``_identity``, ``_batch``, ``_records``, ``_unknown``, ``_mixed``,
+    ``_roots``, ``module_names``; and its ``where()``, ``current_module()``, ``_pname()``."""
+
+    def _on_op(self, func, args, kwargs):
+        # Hot path: runs for every torch call of the forward. The facts it reads (forms,
+        # pending, layouts of the arguments) are looked up once, after the call (the call
+        # cannot change them: the arguments stay alive, only this method writes them), and
+        # an output with no tracked argument behind it is returned at once.
+        rule = RULES.get(func)
+        if rule is not None and rule.refuse is not None:
+            why = rule.refuse(args, kwargs, self.layouts)
+            if why:
+                raise ValueError(f"ghost clipping refuses {func.__name__} in {self.where()}: {why}")
+        out = func(*args, **kwargs)
+        if func in _MAKES_LEAF or (kwargs and kwargs.get("requires_grad")):
+            t = args[0] if func in _MAKES_LEAF and args else out  # (see early.requests)
+            if isinstance(t, Tensor) and t.requires_grad and id(t) not in self._identity:
+                self._roots.append(t)
+        if isinstance(out, Tensor):
+            single = True
+        elif isinstance(out, _SEQ) and out and isinstance(out[0], Tensor):
+            single = False
+        else:
+            return out  # shapes, dtypes, ...
+        # the tensor arguments: top-level args, top-level kwargs, then the elements of
+        # list / tuple arguments (args', then kwargs'); propagate reads args', nested
+        # args' and kwargs' tensors in that order
+        a_top, a_sub = [], _NONE
+        for a in args:
+            if isinstance(a, Tensor):
+                a_top.append(a)
+            elif isinstance(a, _SEQ):
+                sub = [x for x in a if isinstance(x, Tensor)]
+                if sub:
+                    a_sub = sub if a_sub is _NONE else a_sub + sub
+        if kwargs:
+            k_top, k_sub = [], _NONE
+            for a in kwargs.values():
+                if isinstance(a, Tensor):
+                    k_top.append(a)
+                elif isinstance(a, _SEQ):
+                    sub = [x for x in a if isinstance(x, Tensor)]
+                    if sub:
+                        k_sub = sub if k_sub is _NONE else k_sub + sub
+            tensors = a_top + k_top + a_sub + k_sub
+            ordered = a_top + a_sub + k_top
+        elif a_sub:
+            tensors = ordered = a_top + a_sub
+        else:
+            tensors = ordered = a_top
+        fd, pd, ld, ident = self._fd, self._pd, self._ld, self._identity
+        forms, pend, tainted = _NONE, _NONE, []
+        for t in tensors:
+            k = id(t)
+            e = fd.get(k)
+            if e is not None and e[0]() is t:
+                forms = [(t, e[1])] if forms is _NONE else forms + [(t, e[1])]
+            elif (b := t._base) is not None and id(b) in ident:  # (activations: skipped)
+                self._refuse_kept_view(func, t)
+            e = pd.get(k)
+            if e is not None and e[0]() is t:
+                pend = [(t, e[1])] if pend is _NONE else pend + [(t, e[1])]
+        for t in ordered:
+            e = ld.get(id(t))
+            if e is not None and e[0]() is t:
+                tainted.append((t, e[1]))
+        if not forms and not pend and not tainted:  # nothing tracked depends on it
+            return out
+        if forms and not any(f.param.requires_grad for _, f in forms):
+            return out
+        derived = (
+            param_form(None, out, func=func, args=args, kwargs=kwargs, forms=forms)
+            if len(forms) == 1 and single and (len(tensors) == 1 or func in CASTS)
+            else None
+        )
+        if derived is not None:
+            self.forms.put(out, derived)
+            return out
+        if pend:
+            self._consume_pending(func, args, kwargs, out, pend)
+        if forms:
+            self._use(func, args, kwargs, out, forms, rule)
+        if tainted:
+            if single:
+                layout = layout_one(func, args, kwargs, out, tainted, self._batch)
+                if layout is not None:
+                    ld[id(out)] = (weakref.ref(out), layout)  # self.layouts.put(out, layout)
+                    if layout == UNKNOWN and out.requires_grad:
+                        self._note_mixed(func, out, tainted)
+            else:
+                propagate(func, args, kwargs, out, self.layouts, self._batch, tainted)
+                for o in out:
+                    if isinstance(o, Tensor) and o.requires_grad:
+                        if layout_of(self.layouts, o) == UNKNOWN:
+                            self._note_mixed(func, o, tainted)
+        return out
+
+    def _refuse_kept_view(self, func, t: Tensor) -> None:
+        """Raise ValueError if ``t``, a view this forward did not make, is a view of a
+        trainable parameter (``self.wt = self.weight.T`` in ``__init__``): its use has no
+        record, so its gradient would be missing from the norms and the clipped sums. The
+        graph-node check of :meth:`backward` misses it once an in-place change of the
+        parameter (an optimizer step, an initialisation) has made autograd regenerate the
+        view's node inside the forward. Views made inside this forward without a form
+        belong to a parameter already marked as having no rule (refused, or handled by
+        ``instantiate_unsupported``)."""
+        p = t._base
+        if not t.requires_grad or id(p) in self._unknown:
+            return
+        raise ValueError(
+            f"ghost clipping: {getattr(func, '__name__', func)} in {self.where()} consumes "
+            f"a view of trainable parameter {self._pname(p)} made outside the forward "
+            "(kept from __init__ or an earlier step): its gradient there cannot be "
+            "clipped per sample. Take the view inside forward (e.g. self.weight.T there)"
+        )
+
+    def _note_mixed(self, func, out: Tensor, tainted) -> None:
+        """Remember ``out``'s node: it requires grad and depends on the samples in an
+        unproven layout; :meth:`backward` refuses losses that reach it. Only the first of
+        a chain (an input already unproven and requiring grad leads to an earlier one)."""
+        if out.grad_fn is None or any(la == UNKNOWN and t.requires_grad for t, la in tainted):
+            return
+        self._mixed.append((out.grad_fn, f"{getattr(func, '__name__', func)} in {self.where()}"))
+
+    def _use(self, func, args, kwargs, out, forms, rule) -> None:
+        B = self._batch
+        name = getattr(func, "__name__", str(func))
+        outs = [out] if isinstance(out, Tensor) else [o for o in out if isinstance(o, Tensor)]
+        if not any(o.requires_grad for o in outs):
+            return
+        try:
+            recs = (
+                uses_of(rule, func, args, kwargs, out, forms, self.layouts, B)
+                if rule is not None and isinstance(out, Tensor)
+                else None
+            )
+        except ValueError as exc:
+            raise ValueError(
+                f"{exc} (in {self.where()}, consuming "
+                + ", ".join(self._pname(f.param) for _, f in forms)
+                + ")"
+            ) from None
+        if recs is None:
+            for _, f in forms:
+                self._unknown.setdefault(id(f.param), f"{name} in {self.where()}")
+            return
+        module = self.current_module()
+        where = f"{name} in {self.module_names[module] if module is not None else 'the model'}"
+        for rec in recs:
+            rec.where = where
+            rec.module = module
+            if rec.pending:
+                self._pending.put(out, rec)
+            else:
+                self._add(rec)
+
+    def _consume_pending(self, func, args, kwargs, out, pend) -> None:
+        for t, rec in pend:
+            recs = pending_uses(func, args, kwargs, out, t, rec, self.layouts, self._batch)
+            if recs is None:
+                if func in (
+                    torch.Tensor.to,
+                    torch.Tensor.contiguous,
+                    torch.Tensor.clone,
+                    torch.Tensor.type_as,
+                    torch.Tensor.float,
+                ) and isinstance(out, Tensor):
+                    self._pending.put(out, rec)  # same values: still pending
+                    continue
+                raise ValueError(
+                    f"ghost clipping: the output of {rec.where} does not carry the batch "
+                    f"dimension (its input, e.g. positions from arange or bucket ids, is the "
+                    f"same for every sample) and is then used by "
+                    f"{getattr(func, '__name__', func)} in {self.where()}, where its "
+                    "per-sample contribution cannot be proven; use the per-sample path "
+                    "(dpkern.grad_sample.compute_grad_sample)"
+                )
+            for r in recs:
+                r.where = rec.where
+                r.module = rec.module
+                self._add(r)
+
+    def _add(self, rec) -> None:
+        # The record keeps the graph edge of the output, not the output: the activation is
+        # freed when the model is done with it, and the edge's gradient is that of the
+        # op's own output even when the tensor is modified in place afterwards
+        # (``y.mul_(2)``, Falcon's ``mlp_output += attention_output``).
+        out = rec.output
+        rec.edge = get_gradient_edge(out)
+        rec.meta = (out.shape, out.dtype, out.device)
+        rec.output = None
+        self._records.append(rec)
