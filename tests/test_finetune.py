@@ -606,3 +606,16 @@ def test_nproc_bad_input_exits_2_before_spawning(text_file, tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and err.startswith(f"dpkern finetune: error: {option}:"), err
         assert not out.exists()
+
+
+def test_an_unusable_device_exits_2_before_building(text_file, tmp_path, capsys):
+    bad = ["meta", "cuda:99"] + ([] if torch.cuda.is_available() else ["cuda"])
+    if not torch.backends.mps.is_available():
+        bad.append("mps")
+    for device in bad:
+        out = tmp_path / "never"
+        argv = ("--data", text_file, "--steps", 2, "--out", out, "--quiet", "--device", device)
+        assert finetune(*argv) == 2, device
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and err.startswith("dpkern finetune: error: --device:"), err
+        assert not out.exists()

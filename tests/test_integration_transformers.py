@@ -445,11 +445,14 @@ def test_a_resumed_calibrated_run_keeps_sigma_or_recalibrates_the_rest(tmp_path,
     tr._resume_record = rec
     monkeypatch.setattr(hft_plan, "get_noise_multiplier", refuse)
     monkeypatch.setattr(hft_plan, "calibrate_extension", refuse)
-    assert tr._calibrate()["noise_multiplier"] == 2.0 and tr.accountant.steps == 10
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (the same plan: no recalibration, nothing said)
+        assert tr._calibrate()["noise_multiplier"] == 2.0 and tr.accountant.steps == 10
     monkeypatch.undo()
     tr = trainer(hf_tiny.build("llama").model, tmp_path, data, priv, max_steps=20)
     tr._resume_record = {**rec, "planned_steps": 30, "noise_multiplier": 2.5}
-    sigma = tr._calibrate()["noise_multiplier"]
+    with pytest.warns(UserWarning, match=r"steps 30 -> 20.*recalibrated 2\.5 -> 2 for"):
+        sigma = tr._calibrate()["noise_multiplier"]
     assert sigma == pytest.approx(2.0, rel=2e-4)
     tr._resume_record = {**rec, "dataset_size": 161}
     with pytest.raises(ValueError, match="not the same data"):

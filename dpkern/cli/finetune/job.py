@@ -294,6 +294,17 @@ def make_optimizer(plan: Plan, params, backend: str, sigma: float):
     return opt
 
 
+def check_device(device: torch.device) -> None:
+    """Raise UsageError unless this torch can hold data on ``device`` (a CPU-only build
+    asked for cuda, a GPU index past the last one, ``meta``), before anything is built."""
+    require(device.type != "meta", "--device", "meta tensors hold no data; pick cpu or cuda")
+    try:
+        torch.zeros(1, device=device)
+    except (RuntimeError, AssertionError) as exc:  # (a CPU-only torch asserts for cuda)
+        why = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        raise UsageError("--device", f"{device} is not usable here: {why}") from None
+
+
 def check_nproc(args, device: torch.device) -> None:
     nproc = getattr(args, "nproc", 1)
     if getattr(args, "fsdp", False):
@@ -399,6 +410,7 @@ def prepare(args) -> Job:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     except RuntimeError as exc:
         raise UsageError("--device", str(exc)) from None
+    check_device(device)
     check_nproc(args, device)
     check_memory_options(args, plan)
     from ... import backends

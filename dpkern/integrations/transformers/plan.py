@@ -111,6 +111,14 @@ def calibrate(plan: dict, p, rec: dict | None) -> tuple[float, PrivacyAccountant
                 kind,
                 guess=float(rec.get("noise_multiplier") or 1.0),
             )
+            warnings.warn(
+                f"DPTrainer: the resumed run's plan differs from the checkpoint's (steps "
+                f"{rec.get('planned_steps')} -> {steps}, target epsilon "
+                f"{rec.get('target_epsilon')} -> {p.target_epsilon}): noise_multiplier "
+                f"recalibrated {float(rec.get('noise_multiplier') or float('nan')):.4g} -> "
+                f"{sigma:.4g} for the remaining {steps - done} steps",
+                stacklevel=4,
+            )
     return sigma, acc
 
 
