@@ -41,7 +41,8 @@ def _torch_optim_options() -> frozenset:
 
 
 #: Every option name a torch.optim optimizer, or a dpkern one, understands.
-KNOWN_OPTIONS = _torch_optim_options() | PRIVACY_OPTIONS | DPKERN_OPTIONS
+TORCH_OPTIONS = _torch_optim_options()
+KNOWN_OPTIONS = TORCH_OPTIONS | PRIVACY_OPTIONS | DPKERN_OPTIONS
 
 
 #: torch.optim options at the value that switches them off: harmless, accepted.
@@ -74,6 +75,26 @@ def check_group_options(cls_name: str, group: dict, defaults: dict) -> None:
             raise ValueError(
                 f"param group option {key!r} is not supported by {cls_name}: "
                 f"{where}; its options are {sorted(defaults)}"
+            )
+
+
+def check_constructor_options(cls, kwargs: dict) -> None:
+    """Raise ValueError for a torch.optim constructor option (``amsgrad``, ``maximize``,
+    ``foreach``, ``fused``, ...) that ``cls.__init__`` does not take, instead of Python's
+    bare TypeError: dpkern refuses it rather than ignore it. Unknown names (typos) are
+    left to the TypeError."""
+    taken = inspect.signature(cls.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in taken.values()):
+        return
+    for key in kwargs:
+        if key in TORCH_OPTIONS and key not in PRIVACY_OPTIONS and key not in taken:
+            if key in OFF_VALUES and kwargs[key] is OFF_VALUES[key]:
+                why = f"{key}={OFF_VALUES[key]!r} is torch.optim's default: omit it"
+            else:
+                why = "dpkern refuses it rather than ignore it (torch.optim would apply it)"
+            raise ValueError(
+                f"{cls.__name__} has no option {key!r}: {why}; its options are "
+                + ", ".join(n for n in taken if n not in ("self", "params"))
             )
 
 

@@ -158,6 +158,32 @@ def test_format_1_checkpoint_gives_every_parameter_the_global_step():
 
 
 # -- 11. options in a param group that the class does not implement ----------------------
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize(
+    "option,value,why",
+    [
+        ("amsgrad", True, "dpkern refuses it rather than ignore it"),
+        ("maximize", True, "dpkern refuses it rather than ignore it"),
+        ("fused", True, "dpkern refuses it rather than ignore it"),
+        ("foreach", None, "foreach=None is torch.optim's default: omit it"),
+    ],
+)
+def test_unsupported_constructor_option_is_a_value_error(cls, option, value, why):
+    """A torch.optim constructor option the class lacks: ValueError saying so, naming the
+    class's options (before: Python's bare 'unexpected keyword argument' TypeError)."""
+    ps, _ = _pair()
+    taken = inspect.signature(cls.__init__).parameters
+    kw = dict(max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=2.0)
+    kw = {k: v for k, v in kw.items() if k in taken}  # (DP-MacAdam: no max_grad_norm)
+    if option in taken:
+        pytest.skip(f"{cls.__name__} takes {option}")
+    with pytest.raises(ValueError, match=f"{cls.__name__} has no option {option!r}: {why}"):
+        cls(ps[:1], **kw, **{option: value})
+    with pytest.raises(TypeError, match="unexpected keyword"):  # a typo stays a TypeError
+        cls(ps[:1], **kw, lrr=0.1)
+
+
+# -- 11. options in a param group that the class does not implement ----------------------
 @pytest.mark.parametrize(
     "option,value",
     [

@@ -35,6 +35,7 @@ from .. import backends
 from .. import functional as F
 from ..guards import (
     DPOPTIMIZER_IS_A_BASE,
+    check_constructor_options,
     StepInterrupted,
     check_group_options,
     deferred_signals,
@@ -104,6 +105,7 @@ class DPOptimizer(torch.optim.Optimizer):
     def __new__(cls, *args, **kwargs):
         if cls is DPOptimizer:
             raise TypeError(DPOPTIMIZER_IS_A_BASE)
+        check_constructor_options(cls, kwargs)
         return super().__new__(cls)
 
     def __init__(
