@@ -56,6 +56,16 @@ OFF_VALUES = {
 }
 
 
+#: why a torch.optim option a dpkern class does not implement is refused
+REFUSED_NOT_IGNORED = "dpkern refuses it rather than ignore it (torch.optim would apply it)"
+
+
+def is_off(key: str, value) -> bool:
+    """``value`` is the one that switches torch.optim option ``key`` off (see
+    :data:`OFF_VALUES`)."""
+    return key in OFF_VALUES and value is OFF_VALUES[key]
+
+
 def check_group_options(cls_name: str, group: dict, defaults: dict) -> None:
     """Refuse an optimizer option in a param group that ``cls_name`` does not implement.
 
@@ -64,13 +74,13 @@ def check_group_options(cls_name: str, group: dict, defaults: dict) -> None:
     switches them off (``amsgrad=False``, ``foreach=None``, ...). Raises ValueError naming
     the option."""
     for key in group:
-        if key in OFF_VALUES and group[key] is OFF_VALUES[key]:
+        if is_off(key, group[key]):
             continue
         if key in KNOWN_OPTIONS and key not in defaults:
             where = (
                 "one value per optimizer: pass it to the constructor"
                 if key in PRIVACY_OPTIONS
-                else "dpkern refuses it rather than ignore it (torch.optim would apply it)"
+                else REFUSED_NOT_IGNORED
             )
             raise ValueError(
                 f"param group option {key!r} is not supported by {cls_name}: "
@@ -87,11 +97,12 @@ def check_constructor_options(cls, kwargs: dict) -> None:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in taken.values()):
         return
     for key in kwargs:
-        if key in TORCH_OPTIONS and key not in PRIVACY_OPTIONS and key not in taken:
-            if key in OFF_VALUES and kwargs[key] is OFF_VALUES[key]:
-                why = f"{key}={OFF_VALUES[key]!r} is torch.optim's default: omit it"
-            else:
-                why = "dpkern refuses it rather than ignore it (torch.optim would apply it)"
+        if key in TORCH_OPTIONS and key not in taken:
+            why = (
+                f"{key}={OFF_VALUES[key]!r} is torch.optim's default: omit it"
+                if is_off(key, kwargs[key])
+                else REFUSED_NOT_IGNORED
+            )
             raise ValueError(
                 f"{cls.__name__} has no option {key!r}: {why}; its options are "
                 + ", ".join(n for n in taken if n not in ("self", "params"))

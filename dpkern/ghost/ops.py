@@ -77,7 +77,8 @@ class OpRecorder:
             return out  # shapes, dtypes, ...
         # the tensor arguments: top-level args, top-level kwargs, then the elements of
         # list / tuple arguments (args', then kwargs'); propagate reads args', nested
-        # args' and kwargs' tensors in that order
+        # args' and kwargs' tensors in that order (the same split of args and of kwargs,
+        # written out twice: a helper would add a Python call to every torch call)
         a_top, a_sub = [], _NONE
         for a in args:
             if isinstance(a, Tensor):
