@@ -14,7 +14,7 @@ For each family, in one process, alternating the candidates (medians of ``--repe
 - the non-private floor: the twin's ``step()`` alone.
 
 Ratios are baseline / dpkern (> 1: dpkern is faster). DP-AdEMAMix has no packaged twin: its
-row has dpkern's times only. Prints a markdown table (README "Benchmarks" shows one run).
+row has dpkern's times only. Prints a markdown table (docs/BENCHMARKS.md shows one run).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ Measured in one process, per case (path x layout x d x B), alternating the candi
 Ratios are baseline time / dpkern time (> 1: dpkern is faster). Results go to
 ``bench/results/<UTC date-time>/`` (git-ignored scratch) or ``--out``: ``results.json`` (machine, versions, date, every
 median), ``timings.csv``, ``summary.csv``, ``targets.csv``, ``results.png`` and
-``results.md``, the markdown block printed at the end, which README.md shows. The run
+``results.md``, the markdown block printed at the end, which docs/BENCHMARKS.md shows. The run
 committed to the repository is written with ``--out bench/results``.
 """
 

@@ -1,6 +1,6 @@
 """The rows and tables of :mod:`bench.report`: one summary row per dpkern backend of a case
 (medians, ratios against the baselines and the floor, the bandwidth floor), the speed
-targets checked against them, the README's markdown and the plot."""
+targets checked against them, the markdown of docs/BENCHMARKS.md and the plot."""
 
 from __future__ import annotations
 
@@ -112,7 +112,7 @@ BASELINE_NAMES = {
 
 
 def markdown_table(summary: list[dict]) -> str:
-    """The README table: medians in ms, speed-up = baseline / dpkern (> 1: dpkern faster)."""
+    """The docs/BENCHMARKS.md table: medians in ms, speed-up = baseline / dpkern (> 1: dpkern faster)."""
     head = (
         "| path | layout | d | B | backend | dpkern ms | baseline | foreach ms | "
         "speed-up | fused ms | speed-up | AdamW alone ms (foreach/fused) | bw floor ms "
@@ -151,7 +151,7 @@ def markdown_targets(targets: list[dict]) -> str:
 
 
 def render_markdown(results: dict) -> str:
-    """The README block of a run (``results.json`` contents): how it was measured, the
+    """The docs/BENCHMARKS.md block of a run (``results.json`` contents): how it was measured, the
     table and the speed targets."""
     info, bw, cfg = results["machine"], results["bandwidth"], results["config"]
     ghost_md = ""
