@@ -171,13 +171,74 @@ def add_lora(model: nn.Module, r: int, alpha: float, dropout: float) -> nn.Modul
         return get_peft_model(model, lora_config(model, r, alpha, dropout))
 
 
-def load_lora(base: nn.Module, path: str | Path) -> nn.Module:
-    """The trainable peft model of the adapter saved in ``path`` (``save_pretrained`` of a
-    peft model: adapter_config.json, adapter_model.safetensors) on ``base``."""
-    from peft import PeftModel
+def load_lora(
+    base: nn.Module, path: str | Path, *, trainable: bool = True, dropout: float | None = None
+) -> nn.Module:
+    """The peft model of the adapter saved in ``path`` (``save_pretrained`` of a peft
+    model: adapter_config.json, adapter_model.safetensors) on ``base``: its adapters
+    trainable (or frozen with ``trainable=False``); ``dropout``: the LoRA dropout to
+    train with instead of the saved one. The adapter config names ``base``'s directory
+    (``base.name_or_path``) as its base when it has one."""
+    from peft import PeftConfig, PeftModel
 
+    config = PeftConfig.from_pretrained(str(path))
+    if dropout is not None:
+        config.lora_dropout = dropout
+    if getattr(base, "name_or_path", None):
+        config.base_model_name_or_path = str(base.name_or_path)
     with _quiet_transformers():
-        return PeftModel.from_pretrained(base, str(path), is_trainable=True)
+        return PeftModel.from_pretrained(base, str(path), is_trainable=trainable, config=config)
+
+
+#: The subfolder where a ``dpkern finetune --lora`` run directory keeps the base model it
+#: was trained on when that is the built-in model (its adapter config names it).
+LORA_BASE_DIR = "base_model"
+
+
+def is_adapter_dir(path: str | Path) -> bool:
+    """Whether ``path`` is a peft adapter directory (adapter_config.json, no config.json of
+    its own): the output of a ``dpkern finetune --lora`` run."""
+    path = Path(path)
+    return (path / "adapter_config.json").is_file() and not (path / "config.json").is_file()
+
+
+def adapter_config(path: str | Path) -> dict:
+    """The adapter_config.json of the peft adapter directory ``path``, checked to be a
+    LoRA adapter. Raises ValueError with a one-line reason."""
+    import json
+
+    try:
+        config = json.loads((Path(path) / "adapter_config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: unreadable adapter_config.json ({exc})") from None
+    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
+        kind = config.get("peft_type") if isinstance(config, dict) else None
+        raise ValueError(f"{path} holds a peft {kind} adapter: only LoRA adapters are supported")
+    return config
+
+
+def adapter_base(path: str | Path) -> Path:
+    """The directory of the base model of the LoRA adapter saved in ``path``: its
+    :data:`LORA_BASE_DIR` subfolder when present (found wherever the run directory was
+    moved), else adapter_config.json's ``base_model_name_or_path``, which must be a
+    local model directory (nothing is downloaded). Raises ValueError naming the path."""
+    path = Path(path)
+    local = path / LORA_BASE_DIR
+    if (local / "config.json").is_file():
+        return local.absolute()
+    name = adapter_config(path).get("base_model_name_or_path")
+    base = Path(name) if isinstance(name, str) and name else None
+    if base is None or not (base / "config.json").is_file():
+        raise ValueError(
+            f"{path} holds a LoRA adapter whose base model "
+            + (f"{name!r} " if name else "")
+            + "(adapter_config.json's base_model_name_or_path) is not a local model "
+            "directory: put the base in "
+            f"{path / LORA_BASE_DIR} or point base_model_name_or_path at it"
+        )
+    if is_adapter_dir(base) or base.resolve() == path.resolve():
+        raise ValueError(f"{path}: the adapter's base {base} is itself an adapter directory")
+    return base.absolute()
 
 
 @contextlib.contextmanager
@@ -273,17 +334,24 @@ def load_model(path: str | Path, attn_implementation: str | None = "eager"):
     vmap has no batching rule for the fused CPU attention kernel (it falls back to a slow
     per-sample loop with a warning). None keeps the model's own choice.
 
+    A LoRA adapter directory (:func:`is_adapter_dir`: a ``dpkern finetune --lora`` run, or
+    any peft ``save_pretrained``) is the model it trained: its base (:func:`adapter_base`)
+    with the adapter merged into the weights (peft's ``merge_and_unload``), a plain model
+    of the base's class; the tokenizer is the adapter directory's, else the base's.
+
     Returns: (model, tokenizer or None): the model from
     ``AutoModelForCausalLM.from_pretrained(path, local_files_only=True)``; the tokenizer
     from ``AutoTokenizer`` when the directory has one (else None: byte-level ids are used,
     which needs ``vocab_size >= 256``).
     Raises: ValueError with a one-line reason when ``path`` is not a directory or holds
-    no loadable causal LM."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    no loadable causal LM (or no loadable LoRA adapter and base)."""
+    from transformers import AutoModelForCausalLM
 
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"{path} is not a directory")
+    if is_adapter_dir(path):
+        return _load_merged(path, attn_implementation)
     if not (path / "config.json").is_file():
         raise ValueError(f"{path} has no config.json: not a Hugging Face model directory")
     try:
@@ -292,24 +360,43 @@ def load_model(path: str | Path, attn_implementation: str | None = "eager"):
     except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(f"{path} is not a loadable causal language model: {first}") from None
-    tokenizer = None
-    if any(
-        (path / f).is_file()
-        for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
-    ):
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ValueError(
-                f"{path}: tokenizer files present but unloadable: "
-                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}"
-            ) from None
+    tokenizer = _load_tokenizer(path)
     if tokenizer is None and model.config.vocab_size < 256:
         raise ValueError(
             f"{path} has no tokenizer and vocab_size={model.config.vocab_size} < 256, "
             "so byte-level ids do not fit"
         )
     return model, tokenizer
+
+
+def _load_tokenizer(path: Path):
+    """``AutoTokenizer`` of ``path`` when it has tokenizer files, else None."""
+    from transformers import AutoTokenizer
+
+    if not any(
+        (path / f).is_file()
+        for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    ):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(
+            f"{path}: tokenizer files present but unloadable: "
+            f"{str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}"
+        ) from None
+
+
+def _load_merged(path: Path, attn_implementation: str | None):
+    """:func:`load_model` of a LoRA adapter directory: the base with the adapter merged."""
+    model, tokenizer = load_model(adapter_base(path), attn_implementation)
+    try:
+        merged = load_lora(model, path, trainable=False).merge_and_unload()
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ValueError(f"{path}: the LoRA adapter does not load: {first}") from None
+    merged.requires_grad_(True)  # (peft froze the base: trainable, as any loaded model)
+    return merged, _load_tokenizer(path) or tokenizer
 
 
 def context_length(model: nn.Module) -> int | None:

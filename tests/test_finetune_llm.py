@@ -321,3 +321,78 @@ def test_bad_lora_options_are_one_line_errors(argv, option, text_file, tmp_path,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"dpkern finetune: error: {option}:"), err
     assert not out.exists()
+
+
+def test_a_lora_run_directory_is_a_model_for_a_further_run(text_file, tmp_path, capsys):
+    """--model DIR of a --lora run: without --lora, every weight of the model it trained
+    (the adapters merged into the base) is fine-tuned; with --lora R, its adapters are
+    trained further (rank and alpha kept; another rank or alpha is a one-line error);
+    both resume, and every directory loads as a model that generates."""
+    lora, full, more = tmp_path / "lora", tmp_path / "full", tmp_path / "more"
+    common = ["--data", text_file, "--steps", 2, *TINY]
+    assert finetune(*common, "--lora", 2, "--seed", 3, "--out", lora) == 0
+    m_lora = read_metrics(lora)
+    # the directory is the model it trained: the base with the adapter merged in
+    merged, tok = models.load_model(lora)
+    assert tok is None and type(merged).__name__ == "GPT2LMHeadModel"
+    assert all(p.requires_grad for p in merged.parameters())
+    base, _ = models.load_model(lora / "base_model")
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = models.load_lora(base, lora, trainable=False)(input_ids=ids).logits
+        fresh, _ = models.load_model(lora / "base_model")
+        assert not torch.allclose(fresh(input_ids=ids).logits, want)  # (the adapter moved)
+        torch.testing.assert_close(merged(input_ids=ids).logits, want, rtol=1e-4, atol=1e-5)
+    assert models.generate_sample(merged).startswith("The Pyth")
+    # a full fine-tune of that model: it starts where the LoRA run ended
+    assert finetune(*common, "--model", lora, "--out", full) == 0
+    assert "earlier dpkern finetune run" in capsys.readouterr().err
+    m = read_metrics(full)
+    assert m["val_loss_before"] == pytest.approx(m_lora["val_loss_after"], rel=1e-5)
+    assert m["lora"] is None and m["num_parameters"] == m["num_parameters_total"]
+    assert isinstance(m["sample"], str) and (full / "model.safetensors").is_file()
+    assert finetune("--resume", full, "--steps", 3, "--quiet") == 0
+    assert read_metrics(full)["step"] == 3
+    # --lora R with the run's rank: its adapters, trained further on the same base
+    assert finetune(*common, "--model", lora, "--lora", 2, "--out", more) == 0
+    m = read_metrics(more)
+    assert m["val_loss_before"] == pytest.approx(m_lora["val_loss_after"], rel=1e-5)
+    assert (m["lora"], m["lora_alpha"]) == (2, 4) and m["num_parameters"] == m_lora[
+        "num_parameters"
+    ]
+    config = json.loads((more / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(lora / "base_model") and config["r"] == 2
+    assert not (more / "base_model").exists()  # (the base stays the LoRA run's)
+    assert finetune("--resume", more, "--steps", 3, "--quiet") == 0
+    assert read_metrics(more)["step"] == 3
+    capsys.readouterr()
+    peft_model = models.load_lora(models.load_model(lora / "base_model")[0], more, trainable=False)
+    assert models.generate_sample(peft_model).startswith("The Pyth")
+    assert models.generate_sample(models.load_model(more)[0]).startswith("The Pyth")
+    # another rank or alpha would be new adapters: refused, saying what to do
+    for argv, option, says in (
+        (["--lora", 3], "--lora", "pass --lora 2 to train them further, or leave --lora out"),
+        (["--lora", 2, "--lora-alpha", 8], "--lora-alpha", "trained with alpha 4"),
+    ):
+        out = tmp_path / "never"
+        assert finetune(*common, "--model", lora, *argv, "--out", out) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"dpkern finetune: error: {option}:"), err
+        assert says in err[0] and not out.exists()
+
+
+def test_a_moved_lora_run_still_loads_and_a_missing_base_is_one_line(text_file, tmp_path, capsys):
+    import shutil
+
+    lora = tmp_path / "lora"
+    argv = ["--data", text_file, "--steps", 1, *TINY]
+    assert finetune(*argv, "--lora", 2, "--out", lora) == 0
+    moved = shutil.move(lora, tmp_path / "moved")  # its base_model/ moves with it
+    assert type(models.load_model(moved)[0]).__name__ == "GPT2LMHeadModel"
+    shutil.rmtree(tmp_path / "moved" / "base_model")  # a base that is nowhere local
+    out = tmp_path / "never"
+    assert finetune(*argv, "--model", moved, "--out", out) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dpkern finetune: error: --model:"), err
+    assert "base_model_name_or_path" in err[0] and "not a local model directory" in err[0]
+    assert not out.exists()

@@ -36,7 +36,9 @@ throughput is that of the expected batch.
 
 Models and memory: --arch llama builds a byte-level Llama (rotary, RMSNorm, SwiGLU,
 grouped-query attention) instead of the GPT-2 default; --lora R trains peft LoRA adapters
-only (they alone are clipped, noised and saved); --bf16 keeps the weights in bfloat16
+only (they alone are clipped, noised and saved; --model on such a run's directory is its
+base with the adapters merged in, or with --lora R its adapters, trained further);
+--bf16 keeps the weights in bfloat16
 (norms, sums, noise and optimizer states stay float32); --gradient-checkpointing recomputes
 the blocks in the backward (ghost clipping stays exact). After the first step every
 trainable parameter must have moved (else an error: the Opacus-820 trap). The summary ends

@@ -23,10 +23,11 @@ from pathlib import Path
 
 import torch
 
+from ...models import LORA_BASE_DIR as BASE_DIR
+
 FILES = {"run": "run_config.json", "metrics": "metrics.json", "trainer": "trainer_state.pt"}
 #: A LoRA run's directory holds the adapter (peft's save_pretrained: adapter_config.json,
-#: adapter_model.safetensors); the built-in base model it was trained on goes here.
-BASE_DIR = "base_model"
+#: adapter_model.safetensors); the built-in base model it was trained on goes to BASE_DIR.
 #: ``run_config.json["written_by"]``: what marks a dpkern run directory.
 MARKER = "dpkern finetune"
 STAGING_PREFIX = ".dpkern-staging-"
@@ -152,7 +153,8 @@ def write_checkpoint(
     dict of a sharded (FSDP2) model. A peft (LoRA) model writes its adapter files; when
     its base is the built-in model (``run_config["model"]`` None) the base goes to
     :data:`BASE_DIR` (the adapter config names it), else the adapter names the
-    ``--model`` directory. Every file is complete in a staging directory before
+    ``--model`` directory (or, for a LoRA run's adapters trained further, that run's
+    base). Every file is complete in a staging directory before
     any file of ``out`` is replaced; trainer_state.pt goes in first and run_config.json
     last, so a crash in between leaves a step mismatch that :func:`load_checkpoint`
     reports instead of resuming a mix."""
@@ -197,10 +199,14 @@ def _save_adapter(stage: Path, out: Path, model, run_config: dict) -> None:
     from ... import models
 
     config = next(iter(model.peft_config.values()))
-    if run_config.get("model") is None:
+    source = run_config.get("model")
+    if source is None:
         base = model.get_base_model()
         base.save_pretrained(stage / BASE_DIR, state_dict=models.base_state_dict(model))
         config.base_model_name_or_path = str(out / BASE_DIR)
+    else:  # a --model DIR base; or, continuing a LoRA run's adapters, that run's base
+        base = models.adapter_base(source) if models.is_adapter_dir(source) else source
+        config.base_model_name_or_path = str(base)
     model.save_pretrained(stage, save_embedding_layers=False)  # (no embedding targets)
     (stage / "README.md").unlink(missing_ok=True)
 

@@ -86,7 +86,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model",
         metavar="DIR",
         help="local Hugging Face causal LM directory "
-        "(loaded offline; its tokenizer if present, else byte-level ids). Default: "
+        "(loaded offline; its tokenizer if present, else byte-level ids), or the output "
+        "of a --lora run (a peft adapter directory): its base with the adapters merged "
+        "in, every weight trained; with --lora R (the adapters' rank) the adapters are "
+        "trained further instead. Default: "
         "a byte-level GPT-2 built in code (2 layers, width 128, 4 heads)",
     )
     g.add_argument(
