@@ -189,6 +189,13 @@ class RuleSpec:
             the raw per-sample gradients.
         lr_grid: the learning rates ``dpkern compare`` tries (they bracket the best values
             of a 5-point sweep at epsilon 1 and 7 on digits, seed 0).
+        finetune_lr: the default ``--lr`` of ``dpkern finetune`` (and ``dpkern audit``)
+            with this rule (``lr_grid`` is compare's, on digits): the lowest validation
+            loss of a x3 grid (x10 for the BC rules) of 40-step runs of finetune's
+            default job (the built-in GPT-2 on the help pages, epsilon 8, seed 0),
+            confirmed at its 150 steps (seed 1; DP-RAdam, whose rectified steps start
+            small, chosen there: 3e-2, where 40 steps prefer 0.3); 2026-12-06. None:
+            those commands ask for ``--lr``.
         section: where SPEC.md defines it. source: the algorithm's reference.
     """
 
@@ -204,6 +211,7 @@ class RuleSpec:
     second_moment: bool = False
     ghost: bool = True
     lr_grid: tuple[float, ...] = ()
+    finetune_lr: float | None = None
     section: str = ""
     source: str = ""
     noise_var_ema: Callable[[Hyper, float, float, int], float] | None = field(
@@ -230,6 +238,13 @@ class RuleSpec:
             raise ValueError(f"rule {self.name!r}: noise_bias_correction needs a second moment")
         if self.noise_bias_correction and self.noise_var_ema is None:
             raise ValueError(f"rule {self.name!r}: noise_bias_correction needs noise_var_ema")
+        if self.finetune_lr is not None and not (
+            isinstance(self.finetune_lr, (int, float)) and 0 < self.finetune_lr < math.inf
+        ):
+            raise ValueError(
+                f"rule {self.name!r}: finetune_lr must be a finite number > 0, got "
+                f"{self.finetune_lr!r}"
+            )
 
     # -- derived views -------------------------------------------------------------------
     @property
@@ -367,6 +382,7 @@ register(
         "DPSGD",
         (StateSpec("momentum_buffer", needed=lambda h: h.momentum != 0),),
         lr_grid=(0.125, 0.25, 0.5, 1.0),
+        finetune_lr=0.3,
         section="5.1",
         source='Abadi et al. 2016, "Deep Learning with Differential Privacy", Algorithm 1',
     )
@@ -381,6 +397,7 @@ register(
         _MOMENTS,
         second_moment=True,
         lr_grid=_SMALL_LRS,
+        finetune_lr=5e-3,
         section="5.2",
         source="Abadi et al. 2016 with Kingma & Ba 2015 (TensorFlow Privacy, Opacus)",
     )
@@ -396,6 +413,7 @@ register(
         noise_bias_correction=True,
         second_moment=True,
         lr_grid=_BC_LRS,
+        finetune_lr=1e-3,
         section="5.3",
         source="Tang et al., AAAI 2024, arXiv 2312.14334, Algorithm 1",
         noise_var_ema=adam_noise_var_ema,
@@ -412,6 +430,7 @@ register(
         decoupled_decay=True,
         second_moment=True,
         lr_grid=_SMALL_LRS,
+        finetune_lr=5e-3,
         section="5.4",
         source="arXiv 2511.07843, Algorithm 1; Loshchilov & Hutter 2019",
     )
@@ -428,6 +447,7 @@ register(
         noise_bias_correction=True,
         second_moment=True,
         lr_grid=_BC_LRS,
+        finetune_lr=1e-3,
         section="5.5",
         source="arXiv 2511.07843, Algorithm 2",
         noise_var_ema=adam_noise_var_ema,
@@ -449,6 +469,7 @@ register(
         second_moment=True,
         ghost=False,
         lr_grid=(3e-4, 1e-3, 3e-3, 1e-2),
+        finetune_lr=5e-3,
         section="7",
         source="arXiv 2606.05435, Algorithm 1; AdaClip, arXiv 1908.07643",
     )
@@ -490,6 +511,7 @@ register(
         "DPSGDScheduleFree",
         (_SF_Z,),
         lr_grid=(0.25, 0.5, 1.0, 2.0),
+        finetune_lr=1.0,
         section="10.8",
         source=(
             'Defazio et al. 2024, "The Road Less Scheduled", arXiv 2405.15682, section 2 '
@@ -518,6 +540,7 @@ register(
         noise_bias_correction=True,
         second_moment=True,
         lr_grid=(3e-3, 1e-2, 3e-2, 1e-1),  # digits eps 1: best at 1e-2, the old top
+        finetune_lr=5e-3,
         section="10.8",
         source=(
             'Defazio et al. 2024, "The Road Less Scheduled", arXiv 2405.15682, Algorithm 1 '
@@ -560,6 +583,7 @@ register(
         noise_bias_correction=True,
         second_moment=True,
         lr_grid=(3e-4, 1e-3, 3e-3, 1e-2),  # digits eps 1: best at 3e-3, the old top
+        finetune_lr=1e-3,
         section="10.1",
         source="Tieleman & Hinton 2012, Lecture 6.5 (RMSprop); Graves 2013, arXiv "
         "1308.0850, eqs. 38-41 (centered); torch.optim.RMSprop",
@@ -597,6 +621,7 @@ register(
         noise_bias_correction=True,
         second_moment=True,
         lr_grid=(1e-2, 3e-2, 1e-1, 3e-1),  # digits eps 1: best at 1e-1, the old top
+        finetune_lr=1e-2,
         section="10.2",
         source="Duchi, Hazan & Singer 2011, JMLR 12, Figure 1 (diagonal AdaGrad); "
         "torch.optim.Adagrad",
@@ -636,6 +661,7 @@ register(
         noise_bias_correction=True,
         second_moment=True,
         lr_grid=(0.3, 1.0, 3.0, 10.0),  # digits eps 1: best at 2, the old top
+        finetune_lr=1.0,
         section="10.5",
         source='Zeiler 2012, "ADADELTA: An Adaptive Learning Rate Method", arXiv 1212.5701, '
         "Algorithm 1; torch.optim.Adadelta",
@@ -694,6 +720,7 @@ register(
         noise_bias_correction=True,
         second_moment=True,
         lr_grid=(1e-3, 3e-3, 1e-2, 3e-2),  # digits eps 1: best at 1e-2, the old top
+        finetune_lr=5e-3,
         section="10.6",
         source='Pagliardini, Ablin, Grangier 2024, "The AdEMAMix Optimizer: Better, Faster, '
         'Older", arXiv 2409.03137, Algorithm 1 and Section 3 (schedulers)',
@@ -739,6 +766,7 @@ register(
         noise_bias_correction=True,
         second_moment=True,
         lr_grid=(3e-3, 1e-2, 3e-2, 1e-1),  # digits, epsilon 7, seed 0: best 3e-2
+        finetune_lr=3e-2,
         section="10.3",
         source=(
             'Liu et al., "On the Variance of the Adaptive Learning Rate and Beyond", ICLR '
@@ -764,6 +792,7 @@ register(
         decoupled_decay=True,
         # Lion's best lr is 3-10x below AdamW's; digits, epsilon 7, seed 0: best 3e-3
         lr_grid=(3e-4, 1e-3, 3e-3, 1e-2),
+        finetune_lr=3e-3,
         section="10.4",
         source=(
             'Chen et al., "Symbolic Discovery of Optimization Algorithms", NeurIPS 2023, '
@@ -813,6 +842,7 @@ register(
         noise_bias_correction=True,
         second_moment=True,
         lr_grid=(1e-2, 3e-2, 1e-1, 3e-1),  # digits eps 1: flat at 3e-2..1e-1
+        finetune_lr=0.1,
         section="10.7",
         source="Shazeer & Stern, ICML 2018, arXiv 1804.04235, Algorithms 4-5; "
         "torch.optim.Adafactor",

@@ -619,3 +619,73 @@ def test_an_unusable_device_exits_2_before_building(text_file, tmp_path, capsys)
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and err.startswith("dpkern finetune: error: --device:"), err
         assert not out.exists()
+
+
+# -- the default learning rate: each optimizer's own (RuleSpec.finetune_lr) ----------------
+def _parser():
+    import argparse
+
+    from dpkern.cli.finetune import add_arguments
+
+    # (wide: argparse would wrap the help at hyphens, "dp-sgd-" / "schedulefree")
+    parser = argparse.ArgumentParser(
+        formatter_class=lambda prog: argparse.HelpFormatter(prog, width=9999)
+    )
+    add_arguments(parser)
+    return parser
+
+
+def _parse(*argv):
+    return _parser().parse_args(list(map(str, argv)))
+
+
+def test_every_optimizer_has_its_own_default_lr_in_the_plan_and_the_help():
+    from dpkern import rules
+    from dpkern.cli.finetune.plan import plan_from_args
+
+    lrs = {}
+    for spec in rules.RULES.values():
+        assert isinstance(spec.finetune_lr, float) and spec.finetune_lr > 0, spec.cli_name
+        plan = plan_from_args(_parse("--optimizer", spec.cli_name), None)
+        assert plan.lr == spec.finetune_lr, spec.cli_name
+        lrs[spec.cli_name] = plan.lr
+        given = plan_from_args(_parse("--optimizer", spec.cli_name, "--lr", 0.25), None)
+        assert given.lr == 0.25  # an explicit --lr wins
+    assert plan_from_args(_parse(), None).lr == lrs["dp-adamw"]  # the default optimizer's
+    # not one value for all: SGD-type steps are orders of magnitude above Adam-type ones
+    assert lrs["dp-sgd"] > 10 * lrs["dp-adamw"] and len(set(lrs.values())) > 3
+    help_text = _parser().format_help()
+    assert "learning rate (default: the optimizer's own," in help_text
+    for name, lr in lrs.items():
+        assert f"{name} {lr:g}" in help_text, name
+
+
+def test_the_resolved_lr_is_what_the_run_records_and_resume_keeps(
+    text_file, tmp_path, monkeypatch, capsys
+):
+    import dataclasses
+
+    from dpkern import rules
+    from dpkern.cli.finetune import job as ft
+
+    spec = rules.by_cli_name("dp-sgd")
+    out = tmp_path / "sgd"
+    tiny = [a for a in TINY if a not in ("--lr", "1e-2")]
+    argv = ["--data", text_file, "--optimizer", "dp-sgd", "--steps", 2, *tiny]
+    assert finetune(*argv, "--out", out) == 0
+    assert f"dp-sgd, lr {spec.finetune_lr:g}," in capsys.readouterr().out
+    assert read_metrics(out)["lr"] == spec.finetune_lr
+    assert json.loads((out / "run_config.json").read_text())["lr"] == spec.finetune_lr
+    state = torch.load(out / "trainer_state.pt", weights_only=True)["optimizer"]
+    assert state["param_groups"][0]["lr"] == spec.finetune_lr
+    # the default changes (a new dpkern): a resumed run keeps the lr it was planned with
+    monkeypatch.setitem(rules._REGISTRY, "sgd", dataclasses.replace(spec, finetune_lr=123.0))
+    job = ft.prepare(_parse("--resume", out, "--steps", 3))
+    assert job.plan.lr == spec.finetune_lr
+    assert job.optimizer.param_groups[0]["lr"] == spec.finetune_lr
+    assert finetune("--resume", out, "--steps", 3, "--quiet") == 0
+    assert read_metrics(out)["lr"] == spec.finetune_lr and read_metrics(out)["step"] == 3
+    # ... while a new run takes the new default, and an explicit --lr wins
+    assert ft.prepare(_parse(*argv)).plan.lr == 123.0
+    assert finetune(*argv, "--lr", 0.5, "--out", tmp_path / "given") == 0
+    assert read_metrics(tmp_path / "given")["lr"] == 0.5

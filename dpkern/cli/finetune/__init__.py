@@ -9,7 +9,8 @@ target epsilon is reached exactly at the end of training.
 
 Defaults: a small byte-level GPT-2 (2 layers, width 128, block 64, ~0.44 M parameters)
 built in code, trained on CPython's pydoc_data help pages (~465 kB of English prose,
-offline), 150 steps of DP-AdamW (lr 5e-3) at an expected batch of 128 blocks
+offline), 150 steps of DP-AdamW (lr 5e-3; each --optimizer has its own default lr, see
+--lr) at an expected batch of 128 blocks
 (micro-batches of 64), epsilon = 8, delta = 1/N^1.1 (N = training blocks), C = 1.
 About 45 s on 2 idle CPU cores; validation perplexity goes from about 240 to about 14.
 

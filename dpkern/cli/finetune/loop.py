@@ -137,6 +137,7 @@ def run_training(args, job, dist_ctx=None, stop: StopSignals | None = None) -> i
             "expected_batch_size": plan.batch_size,
             "accountant": plan.accountant,
             "optimizer": plan.optimizer,
+            "lr": plan.lr,
             "backend": args.backend,
             "backend_resolved": optimizer._backend_line(),
             "val_loss_before": val_before,

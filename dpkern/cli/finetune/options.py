@@ -28,7 +28,7 @@ DEFAULTS = {
     "block_size": 64,
     "val_fraction": 0.1,
     "optimizer": "dp-adamw",
-    "lr": 5e-3,
+    "lr": None,  # None = the optimizer's own (default_lr: RuleSpec.finetune_lr)
     "weight_decay": None,  # None = the optimizer's own default
     "epsilon": 8.0,
     "delta": None,  # None = 1 / N**1.1
@@ -41,6 +41,24 @@ DEFAULTS = {
     "bf16": False,
     "stochastic_rounding": False,
 }
+
+
+def default_lr(optimizer: str) -> float:
+    """The default --lr of ``optimizer`` (a --optimizer name): its rule's
+    ``finetune_lr`` (dpkern.rules). Raises UsageError for a rule without one."""
+    lr = rules.by_cli_name(optimizer).finetune_lr
+    if lr is None:
+        raise UsageError("--lr", f"{optimizer} has no default learning rate: pass --lr")
+    return float(lr)
+
+
+def _lr_help() -> str:
+    known = [s for s in rules.RULES.values() if s.finetune_lr is not None]
+    return (
+        "learning rate (default: the optimizer's own, "
+        + ", ".join(f"{s.cli_name} {s.finetune_lr:g}" for s in known)
+        + ")"
+    )
 
 
 DEFAULT_MICRO_BATCH = 64
@@ -238,7 +256,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g = parser.add_argument_group("optimizer")
     g.add_argument("--optimizer", choices=OPTIMIZERS, help=f"(default {d['optimizer']})")
-    g.add_argument("--lr", type=float, help=f"learning rate (default {d['lr']:g})")
+    g.add_argument("--lr", type=float, help=_lr_help())
     g.add_argument(
         "--weight-decay",
         type=float,

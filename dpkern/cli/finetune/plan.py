@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .checkpoint import UsageError
-from .options import DEFAULTS, PLAN_OPTIONS
+from .options import DEFAULTS, PLAN_OPTIONS, default_lr
 
 
 #: What every output of a run with --noise-seed says in place of an epsilon claim.
@@ -137,6 +137,8 @@ def plan_from_args(args, saved: dict | None) -> Plan:
                 values["lora_alpha"] = 2.0 * values["lora"]
             if values["lora_dropout"] is None:
                 values["lora_dropout"] = 0.0
+    if values["lr"] is None and saved is None:  # (a resumed run keeps its recorded lr)
+        values["lr"] = default_lr(values["optimizer"])
     if values["epochs"] is not None:
         values["steps"] = None
     for name in ("model", "data"):  # absolute, so that --resume works from anywhere
