@@ -30,8 +30,10 @@ exceeds B_MAX] to delta and metrics.json reports it (delta_batch_truncation); si
 calibrated for the target delta less that charge (delta_mechanism), so the total stays
 within the target; a B_MAX
 below the expected batch, or one whose truncation would cost more than a tenth of
-delta, is refused. Losses shown on the progress bar and saved in metrics.json are computed
-on the private data without noise: they are for the operator, not for publication. No
+delta, is refused. The training loss on the progress bar is computed on the private data
+without noise: it is for the operator and is written to no file. The validation losses in
+metrics.json and the summary are exact on the held-out split: publish them only if that
+split may be public. No
 exact data-dependent count (samples drawn, clipped or non-finite) is written or shown:
 throughput is that of the expected batch.
 

@@ -145,7 +145,7 @@ def run_training(args, job, dist_ctx=None, stop: StopSignals | None = None) -> i
             "val_loss_after": val_after,
             "val_perplexity_after": None if val_after is None else math.exp(val_after),
             "val_loss_initial": old_metrics.get("val_loss_initial", val_before),
-            "train_loss_ema": loss_ema,
+            # (no training loss: exact on the private data, un-noised; the bar shows it live)
             "train_seconds": train_time,
             "expected_tokens_per_second": expected_tokens_per_second(),
             "expected_units_per_second": expected_units_per_second(),
