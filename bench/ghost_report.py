@@ -42,7 +42,7 @@ def goals_markdown(rows: list[dict]) -> list[str]:
         "| met | peak extra ghost / non-private | goal | met |"
     )
     lines = [
-        "Issue 16 goals on this run: ghost step / non-private step ≤ "
+        "LLM fine-tuning goals on this run: ghost step / non-private step ≤ "
         f"{GOAL_GHOST_RATIO['full']:.2f}× (full fine-tuning) or ≤ "
         f"{GOAL_GHOST_RATIO['lora']:.2f}× (LoRA); Opacus fast gradient clipping / ghost ≥ "
         f"{GOAL_OPACUS_OVER_GHOST:g}× (its untied copy on the tied GPT-2); the peak extra "

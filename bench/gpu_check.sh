@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check of the Triton backend (issue 3), one script for a CUDA machine:
+# The GPU check of the Triton backend, one script for a CUDA machine:
 #   1. installs this checkout (pip install -e ., no dependencies: torch and triton are
 #      already there and must not be reinstalled; no network needed);
 #   2. runs the Triton parity tests on CUDA (tests/test_backend_parity.py,
