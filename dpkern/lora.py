@@ -19,6 +19,7 @@ __all__ = [
     "adapter_base",
     "adapter_config",
     "add_lora",
+    "base_of",
     "base_state_dict",
     "is_adapter_dir",
     "load_lora",
@@ -151,6 +152,13 @@ def adapter_base(path: str | Path) -> Path:
     if is_adapter_dir(base) or base.resolve() == path.resolve():
         raise ValueError(f"{path}: the adapter's base {base} is itself an adapter directory")
     return base.absolute()
+
+
+def base_of(path: str | Path) -> Path:
+    """The model directory that ``path`` trains on as a base: ``path`` itself for a plain
+    model directory, :func:`adapter_base` for a LoRA adapter directory (a ``--lora``
+    run's). Raises ValueError from :func:`adapter_base`."""
+    return adapter_base(path) if is_adapter_dir(path) else Path(path)
 
 
 @contextlib.contextmanager

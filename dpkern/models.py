@@ -23,6 +23,7 @@ from .lora import (  # noqa: F401  (re-exported: dpkern.models.add_lora etc.)
     adapter_base,
     adapter_config,
     add_lora,
+    base_of,
     base_state_dict,
     is_adapter_dir,
     load_lora,

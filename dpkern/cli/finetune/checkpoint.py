@@ -205,8 +205,7 @@ def _save_adapter(stage: Path, out: Path, model, run_config: dict) -> None:
         base.save_pretrained(stage / BASE_DIR, state_dict=models.base_state_dict(model))
         config.base_model_name_or_path = str(out / BASE_DIR)
     else:  # a --model DIR base; or, continuing a LoRA run's adapters, that run's base
-        base = models.adapter_base(source) if models.is_adapter_dir(source) else source
-        config.base_model_name_or_path = str(base)
+        config.base_model_name_or_path = str(models.base_of(source))
     model.save_pretrained(stage, save_embedding_layers=False)  # (no embedding targets)
     (stage / "README.md").unlink(missing_ok=True)
 

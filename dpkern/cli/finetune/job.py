@@ -145,12 +145,10 @@ def load_model(plan: Plan, args):
 
 def lora_base(path: str, option: str) -> str:
     """The base model directory of the LoRA run (or peft adapter directory) ``path``
-    (models.adapter_base); a plain model directory is its own. UsageError naming
-    ``option`` when it cannot be found."""
-    if not models.is_adapter_dir(path):
-        return path
+    (models.base_of); a plain model directory is its own. UsageError naming ``option``
+    when it cannot be found."""
     try:
-        return str(models.adapter_base(path))
+        return str(models.base_of(path))
     except ValueError as exc:
         raise UsageError(option, str(exc)) from None
 
