@@ -313,6 +313,50 @@ def test_trainer_end_to_end_epsilon_within_target_and_nothing_leaked(tmp_path):
     assert gen.shape == (1, 6) and torch.equal(gen[:, :3], ids)
 
 
+def test_save_metrics_writes_no_training_loss(tmp_path):
+    """run_clm's ``trainer.save_metrics("train", train_result.metrics)``: train_loss (exact,
+    un-noised) stays out of train_results.json and all_results.json; epsilon is there."""
+    tr = trainer(hf_tiny.build("llama").model, tmp_path, max_steps=2, logging_steps=1)
+    out = tr.train()
+    assert "train_loss" in out.metrics  # in memory, as Trainer returns it
+    tr.save_metrics("train", out.metrics)
+    for name in ("train_results.json", "all_results.json"):
+        saved = json.loads((tmp_path / name).read_text())
+        assert "train_loss" not in saved and "loss" not in saved, name
+        assert saved["epsilon"] > 0
+
+
+def test_schedule_free_trains_across_evaluation_and_saves_the_average(tmp_path):
+    """evaluate() sets a schedule-free optimizer to x (Trainer's optimizer.eval()); each
+    training step sets it back to y; save_model() writes x and leaves the parameters at
+    y; a checkpoint keeps y with the optimizer's train mode (they resume together)."""
+    from safetensors.torch import load_file
+
+    model = hf_tiny.build("llama").model
+    tr = DPTrainer(
+        model=model,
+        args=targs(tmp_path, max_steps=3, eval_strategy="steps", eval_steps=1),
+        train_dataset=make_data(48),
+        eval_dataset=make_data(8, seed=9),
+        data_collator=collate,
+        privacy=privacy(optimizer="dp-adamw-schedulefree"),
+    )
+    tr.train()
+    opt = tr.optimizer.optimizer
+    assert opt.dp_step == 3 and sum("eval_loss" in e for e in tr.state.log_history) == 3
+    opt.train()  # (the last evaluate() left x in place)
+    y = params_of(model)
+    tr.save_model(str(tmp_path / "final"))
+    assert all(torch.equal(p, y[n]) for n, p in model.named_parameters())  # back at y
+    saved = load_file(str(tmp_path / "final" / "model.safetensors"))
+    opt.eval()
+    x = params_of(model)
+    opt.train()
+    assert any(not torch.equal(x[n], y[n]) for n in x)  # x and y differ after 3 steps
+    for n, t in saved.items():
+        torch.testing.assert_close(t, x[n], atol=0, rtol=0, msg=n)
+
+
 def test_a_model_saved_by_an_earlier_run_says_its_ledger_starts_at_zero(tmp_path):
     """save_model writes the privacy record beside the model; a new DPTrainer on a model
     loaded from there warns that its ledger starts at zero (composition is the user's)."""
@@ -658,6 +702,7 @@ def test_guard_for_plain_loops():
             "use_reentrant",
         ),
         ({"neftune_noise_alpha": 5.0}, "couples the samples"),
+        ({"skip_memory_metrics": False}, "peak memory"),
     ],
 )
 def test_refused_training_arguments(tmp_path, kw, match):

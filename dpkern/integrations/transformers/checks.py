@@ -91,6 +91,11 @@ def _check_training_args(args) -> None:
         "include_num_input_tokens_seen would log an exact data-dependent count",
     )
     _refuse(
+        getattr(args, "skip_memory_metrics", True),
+        "skip_memory_metrics=False would save the peak memory of the run, which grows with "
+        "the largest sampled micro-batch (a data-dependent figure)",
+    )
+    _refuse(
         getattr(args, "neftune_noise_alpha", None) is None,
         "neftune_noise_alpha scales each sample's embedding noise by the batch's padded "
         "length, which couples the samples",

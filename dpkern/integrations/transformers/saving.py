@@ -17,7 +17,8 @@ __all__ = ["PrivateSaving"]
 #: gradient; an exact un-noised statistic if anything filled it).
 _DROPPED_LOGS = ("grad_norm",)
 #: Logged live (console, report_to), never written to a file dpkern's Trainer saves or
-#: shares (trainer_state.json, the model card): the exact, un-noised training loss.
+#: shares (trainer_state.json, the model card, save_metrics' json): the exact, un-noised
+#: training loss.
 _UNSAVED_LOGS = ("loss", "train_loss")
 
 
@@ -37,9 +38,10 @@ class PrivateSaving:
         """``Trainer.save_model``, and once training started the privacy record
         (``dpkern_privacy.json``: ledger, epsilon) beside the model, so that a later run
         from this directory is told its ledger starts at zero."""
-        super().save_model(output_dir, _internal_call)
         # (a checkpoint's record is written with its optimizer state, once)
         into_checkpoint = _internal_call and output_dir not in (None, self.args.output_dir)
+        with self._averaged_weights(not into_checkpoint):
+            super().save_model(output_dir, _internal_call)
         if (
             self._plan is not None
             and self.optimizer is not None
@@ -47,6 +49,29 @@ class PrivateSaving:
             and not into_checkpoint
         ):
             write_record(output_dir or self.args.output_dir, self._record())
+
+    @contextlib.contextmanager
+    def _averaged_weights(self, swap: bool):
+        """A schedule-free optimizer in train mode (the parameters hold y): the model is
+        saved with the average x (what schedule-free trains for; schedulefree's
+        ``optimizer.eval()`` before saving), then set back to y. Not for checkpoints:
+        their y and the optimizer state (z, train mode) resume together."""
+        opt = _inner(self.optimizer) if self.optimizer is not None else None
+        train_mode = swap and any(g.get("train_mode") for g in getattr(opt, "param_groups", ()))
+        if train_mode:
+            opt.eval()
+        try:
+            yield
+        finally:
+            if train_mode:
+                opt.train()
+
+    def save_metrics(self, split, metrics, combined: bool = True) -> None:
+        """``Trainer.save_metrics`` without the exact training loss (``train()``'s
+        ``metrics["train_loss"]``, which ``run_clm``-style scripts save to
+        ``train_results.json`` / ``all_results.json``)."""
+        kept = {k: v for k, v in metrics.items() if k not in _UNSAVED_LOGS}
+        super().save_metrics(split, kept, combined)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)

@@ -318,6 +318,8 @@ class DPTrainer(PrivateSaving, Trainer):
         # when Accelerate wrapped the model.
         model = _unwrap_ddp(model)
         model.train()
+        if callable(getattr(opt, "train", None)):  # schedule-free: the parameters hold y
+            opt.train()  # (as Trainer.training_step does; evaluate() set them to x)
         inputs = self._prepare_inputs(inputs)
         rows = _batch_rows(inputs)
         total = torch.zeros((), device=self.args.device)
