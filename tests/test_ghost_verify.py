@@ -246,6 +246,21 @@ def test_custom_autograd_function_is_refused_naming_the_parameter():
     assert untouched(opt)
 
 
+@pytest.mark.parametrize("couple", ["l * l.mean()", "l / l.sum()"])
+def test_losses_coupled_after_the_forward_are_refused_saying_so(couple):
+    """A batch statistic in the loss, after the model's forward (outside the capture): the
+    first-step check refuses it, and its message names that cause first."""
+    torch.manual_seed(case_seed(12))
+    model = Mlp()
+    opt = sgd(model)
+    ids = torch.randint(1, 11, (5, 4))
+    with pytest.raises(ValueError, match=r"losses are not per-sample.*l \* l\.mean\(\)"):
+        with GhostClipping(model, opt) as gc:
+            l = mlp_loss(model, ids)  # noqa: E741
+            gc.backward(l * l.mean() if couple == "l * l.mean()" else l / l.sum())
+    assert untouched(opt)
+
+
 def _inject(monkeypatch, shape, factor=1.01, row=None):
     """Make the ghost squared norm of the parameter of ``shape`` wrong by ``factor``
     (in every row, or in ``row`` only): a ghost rule error whatever the capture does,

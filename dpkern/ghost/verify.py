@@ -277,8 +277,10 @@ class Verifier:
             + more
             + f". Worst row {rows[w]}: squared norm ghost {ghost[w].sum():.6g} vs exact "
             f"{exact[w].sum():.6g}; {detail}. Clipping by these norms would not bound each "
-            "sample's contribution (not DP): the model uses these parameters in a way the "
-            "ghost rules do not foresee (e.g. a subclass of a covered layer whose forward "
+            "sample's contribution (not DP). Either the losses are not per-sample (losses[i] "
+            "must depend on sample i alone: no batch mean, sum or other batch statistic in "
+            "it, e.g. l * l.mean() or l / l.sum()), or the model uses these parameters in a "
+            "way the ghost rules do not foresee (e.g. a subclass of a covered layer whose forward "
             "adds a term, a parameter also used outside its module, a custom autograd "
             "Function, an input without a batch dimension). Use the per-sample path "
             "(dpkern.grad_sample.compute_grad_sample + optimizer.step()) for this model, "

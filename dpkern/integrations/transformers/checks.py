@@ -163,3 +163,47 @@ def _check_accelerator(accelerator) -> None:
         f"torch.compile through Accelerate (dynamo backend {name!r}, from its config or "
         "ACCELERATE_DYNAMO_BACKEND) is not supported yet",
     )
+
+
+def check_separable(loss_of, model, chunk: Mapping, rows: int, low_precision: bool) -> None:
+    """Raise ValueError unless each per-sample loss depends on its own sample alone: the
+    losses of the first half of ``chunk``'s ``rows`` (>= 2) rows, computed alone, equal
+    theirs within the whole chunk (``loss_of(model, batch)``, eval mode, no grad: no
+    dropout; the RNG state is restored). A loss divided by the batch's token count or
+    scaled by a batch statistic (``l * l.mean()``, ``l / l.sum()``) changes when samples
+    are left out: one sample would move the others' gradients, which clipping does not
+    bound. Tolerance (relative to each loss): 1e-4, 5e-2 with ``low_precision`` (bf16
+    weights or autocast; batch-size-dependent kernels round differently)."""
+    import torch
+
+    half = rows // 2
+    part = {
+        k: v[:half] if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == rows else v
+        for k, v in chunk.items()
+    }
+    was_training = model.training
+    devices = [d for d in {v.device for v in chunk.values() if isinstance(v, torch.Tensor)}]
+    model.eval()
+    try:
+        with (
+            torch.no_grad(),
+            torch.random.fork_rng(devices=[d for d in devices if d.type == "cuda"]),
+        ):
+            whole = loss_of(model, chunk)[:half].double()
+            alone = loss_of(model, part).double()
+    finally:
+        model.train(was_training)
+    if tuple(alone.shape) != (half,) or not torch.isfinite(whole).all():
+        return  # (the step's own checks report a wrong shape or a non-finite loss)
+    rtol = 5e-2 if low_precision else 1e-4
+    scale = torch.maximum(whole.abs(), alone.abs()).clamp(min=1e-12)
+    change = float(((whole - alone).abs() / scale).max())
+    _refuse(
+        change <= rtol,
+        f"the per-sample losses are not separable: a sample's loss changed by {change:.0%} "
+        "when the other half of its micro-batch was left out (eval mode, no dropout). Each "
+        "sample's loss must depend on that sample alone: a loss divided by the batch's token "
+        "count or scaled by a batch statistic (loss.mean(), l / l.sum()) lets one sample "
+        "move the others' gradients, which clipping does not bound (not DP). Divide by a "
+        "constant instead (PrivacyArguments(loss_normalizer=...)). Nothing was trained",
+    )

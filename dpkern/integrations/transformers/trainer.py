@@ -32,6 +32,7 @@ from .checks import (
     _check_training_args,
     _non_reentrant_checkpointing,
     _refuse,
+    check_separable,
 )
 from .data import _batch_rows, _row_chunks
 from .loader import train_dataloader
@@ -132,6 +133,7 @@ class DPTrainer(PrivateSaving, Trainer):
         self._resume_record = None
         self._gc = None
         self._update_check = None
+        self._separable_checked = False  # (check_separable: once, at the first chunk of >= 2)
         self._micro = 0
         self._accounted = 0
         self._started = False
@@ -289,6 +291,10 @@ class DPTrainer(PrivateSaving, Trainer):
             logits, labels, normalizer=self.privacy.loss_normalizer, attention_mask=mask
         )
 
+    def _loss_in_context(self, model, batch) -> torch.Tensor:
+        with self.compute_loss_context_manager():
+            return self.compute_per_sample_loss(model, batch)
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         """One micro-batch: per-sample losses, ghost clipping, the clipped sum into the
         optimizer's buffers (no ``.grad``; ``num_items_in_batch`` is ignored: nothing is
@@ -336,6 +342,12 @@ class DPTrainer(PrivateSaving, Trainer):
                     f"DPTrainer: the per-sample loss must be a float tensor [{b}], got "
                     f"{tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses)}"
                 )
+            if not self._separable_checked and b >= 2 and self.privacy.verify != "off":
+                low = str(getattr(self.accelerator, "mixed_precision", "no")) != "no" or any(
+                    p.dtype in (torch.bfloat16, torch.float16) for p in model.parameters()
+                )
+                check_separable(self._loss_in_context, model, chunk, b, low)
+                self._separable_checked = True
             self._gc.backward(losses)
             total = total + losses.detach().float().sum().to(total.device)
         # the Trainer logs the mean over ranks of this: x W makes it sum / B_e globally
