@@ -186,6 +186,11 @@ def test_model_from_an_earlier_run_says_its_ledger_starts_at_zero(text_file, tmp
     assert finetune(*argv) == 0
     err = capsys.readouterr().err
     assert "earlier dpkern finetune run" in err and "composition of both" in err
+    (src / "dpkern_privacy.json").write_text("{}")  # what DPTrainer.save_model writes
+    argv = ("--model", src, "--data", text_file, "--steps", 1, "--out", tmp_path / "third")
+    assert finetune(*argv, *TINY) == 0
+    err = capsys.readouterr().err
+    assert "earlier DPTrainer run (its dpkern_privacy.json)" in err and "composition" in err
 
 
 def test_opacus_grad_sample_matches_functorch():

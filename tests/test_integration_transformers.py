@@ -342,6 +342,15 @@ def test_a_loss_that_couples_the_samples_is_refused_before_any_step(tmp_path, lo
     assert tr.accountant.steps == 0
 
 
+def test_a_batch_averaged_loss_is_refused_saying_why(tmp_path):
+    model = hf_tiny.build("llama").model
+    tr = trainer(model, tmp_path, max_steps=1)
+    tr.per_sample_loss_func = lambda out, y: _token_mean_loss(out, y).mean()
+    with pytest.raises(ValueError, match=r"float tensor \[\d+\], got \(\).*do not average"):
+        tr.train()
+    assert tr.accountant.steps == 0
+
+
 def test_a_separable_custom_loss_trains(tmp_path):
     """The same token loss divided by a constant passes the separability check."""
     model = hf_tiny.build("llama").model
@@ -976,3 +985,15 @@ def test_sigma_is_calibrated_for_the_epochs_of_the_run(tmp_path):
     assert 0.9 * target < eps <= target + 1e-6
     assert eps == pytest.approx(tr.privacy_spent()["epsilon"])
     assert out.metrics["epoch"] == pytest.approx(2.0)
+
+
+def test_a_large_target_delta_is_warned_about_once(tmp_path):
+    """target_delta >= 1/N: one warning per train() (the loader and the calibration
+    both read the plan)."""
+    tr = trainer(
+        hf_tiny.build("llama").model, tmp_path, max_steps=1, priv=privacy(target_delta=0.1)
+    )
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        tr.train()
+    assert sum("not well below 1/N" in str(w.message) for w in seen) == 1

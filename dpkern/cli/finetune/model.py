@@ -16,7 +16,7 @@ from .plan import Plan
 
 #: Said when --model DIR is an earlier run's output: this run's ledger starts at zero.
 EARLIER_RUN_NOTE = (
-    "dpkern finetune: note: --model DIR is the output of an earlier dpkern finetune run; "
+    "dpkern finetune: note: --model DIR is the output of an earlier {what}; "
     "this run accounts its own epsilon from zero: if the two runs' data overlap, the "
     "final model's privacy is the composition of both (the epsilons add up at most); "
     "--resume DIR continues that run's ledger instead"
@@ -62,8 +62,18 @@ def load_model(plan: Plan, args):
                 else ""
             )
             raise UsageError(option, what + str(exc)) from None
-    if not args.resume and plan.model is not None and is_run_dir(Path(plan.model)):
-        print(EARLIER_RUN_NOTE, file=sys.stderr)
+    if not args.resume and plan.model is not None:
+        from ...integrations.transformers.records import PRIVACY_FILE
+
+        what = (
+            "dpkern finetune run"
+            if is_run_dir(Path(plan.model))
+            else f"DPTrainer run (its {PRIVACY_FILE})"
+            if (Path(plan.model) / PRIVACY_FILE).is_file()
+            else None
+        )
+        if what is not None:
+            print(EARLIER_RUN_NOTE.format(what=what), file=sys.stderr)
     ctx = models.context_length(model)
     if ctx is not None and plan.block_size > ctx:
         raise UsageError(

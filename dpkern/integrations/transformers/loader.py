@@ -60,7 +60,7 @@ def train_dataloader(trainer):
     """``trainer``'s Poisson-sampled training loader
     (:class:`PoissonMicroBatchSampler`), prepared by Accelerate (device placement); columns the model does not take are
     removed as by the Trainer."""
-    plan = trainer._plan or trainer._compute_plan()
+    plan = trainer._plan or trainer._compute_plan(warn=False)  # (train() warns, once)
     dataset = trainer.train_dataset
     collator = trainer.data_collator
     try:

@@ -31,7 +31,7 @@ def dataset_size(ds) -> int:
     return n
 
 
-def compute_plan(args, p, n: int) -> dict:
+def compute_plan(args, p, n: int, warn: bool = True) -> dict:
     """The plan of a run of the TrainingArguments ``args`` and the PrivacyArguments ``p``
     on ``n`` training examples (without sigma)."""
     micro = args.gradient_accumulation_steps
@@ -55,7 +55,7 @@ def compute_plan(args, p, n: int) -> dict:
                 "per-sample clipping bound; set PrivacyArguments.max_grad_norm > 0"
             )
     delta = p.target_delta if p.target_delta is not None else 1.0 / n**1.1
-    if delta >= 1.0 / n:
+    if warn and delta >= 1.0 / n:
         warnings.warn(
             f"DPTrainer: target_delta={delta:g} is not well below 1/N = {1.0 / n:.3g} "
             f"(N = {n} training examples): such a delta allows leaking whole examples",

@@ -141,8 +141,8 @@ class DPTrainer(PrivateSaving, Trainer):
         self.add_callback(_PrivacyCallback(self))
 
     # -- the plan: sampling rate, steps, sigma ---------------------------------------------
-    def _compute_plan(self) -> dict:
-        return compute_plan(self.args, self.privacy, dataset_size(self.train_dataset))
+    def _compute_plan(self, warn: bool = True) -> dict:
+        return compute_plan(self.args, self.privacy, dataset_size(self.train_dataset), warn)
 
     def _calibrate(self) -> dict:
         """The plan and sigma of this train() (a resumed run continues its ledger)."""
@@ -341,6 +341,7 @@ class DPTrainer(PrivateSaving, Trainer):
                 raise ValueError(
                     f"DPTrainer: the per-sample loss must be a float tensor [{b}], got "
                     f"{tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses)}"
+                    " (one loss per sample of the micro-batch: do not average or sum over it)"
                 )
             if not self._separable_checked and b >= 2 and self.privacy.verify != "off":
                 low = str(getattr(self.accelerator, "mixed_precision", "no")) != "no" or any(
