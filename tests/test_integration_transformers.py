@@ -751,6 +751,7 @@ def test_guard_for_plain_loops():
         ),
         ({"neftune_noise_alpha": 5.0}, "couples the samples"),
         ({"skip_memory_metrics": False}, "peak memory"),
+        ({"use_liger_kernel": True}, "liger"),
     ],
 )
 def test_refused_training_arguments(tmp_path, kw, match):
@@ -777,6 +778,18 @@ def test_accelerate_settings_behind_the_training_arguments_are_refused(
     for k in env:
         monkeypatch.delenv(k)
     assert trainer(hf_tiny.build("llama").model, tmp_path).accelerator.mixed_precision == "no"
+
+
+def test_mixed_precision_other_than_bf16_is_refused():
+    import types
+
+    from dpkern.integrations.transformers.checks import _check_accelerator
+
+    for mp in ("fp8", "fp16"):
+        with pytest.raises(ValueError, match=f"{mp} mixed precision"):
+            _check_accelerator(types.SimpleNamespace(mixed_precision=mp))
+    for mp in ("no", "bf16"):
+        _check_accelerator(types.SimpleNamespace(mixed_precision=mp))
 
 
 def test_refused_trainer_arguments(tmp_path, monkeypatch):

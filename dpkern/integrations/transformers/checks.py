@@ -91,6 +91,11 @@ def _check_training_args(args) -> None:
         "include_num_input_tokens_seen would log an exact data-dependent count",
     )
     _refuse(
+        not getattr(args, "use_liger_kernel", False),
+        "use_liger_kernel=True replaces the model's layers with fused kernels (custom "
+        "autograd functions) whose per-sample norms ghost clipping has no rule for",
+    )
+    _refuse(
         getattr(args, "skip_memory_metrics", True),
         "skip_memory_metrics=False would save the peak memory of the run, which grows with "
         "the largest sampled micro-batch (a data-dependent figure)",
@@ -154,6 +159,12 @@ def _check_accelerator(accelerator) -> None:
         mp != "fp16",
         "fp16 mixed precision (from Accelerate's config or ACCELERATE_MIXED_PRECISION): "
         "the fp16 loss scaler rescales .grad, which DP training does not use; use bf16",
+    )
+    _refuse(
+        mp in ("no", "bf16"),
+        f"{mp} mixed precision (from Accelerate's config or ACCELERATE_MIXED_PRECISION) is "
+        "not supported: its layers replace the ones ghost clipping's norms are proven "
+        "for; use bf16",
     )
     plugin = getattr(getattr(accelerator, "state", None), "dynamo_plugin", None)
     backend = getattr(plugin, "backend", None)
