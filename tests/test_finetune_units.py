@@ -291,3 +291,22 @@ def test_units_are_summed_across_micro_batches_before_clipping():
         for g, w in zip(got_rows, want):
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
     assert unit_chunks(units, 3) == [(0, 7), (7, 8), (8, 11)]
+
+
+def test_summary_model_line_says_resumed_and_from_what():
+    """A resumed run's summary names the run it resumed and the model it came from (a
+    run started with --model kept only the model before)."""
+    import types
+
+    from dpkern.cli.finetune.summary import _model_line
+
+    m = {"num_parameters_total": 2.5e6, "num_parameters": 1000}
+    base = dict(lora=None, bf16=False, stochastic_rounding=False, block_size=64, arch="gpt2")
+    plan = types.SimpleNamespace(model="runs/r_lora", **base)
+    line = _model_line(plan, types.SimpleNamespace(resume="runs/r2"), m)
+    assert line.startswith("(resumed) runs/r2, from runs/r_lora: 2.50 M parameters")
+    plan = types.SimpleNamespace(model=None, **base)
+    line = _model_line(plan, types.SimpleNamespace(resume=None), m)
+    assert line.startswith("built-in byte-level GPT-2: 2.50 M parameters, block 64")
+    line = _model_line(plan, types.SimpleNamespace(resume="runs/r1"), m)
+    assert line.startswith("(resumed) runs/r1, from built-in byte-level GPT-2")
