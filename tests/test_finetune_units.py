@@ -3,6 +3,7 @@ privacy units (documents, users), fixed-shape batches, and their bad input."""
 
 from __future__ import annotations
 
+import collections
 import json
 import random
 
@@ -109,6 +110,7 @@ def test_user_level_run_names_the_unit_and_counts_users(users_file, tmp_path, ca
     assert "--user-field author" in unit[0]
     config = json.loads((out / "run_config.json").read_text())
     assert config["privacy_unit"] == "user" and config["user_field"] == "author"
+    assert config["n_train"] is None and config["n_val"] is None  # block counts: private
     # a resume keeps the unit; changing it is refused
     assert finetune("--resume", out, "--steps", 4, "--quiet") == 0
     assert read_metrics(out)["step"] == 4 and read_metrics(out)["privacy_unit"] == "user"
@@ -123,6 +125,30 @@ def test_document_level_run(users_file, tmp_path):
     m = read_metrics(out)
     lines = sum(1 for ln in users_file.read_text().splitlines() if ln.strip())
     assert m["privacy_unit"] == "document" and m["n_units"] < lines  # short lines: no block
+
+
+def test_unit_truncation_and_sigma_do_not_depend_on_unit_sizes(users_file, tmp_path):
+    """--max-batch-size with users as units: the overflow bound, its delta charge and the
+    sigma calibrated with it are functions of N users, q, B_max and the cap only. Two
+    datasets of the same users, one user's size changed, publish the same numbers."""
+    rows = [json.loads(ln) for ln in users_file.read_text().splitlines() if ln.strip()]
+    other = tmp_path / "other.jsonl"
+    lines = collections.Counter(str(r["author"]) for r in rows)
+    small = min(lines, key=lines.get)  # a user below the cap: one more line moves its size
+    extra = [r for r in rows if str(r["author"]) == small][:1]
+    other.write_text("\n".join(json.dumps(r) for r in rows + extra) + "\n")
+    got = []
+    for k, data in enumerate((users_file, other)):
+        out = tmp_path / f"run{k}"
+        argv = ["--data", data, "--privacy-unit", "user", "--user-field", "author"]
+        argv += ["--batch-size", 4, "--max-blocks-per-unit", 12, "--max-batch-size", 180]
+        assert finetune(*argv, "--steps", 1, "--out", out, "--quiet", *TINY) == 0
+        m = read_metrics(out)
+        got.append(
+            (m["n_units"], m["noise_multiplier"], m["batch_overflow_probability"])
+            + (m["delta_batch_truncation"],)
+        )
+    assert got[0] == got[1] and got[0][2] > 0
 
 
 def test_fixed_shape_run_charges_truncation_and_resumes(text_file, tmp_path):

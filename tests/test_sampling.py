@@ -368,12 +368,20 @@ def test_overflow_probability_of_multi_row_units_matches_enumeration(unit_rows, 
 
 
 def test_sampler_overflow_probability_of_units_uses_the_public_bound():
+    """Every unit counted at the cap k: the bound depends on N units, q, B_max and k, never
+    on the private unit sizes (two datasets of 40 units, sizes differing, same bound),
+    and it bounds the exact histogram's probability."""
     from dpkern.accounting import batch_overflow_probability
 
     units = torch.tensor([0] * 3 + [1] * 2 + list(range(2, 40)))  # sizes 3, 2 and 38 x 1
     s = PoissonBatchSampler(43, 0.25, 4, units=units, max_batch_size=20, max_unit_size=3)
-    want = batch_overflow_probability({3: 1, 2: 1, 1: 38}, 0.25, 20, neighbour_rows=3)
+    want = batch_overflow_probability({3: 40}, 0.25, 20, neighbour_rows=3)
     assert s.overflow_probability == want
+    exact = batch_overflow_probability({3: 1, 2: 1, 1: 38}, 0.25, 20, neighbour_rows=3)
+    assert exact < want
+    other = torch.tensor(list(range(40)) + [5, 6, 7])  # sizes 1 x 37 and 3 x 2 ... (40 units)
+    s2 = PoissonBatchSampler(43, 0.25, 4, units=other, max_batch_size=20, max_unit_size=3)
+    assert s2.num_units == 40 and s2.overflow_probability == want
     assert PoissonBatchSampler(43, 0.25, 4, units=units).overflow_probability == 0.0
 
 

@@ -276,21 +276,26 @@ class PoissonBatchSampler(torch.utils.data.Sampler[list[int]]):
 
     @property
     def overflow_probability(self) -> float:
-        """Per-step probability that the Poisson batch exceeds ``max_batch_size``, for the
-        worst dataset neighbouring this one (one more unit of ``max_unit_size`` rows, or 1
-        row); 0.0 in variable-shape mode. Pass it to
-        :meth:`dpkern.accounting.PrivacyAccountant.step` (``overflow_probability=``)."""
+        """Per-step bound on the probability that the Poisson batch exceeds
+        ``max_batch_size``, for this dataset and its worst neighbour (one more unit of
+        ``max_unit_size`` rows, or 1 row); 0.0 in variable-shape mode. Pass it to
+        :meth:`dpkern.accounting.PrivacyAccountant.step` (``overflow_probability=``).
+
+        A function of public quantities only (the number of units N, q, B_max and k): units
+        of several rows are bounded as if each held k rows (P[k Binomial(N + 1, q) >
+        B_max]), never by their actual sizes, which are private: a bound computed from
+        them would make the delta charged, and the sigma calibrated with it, depend on one
+        unit's size."""
         if self.max_batch_size is None:
             return 0.0
         if self._overflow is None:
             from ..accounting import batch_overflow_probability
 
-            k = 1 if self._sizes is None else (self.max_unit_size or 1)
             if self._sizes is None:
-                counts = {1: self.num_samples}
+                k, counts = 1, {1: self.num_samples}
             else:
-                values, freq = torch.unique(self._sizes[self._sizes > 0], return_counts=True)
-                counts = dict(zip(values.tolist(), freq.tolist()))
+                k = self.max_unit_size or 1
+                counts = {k: self.num_units}
             self._overflow = batch_overflow_probability(
                 counts, self.sample_rate, self.max_batch_size, neighbour_rows=k
             )

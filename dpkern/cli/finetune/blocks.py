@@ -104,29 +104,33 @@ def fixed_shape(plan: Plan, n_blocks: int, units, steps: int, delta: float) -> f
             max_unit_size=plan.max_blocks_per_unit,
         )
 
-    rows = n_blocks if units is None or plan.max_blocks_per_unit is None else None
-    if rows is None:
-        sizes = torch.bincount(units).clamp(max=plan.max_blocks_per_unit)
-        rows = int(sizes.sum())
-    expected = plan.sample_rate * rows
-    require(
-        plan.max_batch_size >= expected,
-        "--max-batch-size",
-        f"{plan.max_batch_size} is below the expected batch of {expected:.1f} blocks: most "
-        "steps would be truncated",
-    )
     try:
         eta = sampler(plan.max_batch_size).overflow_probability
     except ValueError as exc:
         option = "--max-blocks-per-unit" if "max_unit_size" in str(exc) else "--max-batch-size"
         raise UsageError(option, str(exc).replace("rows", "blocks")) from None
+    # A public bound on the rows (every unit at its cap k), never the private unit sizes:
+    # the checks, the messages and the truncation charge depend on public numbers only.
+    if units is None:
+        rows, k, what = n_blocks, 1, "blocks"
+    else:
+        k = plan.max_blocks_per_unit
+        rows = (int(units.max()) + 1) * k
+        what = f"blocks at most ({unit_name(plan, 2)} x --max-blocks-per-unit x q)"
+    expected = plan.sample_rate * rows
+    require(
+        plan.max_batch_size >= expected,
+        "--max-batch-size",
+        f"{plan.max_batch_size} is below the expected batch of {expected:.1f} {what}: most "
+        "steps would be truncated",
+    )
 
     def cost(B_max, eta=None):
         eta = sampler(B_max).overflow_probability if eta is None else eta
         return overflow_delta(steps * eta, plan.epsilon)
 
     if cost(plan.max_batch_size, eta) > 0.1 * delta:
-        lo, hi = plan.max_batch_size, rows  # cost(hi) = 0: a batch never exceeds all rows
+        lo, hi = plan.max_batch_size, rows + k  # cost(hi) = 0: the neighbour's rows at most
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (lo, mid) if cost(mid) <= 0.1 * delta else (mid, hi)
@@ -136,6 +140,6 @@ def fixed_shape(plan: Plan, n_blocks: int, units, steps: int, delta: float) -> f
             f"{cost(plan.max_batch_size, eta):.3g} to delta (target {delta:.3g}; "
             f"P[a batch exceeds it] = {eta:.3g} per step, charged (1 + e^epsilon) times "
             f"over {steps} steps); use at least {hi} (the expected batch is "
-            f"{expected:.1f} blocks)",
+            f"{expected:.1f} {what})",
         )
     return eta

@@ -159,16 +159,20 @@ def prepare(args) -> Job:
     train, val, n_bytes, n_tokens, units = load_blocks(plan, tokenizer, block_size_given)
     n_blocks = train.shape[0]
     n = n_blocks if units is None else int(units.max()) + 1  # training units
-    if saved is not None and (n_blocks, val.shape[0], n) != (
-        saved.get("n_train"),
-        saved.get("n_val"),
-        saved.get("n_units") or saved.get("n_train"),
-    ):
-        raise UsageError(
-            "--data",
-            f"gives {n_blocks} training blocks, the checkpoint was trained on "
-            f"{saved.get('n_train')}: not the same data",
-        )
+    if saved is not None:
+        # (with units of several blocks only the unit count is saved: block counts move
+        # with one unit's size, see plan.run_record)
+        have = {"n_train": n_blocks, "n_val": val.shape[0], "n_units": n}
+        want = dict(have, n_units=saved.get("n_units") or saved.get("n_train"))
+        want.update({k: saved[k] for k in ("n_train", "n_val") if saved.get(k) is not None})
+        if have != want:
+            what = "blocks" if units is None else unit_name(plan, n)
+            key = "n_train" if units is None else "n_units"
+            raise UsageError(
+                "--data",
+                f"gives {have[key]} training {what}, the checkpoint was trained on "
+                f"{want[key]}: not the same data",
+            )
     check_batch_fits(plan, n, n_tokens, block_size_given)
     q = plan.batch_size / n
     delta = plan.delta if plan.delta is not None else 1.0 / n**1.1

@@ -153,8 +153,11 @@ def plan_from_args(args, saved: dict | None) -> Plan:
 
 def run_record(plan: Plan) -> dict:
     """run_config.json's plan. With --noise-seed the target epsilon is only what sigma was
-    calibrated to, and the record says the run is not private."""
+    calibrated to, and the record says the run is not private. With documents or users
+    as units the block counts are left out (None): they move with one unit's size."""
     record = dataclasses.asdict(plan)
+    if plan.privacy_unit != "block":  # block counts move with one unit's size: not saved
+        record["n_train"] = record["n_val"] = None
     if plan.noise_seed is not None:
         record["privacy"] = NOT_PRIVATE
         record["epsilon_for_noise_calibration"] = record.pop("epsilon")
