@@ -34,7 +34,8 @@ usually makes autograd's gradient of every row non-finite (0 x NaN in the shared
 and when no row could be compared the check stays pending for the next call.
 
 A mismatch raises ValueError naming the parameters whose contribution disagrees, with the
-ghost and exact values of the worst row, before anything is added to the optimizer.
+relative disagreements of the worst row (never the norms themselves: they are private),
+before anything is added to the optimizer.
 Cost (once, with ``"first"``): up to 4 more backward passes through the batch's graph and
 one model-sized gradient at a time (``GhostClipping.verify_seconds``; measured by
 ``python -m bench.ghost``). Under FSDP2 the check is skipped with a warning (the exact
@@ -265,9 +266,9 @@ class Verifier:
         w = int(torch.maximum(rel.max(1).values, total_rel).argmax())
         shown = order[:8]
         more = f" and {len(order) - len(shown)} more" if len(order) > len(shown) else ""
-        detail = "; ".join(
-            f"{self.names[j]}: ghost {ghost[w, j]:.6g} vs exact {exact[w, j]:.6g}" for j in shown
-        )
+        # (relative errors only: a sample's exact gradient norms are private data, and this
+        # message may be pasted into a bug report)
+        detail = "; ".join(f"{self.names[j]}: {rel[w, j]:.2g}" for j in shown)
         raise ValueError(
             "ghost clipping verify: the ghost per-sample gradient norms disagree with "
             "autograd's exact per-sample gradients of the same forward (sample rows "
@@ -275,8 +276,10 @@ class Verifier:
             "Parameter(s) whose contribution disagrees: "
             + ", ".join(self.names[j] for j in shown)
             + more
-            + f". Worst row {rows[w]}: squared norm ghost {ghost[w].sum():.6g} vs exact "
-            f"{exact[w].sum():.6g}; {detail}. Clipping by these norms would not bound each "
+            + f". Worst row {rows[w]}: the ghost squared norm is off by {total_rel[w]:.2g} of "
+            "the exact one; per parameter, the disagreement as a share of the sample's "
+            f"squared norm: {detail} (no norm itself is shown: it is private data). "
+            "Clipping by these norms would not bound each "
             "sample's contribution (not DP). Either the losses are not per-sample (losses[i] "
             "must depend on sample i alone: no batch mean, sum or other batch statistic in "
             "it, e.g. l * l.mean() or l / l.sum()), or the model uses these parameters in a "
