@@ -191,6 +191,19 @@ def test_model_from_an_earlier_run_says_its_ledger_starts_at_zero(text_file, tmp
     assert finetune(*argv, *TINY) == 0
     err = capsys.readouterr().err
     assert "earlier DPTrainer run (its dpkern_privacy.json)" in err and "composition" in err
+    # an earlier run with a known noise seed was not private: no composition is claimed
+    (src / "dpkern_privacy.json").write_text('{"private": false}')
+    argv = ("--model", src, "--data", text_file, "--steps", 1, "--out", tmp_path / "fourth")
+    assert finetune(*argv, *TINY) == 0
+    err = capsys.readouterr().err
+    assert "was not private" in err and "no privacy guarantee" in err and "composition" not in err
+    seeded = tmp_path / "seeded"
+    argv = ("--model", src, "--data", text_file, "--steps", 1, "--noise-seed", 3)
+    assert finetune(*argv, "--out", seeded, *TINY) == 0
+    capsys.readouterr()
+    argv = ("--model", seeded, "--data", text_file, "--steps", 1, "--out", tmp_path / "fifth")
+    assert finetune(*argv, *TINY) == 0
+    assert "earlier dpkern finetune run that was not private" in capsys.readouterr().err
 
 
 def test_opacus_grad_sample_matches_functorch():

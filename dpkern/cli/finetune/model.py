@@ -23,6 +23,36 @@ EARLIER_RUN_NOTE = (
 )
 
 
+#: Said instead when that earlier run was not private (--noise-seed, a seeded DPTrainer).
+EARLIER_SEEDED_NOTE = (
+    "dpkern finetune: note: --model DIR is the output of an earlier {what} that was not "
+    "private (a known noise seed): the model it trained has no privacy guarantee for that "
+    "run's data, whatever this run spends; this run's epsilon covers only its own data"
+)
+
+
+def earlier_run_note(path: Path) -> str | None:
+    """The note for --model ``path`` when it is an earlier private run's output (a dpkern
+    finetune run directory, or a directory DPTrainer's ``save_model`` wrote), or None."""
+    import json
+
+    from ...integrations.transformers.records import PRIVACY_FILE
+    from .checkpoint import _read_run_config
+
+    if is_run_dir(path):
+        what = "dpkern finetune run"
+        private = (_read_run_config(path) or {}).get("noise_seed") is None
+    elif (path / PRIVACY_FILE).is_file():
+        what = f"DPTrainer run (its {PRIVACY_FILE})"
+        try:
+            private = bool(json.loads((path / PRIVACY_FILE).read_text()).get("private", True))
+        except (OSError, ValueError, AttributeError):
+            private = True
+    else:
+        return None
+    return (EARLIER_RUN_NOTE if private else EARLIER_SEEDED_NOTE).format(what=what)
+
+
 def load_model(plan: Plan, args):
     """(model, tokenizer or None): the built-in model (--arch), a --model DIR, or the
     resumed checkpoint's; then --bf16 (weights cast to bfloat16), --gradient-checkpointing
@@ -63,17 +93,9 @@ def load_model(plan: Plan, args):
             )
             raise UsageError(option, what + str(exc)) from None
     if not args.resume and plan.model is not None:
-        from ...integrations.transformers.records import PRIVACY_FILE
-
-        what = (
-            "dpkern finetune run"
-            if is_run_dir(Path(plan.model))
-            else f"DPTrainer run (its {PRIVACY_FILE})"
-            if (Path(plan.model) / PRIVACY_FILE).is_file()
-            else None
-        )
-        if what is not None:
-            print(EARLIER_RUN_NOTE.format(what=what), file=sys.stderr)
+        note = earlier_run_note(Path(plan.model))
+        if note is not None:
+            print(note, file=sys.stderr)
     ctx = models.context_length(model)
     if ctx is not None and plan.block_size > ctx:
         raise UsageError(
