@@ -416,6 +416,11 @@ def test_a_model_saved_by_an_earlier_run_says_its_ledger_starts_at_zero(tmp_path
     again = type(tr.model).from_pretrained(str(tmp_path / "final"))
     with pytest.warns(UserWarning, match="ledger starts at zero.*composition"):
         trainer(again, tmp_path / "run2")
+    rec["private"] = False  # a seeded run's record: no guarantee to compose with
+    (tmp_path / "final" / PRIVACY_FILE).write_text(json.dumps(rec))
+    with pytest.warns(UserWarning, match="ledger starts at zero.*was not private") as seen:
+        trainer(again, tmp_path / "run4")
+    assert "composition" not in str(seen[0].message)
     import warnings
 
     with warnings.catch_warnings():

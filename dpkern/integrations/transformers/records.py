@@ -96,11 +96,22 @@ def note_earlier_run(model) -> None:
     config = getattr(getattr(model, "base_model", model), "config", None)
     path = getattr(model, "name_or_path", None) or getattr(config, "_name_or_path", None)
     if isinstance(path, str) and path and os.path.isfile(os.path.join(path, PRIVACY_FILE)):
+        try:
+            with open(os.path.join(path, PRIVACY_FILE)) as f:
+                private = bool(json.load(f).get("private", True))
+        except (OSError, ValueError, AttributeError):
+            private = True
+        earlier = (
+            "If the two runs' data overlap, the final model's epsilon is the composition of "
+            "both runs'"
+            if private
+            else "That run was not private (a known noise seed): the model has no privacy "
+            "guarantee for its data, whatever this run spends"
+        )
         warnings.warn(
             f"DPTrainer: the model was loaded from {path}, the output of an earlier DPTrainer "
-            f"run (it holds {PRIVACY_FILE}): this run's privacy ledger starts at zero. If "
-            "the two runs' data overlap, the final model's epsilon is the composition of "
-            "both runs'; to continue that run, pass its checkpoint to "
+            f"run (it holds {PRIVACY_FILE}): this run's privacy ledger starts at zero. "
+            f"{earlier}; to continue that run, pass its checkpoint to "
             "train(resume_from_checkpoint=...) instead",
             stacklevel=3,
         )
