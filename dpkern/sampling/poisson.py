@@ -114,8 +114,9 @@ class PoissonBatchSampler(torch.utils.data.Sampler[list[int]]):
     ascending order of their sampling word u (a uniformly random order) and each unit is
     kept if its rows still fit (whole units only); then the batch is padded to B_max rows
     (``mask`` False, ``unit_ids`` -1). The run then differs from Poisson sampling only on
-    the event that some step overflows: :attr:`overflow_probability` is that event's
-    probability per step for the worst neighbouring dataset, and
+    the event that some step overflows: :attr:`overflow_probability` bounds that event's
+    probability per step for this dataset and its worst neighbour from public numbers
+    (units counted at ``max_unit_size`` rows each, never at their private sizes), and
     :class:`dpkern.accounting.PrivacyAccountant` charges it to delta (pass it to
     ``step``). With units of several rows, ``max_unit_size`` k is required: a unit's rows
     beyond its first k (in index order) are never used, so that a neighbour's unit
