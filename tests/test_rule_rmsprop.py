@@ -36,10 +36,13 @@ def _twin_run(backend, options, shapes=SHAPES, steps=5, B=6):
     """DPRMSprop (sigma = 0, C huge) and torch.optim.RMSprop on the mean gradient, every
     state torch keeps (the DP optimizer keeps the same ones, and phi)."""
     # the momentum buffer sums terms g / (sqrt(v) + eps) of order 1/sqrt(1 - alpha) that
-    # cancel: float32 rounding of those terms (~1e-6) is absolute there
+    # cancel: float32 rounding of those terms (~1e-6) is absolute there. Each term also
+    # carries the relative rounding of the mean gradient g, unbounded where the B samples'
+    # sum cancels (g ~ 3e-3 from O(1) samples: 1.9e-5 off, seed 3591406495, cpp): the
+    # samples get a shared +-2 shift, which keeps |g| away from 0 (offset, twin.feed)
     twin_run(dpkern.DPRMSprop, torch.optim.RMSprop, options, backend, shapes=shapes,
              steps=steps, B=B, lrs=(0.01, 0.003), split=len(shapes) // 2 + 1,
-             state_atol={"momentum_buffer": 1e-5}, check_step=True)  # fmt: skip
+             state_atol={"momentum_buffer": 1e-5}, check_step=True, offset=2.0)  # fmt: skip
 
 
 @pytest.mark.parametrize("options", list(TWIN_OPTIONS.values()), ids=list(TWIN_OPTIONS))

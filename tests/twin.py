@@ -67,10 +67,17 @@ def twin_pair(dp_cls, twin_cls, options, backend, *, shapes, B, seed, lrs=None, 
     return dp, a, twin, b, gen
 
 
-def feed(a, b, gen, B):
-    """B per-sample gradients for each DP parameter, their mean as its twin's .grad."""
+def feed(a, b, gen, B, offset: float = 0.0):
+    """B per-sample gradients for each DP parameter, their mean as its twin's .grad.
+    ``offset`` > 0: each element's B gradients share a shift of +-offset (random signs, new
+    at each call), so that their mean is kept away from 0, where the float32 sum cancels
+    and its relative rounding (the backends sum in different orders) is unbounded."""
     for p, q in zip(a, b, strict=True):
-        gs = torch.randn((B, *p.shape), generator=gen).to(p.device)
+        gs = torch.randn((B, *p.shape), generator=gen)
+        if offset:
+            sign = torch.randint(0, 2, p.shape, generator=gen) * 2 - 1
+            gs = gs + offset * sign
+        gs = gs.to(p.device)
         p.grad_sample = gs
         q.grad = gs.mean(0).to(q.dtype)
 
@@ -104,13 +111,15 @@ def assert_twins(dp, a, twin, b, msg, *, states=None, state_atol=None, rtol=1e-5
 
 def twin_run(dp_cls, twin_cls, options, backend, *, shapes, steps, B, seed=None, lrs=None,
              split=1, max_grad_norm=1e6, twin_dtype=None, states=None, state_atol=None,
-             rtol=1e-5, atol=1e-6, check_step=False, swaps=None, check=None):  # fmt: skip
+             rtol=1e-5, atol=1e-6, check_step=False, swaps=None, check=None,
+             offset=0.0):  # fmt: skip
     """``steps`` steps of ``dp_cls`` and its twin ``twin_cls`` (see :func:`twin_pair`) on
     the same gradients (a fresh seed unless given), compared after each (see
     :func:`assert_twins`; ``check_step``: "step" is t). ``check(dp, a, twin, b, t, msg)``,
     if given, checks more at each comparison. ``swaps`` (schedule-free): both start in
     train mode, are compared in eval and again in train mode after the steps in
-    ``swaps``, and in eval mode at the end. Returns (DP optimizer, its parameters)."""
+    ``swaps``, and in eval mode at the end. ``offset``: see :func:`feed`. Returns (DP
+    optimizer, its parameters)."""
     seed = fresh_seed() if seed is None else seed
     dp, a, twin, b, gen = twin_pair(
         dp_cls, twin_cls, options, backend, shapes=shapes, B=B, seed=seed, lrs=lrs,
@@ -132,7 +141,7 @@ def twin_run(dp_cls, twin_cls, options, backend, *, shapes, steps, B, seed=None,
     if swaps is not None:
         switch("train")
     for t in range(1, steps + 1):
-        feed(a, b, gen, B)
+        feed(a, b, gen, B, offset)
         dp.step()
         twin.step()
         compare(t)
