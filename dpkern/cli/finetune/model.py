@@ -34,22 +34,17 @@ EARLIER_SEEDED_NOTE = (
 def earlier_run_note(path: Path) -> str | None:
     """The note for --model ``path`` when it is an earlier private run's output (a dpkern
     finetune run directory, or a directory DPTrainer's ``save_model`` wrote), or None."""
-    import json
-
-    from ...integrations.transformers.records import PRIVACY_FILE
+    from ...integrations.transformers.records import PRIVACY_FILE, earlier_record_private
     from .checkpoint import _read_run_config
 
     if is_run_dir(path):
         what = "dpkern finetune run"
         private = (_read_run_config(path) or {}).get("noise_seed") is None
-    elif (path / PRIVACY_FILE).is_file():
-        what = f"DPTrainer run (its {PRIVACY_FILE})"
-        try:
-            private = bool(json.loads((path / PRIVACY_FILE).read_text()).get("private", True))
-        except (OSError, ValueError, AttributeError):
-            private = True
     else:
-        return None
+        what = f"DPTrainer run (its {PRIVACY_FILE})"
+        private = earlier_record_private(str(path))
+        if private is None:
+            return None
     return (EARLIER_RUN_NOTE if private else EARLIER_SEEDED_NOTE).format(what=what)
 
 

@@ -193,13 +193,10 @@ def check_separable(loss_of, model, chunk: Mapping, rows: int, low_precision: bo
         for k, v in chunk.items()
     }
     was_training = model.training
-    devices = [d for d in {v.device for v in chunk.values() if isinstance(v, torch.Tensor)}]
+    cuda = list({v.device for v in chunk.values() if isinstance(v, torch.Tensor) and v.is_cuda})
     model.eval()
     try:
-        with (
-            torch.no_grad(),
-            torch.random.fork_rng(devices=[d for d in devices if d.type == "cuda"]),
-        ):
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
             whole = loss_of(model, chunk)[:half].double()
             alone = loss_of(model, part).double()
     finally:

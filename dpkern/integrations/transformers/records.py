@@ -90,17 +90,28 @@ def write_record(output_dir: str, record: dict) -> None:
     os.replace(tmp, os.path.join(output_dir, PRIVACY_FILE))
 
 
+def earlier_record_private(path) -> bool | None:
+    """Whether the directory ``path`` holds the privacy record (``save_model``'s or a
+    checkpoint's) of a private DPTrainer run: True, False for a run with a known noise
+    seed, None without a record. An unreadable record counts as private (its ledger
+    then still starts a note that the epsilons compose)."""
+    file = os.path.join(path, PRIVACY_FILE)
+    if not os.path.isfile(file):
+        return None
+    try:
+        with open(file) as f:
+            return bool(json.load(f).get("private", True))
+    except (OSError, ValueError, AttributeError):
+        return True
+
+
 def note_earlier_run(model) -> None:
     """Warn when ``model`` was loaded from the output of an earlier DPTrainer run (its
     directory holds a privacy record): this run's ledger starts at zero."""
     config = getattr(getattr(model, "base_model", model), "config", None)
     path = getattr(model, "name_or_path", None) or getattr(config, "_name_or_path", None)
-    if isinstance(path, str) and path and os.path.isfile(os.path.join(path, PRIVACY_FILE)):
-        try:
-            with open(os.path.join(path, PRIVACY_FILE)) as f:
-                private = bool(json.load(f).get("private", True))
-        except (OSError, ValueError, AttributeError):
-            private = True
+    private = earlier_record_private(path) if isinstance(path, str) and path else None
+    if private is not None:
         earlier = (
             "If the two runs' data overlap, the final model's epsilon is the composition of "
             "both runs'"

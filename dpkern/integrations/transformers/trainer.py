@@ -15,6 +15,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from ...accounting import PrivacyAccountant
 from ...ghost import GhostClipping
+from ...ghost.verify import RTOL, default_rtol
 from ...keys import NOT_PRIVATE
 from ...models import per_sample_causal_lm_loss
 from ..guard import UpdateCheck, _inner, check_trainable_params
@@ -334,8 +335,7 @@ class DPTrainer(PrivateSaving, Trainer):
             return total
         for chunk in _row_chunks(inputs, rows, self.args.per_device_train_batch_size):
             self._gc.discard()  # forwards outside this step are not trained on
-            with self.compute_loss_context_manager():
-                losses = self.compute_per_sample_loss(model, chunk)
+            losses = self._loss_in_context(model, chunk)
             b = _batch_rows(chunk)
             if not isinstance(losses, torch.Tensor) or tuple(losses.shape) != (b,):
                 raise ValueError(
@@ -344,9 +344,9 @@ class DPTrainer(PrivateSaving, Trainer):
                     " (one loss per sample of the micro-batch: do not average or sum over it)"
                 )
             if not self._separable_checked and b >= 2 and self.privacy.verify != "off":
-                low = str(getattr(self.accelerator, "mixed_precision", "no")) != "no" or any(
-                    p.dtype in (torch.bfloat16, torch.float16) for p in model.parameters()
-                )
+                # (the first-step check's precision: verify_rtol is set for Accelerate's
+                # mixed precision, default_rtol sees bf16 / fp16 parameters)
+                low = self._gc.verify_rtol is not None or default_rtol(model.parameters()) != RTOL
                 check_separable(self._loss_in_context, model, chunk, b, low)
                 self._separable_checked = True
             self._gc.backward(losses)
