@@ -127,7 +127,7 @@ def test_document_level_run(users_file, tmp_path):
     assert m["privacy_unit"] == "document" and m["n_units"] < lines  # short lines: no block
 
 
-def test_unit_truncation_and_sigma_do_not_depend_on_unit_sizes(users_file, tmp_path):
+def test_unit_truncation_and_sigma_do_not_depend_on_unit_sizes(users_file, tmp_path, capsys):
     """--max-batch-size with users as units: the overflow bound, its delta charge and the
     sigma calibrated with it are functions of N users, q, B_max and the cap only. Two
     datasets of the same users, one user's size changed, publish the same numbers."""
@@ -149,6 +149,15 @@ def test_unit_truncation_and_sigma_do_not_depend_on_unit_sizes(users_file, tmp_p
             + (m["delta_batch_truncation"],)
         )
     assert got[0] == got[1] and got[0][2] > 0
+    # a B_max below the expected batch: the bound's expected batch (27 users x 12 x q)
+    # and the smallest B_max that would do, never the real block count
+    argv = ["--data", users_file, "--privacy-unit", "user", "--user-field", "author"]
+    argv += ["--batch-size", 4, "--max-blocks-per-unit", 12, "--max-batch-size", 4]
+    assert finetune(*argv, "--steps", 1, "--out", tmp_path / "small", *TINY) == 2
+    err = capsys.readouterr().err
+    n = got[0][0]
+    assert f"expected batch of {4 / n * n * 12:.1f} blocks at most (users" in err, err
+    assert "use at least 180" in err and "(q * blocks)" not in err, err
 
 
 def test_fixed_shape_run_charges_truncation_and_resumes(text_file, tmp_path):

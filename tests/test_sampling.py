@@ -266,8 +266,13 @@ def test_fixed_shape_bad_input_is_refused():
     with pytest.raises(ValueError, match="max_unit_size"):  # the neighbour's unit is unbounded
         PoissonBatchSampler(100, 0.1, 5, units=torch.arange(100), max_batch_size=30)
     PoissonBatchSampler(100, 0.1, 5, units=torch.arange(100), max_batch_size=30, max_unit_size=1)
-    with pytest.raises(ValueError, match="a unit has 5 rows"):
+    with pytest.raises(ValueError, match="max_unit_size=5: above max_batch_size=4"):
         PoissonBatchSampler(100, 0.01, 5, units=units, max_batch_size=4, max_unit_size=5)
+    # the expected batch is bounded from public numbers (20 units x k = 5 rows x q), never
+    # from the units' real sizes (here 1 row each: 20 rows would give 2), nor said in them
+    small = torch.arange(20)
+    with pytest.raises(ValueError, match=r"below the expected batch size 10 \(q \* units"):
+        PoissonBatchSampler(20, 0.1, 5, units=small, max_batch_size=9, max_unit_size=5)
     with pytest.raises(ValueError, match="one row only"):
         PoissonBatchSampler(
             100, 0.1, 5, units=units, max_batch_size=30, max_unit_size=5, world_size=2
@@ -374,13 +379,13 @@ def test_sampler_overflow_probability_of_units_uses_the_public_bound():
     from dpkern.accounting import batch_overflow_probability
 
     units = torch.tensor([0] * 3 + [1] * 2 + list(range(2, 40)))  # sizes 3, 2 and 38 x 1
-    s = PoissonBatchSampler(43, 0.25, 4, units=units, max_batch_size=20, max_unit_size=3)
-    want = batch_overflow_probability({3: 40}, 0.25, 20, neighbour_rows=3)
+    s = PoissonBatchSampler(43, 0.25, 4, units=units, max_batch_size=35, max_unit_size=3)
+    want = batch_overflow_probability({3: 40}, 0.25, 35, neighbour_rows=3)
     assert s.overflow_probability == want
-    exact = batch_overflow_probability({3: 1, 2: 1, 1: 38}, 0.25, 20, neighbour_rows=3)
+    exact = batch_overflow_probability({3: 1, 2: 1, 1: 38}, 0.25, 35, neighbour_rows=3)
     assert exact < want
     other = torch.tensor(list(range(40)) + [5, 6, 7])  # sizes 1 x 37 and 3 x 2 ... (40 units)
-    s2 = PoissonBatchSampler(43, 0.25, 4, units=other, max_batch_size=20, max_unit_size=3)
+    s2 = PoissonBatchSampler(43, 0.25, 4, units=other, max_batch_size=35, max_unit_size=3)
     assert s2.num_units == 40 and s2.overflow_probability == want
     assert PoissonBatchSampler(43, 0.25, 4, units=units).overflow_probability == 0.0
 

@@ -149,16 +149,17 @@ class PoissonBatchSampler(torch.utils.data.Sampler[list[int]]):
         units: None, or a 1-D integer sequence/tensor ``[N]`` of unit ids >= 0 (the
             number of units is max + 1; an id without examples is an empty unit).
         max_batch_size: None (variable shape) or B_max (int), at least the expected batch
-            q * (rows of all units) and the largest unit's rows.
+            from public numbers (q * rows; with units, q * units * max_unit_size) and
+            ``max_unit_size``.
         max_unit_size: None or k (int >= 1): rows kept per unit.
         rank, world_size: this rank and the number of ranks (0 <= rank < world_size).
         pad_index: the dataset index padding rows hold (default 0).
     Raises:
         ValueError: an argument out of range: num_samples < 1, q outside (0, 1],
             steps < 1, both ``seed`` and ``key``, bad ``units``, B_max below the expected
-            batch size or below the largest unit, ``units`` with B_max but no
-            ``max_unit_size``, or fixed shapes over several ranks with units of several
-            rows.
+            batch size or below ``max_unit_size``, ``units`` with B_max but no
+            ``max_unit_size``, or fixed shapes over several ranks with ``max_unit_size``
+            above 1.
     """
 
     def __init__(
@@ -229,34 +230,30 @@ class PoissonBatchSampler(torch.utils.data.Sampler[list[int]]):
         self._order, self._sizes, self._starts = order, sizes, starts
 
     def _check_fixed_shape(self, B_max: int) -> None:
-        rows = self.num_samples if self._sizes is None else int(self._sizes.sum())
-        largest = 1 if self._sizes is None else int(self._sizes.max())
-        expected = self.sample_rate * rows
-        if B_max < expected:
-            raise ValueError(
-                f"invalid max_batch_size={B_max}: below the expected batch size "
-                f"{expected:g} (q * rows): most steps would be truncated; pass at least "
-                f"the expected batch plus a few standard deviations"
-            )
+        # Public numbers only (N, q, B_max, the cap k): never the private unit sizes, which
+        # a refusal or its message would reveal (the accounting bounds units at k too).
         if self._sizes is not None and self.max_unit_size is None:
             raise ValueError(
                 "fixed-shape batches of privacy units need max_unit_size= (the rows any "
                 "unit may contribute, a public bound: the truncation term of the "
                 "accounting assumes it for the neighbouring unit, whatever this data holds)"
             )
-        if largest > B_max:
+        k = 1 if self._sizes is None else self.max_unit_size
+        rows = self.num_samples if self._sizes is None else k * self.num_units
+        expected = self.sample_rate * rows
+        if B_max < expected:
+            what = "q * rows" if self._sizes is None else "q * units * max_unit_size"
             raise ValueError(
-                f"invalid max_batch_size={B_max}: a unit has {largest} rows (more than "
-                "fit in a batch); lower max_unit_size or raise max_batch_size"
+                f"invalid max_batch_size={B_max}: below the expected batch size "
+                f"{expected:g} ({what}): most steps would be truncated; pass at least "
+                f"the expected batch plus a few standard deviations"
             )
-        if self.max_unit_size is not None and self.max_unit_size > B_max:
-            raise ValueError(
-                f"invalid max_unit_size={self.max_unit_size}: above max_batch_size={B_max}"
-            )
-        if self.world_size > 1 and largest > 1:
+        if k > B_max:
+            raise ValueError(f"invalid max_unit_size={k}: above max_batch_size={B_max}")
+        if self.world_size > 1 and k > 1:
             raise ValueError(
                 "fixed-shape batches over several ranks support units of one row only "
-                f"(a unit here has {largest} rows); use variable-shape batches"
+                f"(max_unit_size={k}); use variable-shape batches"
             )
         self.max_batch_size = B_max
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import torch
 
 from .checkpoint import UsageError
-from .options import require
 from .plan import Plan, unit_name
 
 
@@ -89,7 +88,11 @@ def fixed_shape(plan: Plan, n_blocks: int, units, steps: int, delta: float) -> f
     """--max-batch-size: check it against the data (a sampler validates it) and return
     the per-step overflow probability; refuse a B_max below the expected batch, or one
     whose truncation would cost more than a tenth of delta at the target epsilon (the
-    message gives the smallest B_max that would do)."""
+    message gives the smallest B_max that would do). Every check and message uses public
+    numbers only (the blocks N, or the units N and the cap k): never the private unit
+    sizes."""
+    import math
+
     from ...accounting import overflow_delta
     from ...sampling import PoissonBatchSampler
 
@@ -104,42 +107,46 @@ def fixed_shape(plan: Plan, n_blocks: int, units, steps: int, delta: float) -> f
             max_unit_size=plan.max_blocks_per_unit,
         )
 
+    def cost(B_max):
+        return overflow_delta(steps * sampler(B_max).overflow_probability, plan.epsilon)
+
+    # A public bound on the rows (every unit at its cap k; the sampler asks for k)
+    if units is None:
+        rows, k, what = n_blocks, 1, "blocks"
+    else:
+        k = plan.max_blocks_per_unit or 1
+        rows = (int(units.max()) + 1) * k
+        what = f"blocks at most ({unit_name(plan, 2)} x --max-blocks-per-unit x q)"
+    expected = plan.sample_rate * rows
+    capped = units is None or plan.max_blocks_per_unit is not None
+
+    def smallest() -> int:
+        """The smallest B_max >= the expected batch whose truncation costs <= delta / 10."""
+        lo, hi = max(plan.max_batch_size, math.ceil(expected) - 1), rows + k  # cost(hi) = 0
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if cost(mid) <= 0.1 * delta else (mid, hi)
+        return hi
+
+    if capped and plan.max_batch_size < expected:  # (no cap: the sampler asks for it)
+        raise UsageError(
+            "--max-batch-size",
+            f"{plan.max_batch_size} is below the expected batch of {expected:.1f} {what}: "
+            f"most steps would be truncated; use at least {smallest()}",
+        )
     try:
         eta = sampler(plan.max_batch_size).overflow_probability
     except ValueError as exc:
         option = "--max-blocks-per-unit" if "max_unit_size" in str(exc) else "--max-batch-size"
         raise UsageError(option, str(exc).replace("rows", "blocks")) from None
-    # A public bound on the rows (every unit at its cap k), never the private unit sizes:
-    # the checks, the messages and the truncation charge depend on public numbers only.
-    if units is None:
-        rows, k, what = n_blocks, 1, "blocks"
-    else:
-        k = plan.max_blocks_per_unit
-        rows = (int(units.max()) + 1) * k
-        what = f"blocks at most ({unit_name(plan, 2)} x --max-blocks-per-unit x q)"
-    expected = plan.sample_rate * rows
-    require(
-        plan.max_batch_size >= expected,
-        "--max-batch-size",
-        f"{plan.max_batch_size} is below the expected batch of {expected:.1f} {what}: most "
-        "steps would be truncated",
-    )
-
-    def cost(B_max, eta=None):
-        eta = sampler(B_max).overflow_probability if eta is None else eta
-        return overflow_delta(steps * eta, plan.epsilon)
-
-    if cost(plan.max_batch_size, eta) > 0.1 * delta:
-        lo, hi = plan.max_batch_size, rows + k  # cost(hi) = 0: the neighbour's rows at most
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if cost(mid) <= 0.1 * delta else (mid, hi)
+    charge = overflow_delta(steps * eta, plan.epsilon)
+    if charge > 0.1 * delta:
         raise UsageError(
             "--max-batch-size",
             f"{plan.max_batch_size} blocks truncate too often: the truncation would add "
-            f"{cost(plan.max_batch_size, eta):.3g} to delta (target {delta:.3g}; "
+            f"{charge:.3g} to delta (target {delta:.3g}; "
             f"P[a batch exceeds it] = {eta:.3g} per step, charged (1 + e^epsilon) times "
-            f"over {steps} steps); use at least {hi} (the expected batch is "
+            f"over {steps} steps); use at least {smallest()} (the expected batch is "
             f"{expected:.1f} {what})",
         )
     return eta
