@@ -213,6 +213,7 @@ def check_separable(loss_of, model, chunk: Mapping, rows: int, low_precision: bo
         "sample's loss must depend on that sample alone: a loss divided by the batch's token "
         "count or scaled by a batch statistic (loss.mean(), l / l.sum()) lets one sample "
         "move the others' gradients, which clipping does not bound (not DP). Divide by a "
-        "constant instead (PrivacyArguments(loss_normalizer=...)). Checked once, at the first "
+        "constant instead (in your per_sample_loss_func; the built-in loss takes "
+        "PrivacyArguments(loss_normalizer=...)). Checked once, at the first "
         "micro-batch of two or more samples, before its gradients were used",
     )
