@@ -348,7 +348,9 @@ def test_outputs_modified_in_place_keep_exact_norms():
         out = model(x)  # held: the output stays alive through the backward
         sums, _ = gc.clipped_sums(out.square().sum(1))
     for s, r in zip(sums, ref):
-        torch.testing.assert_close(s.double(), r.sum(0), rtol=1e-5, atol=1e-6)
+        # float32 error scales with the rows summed, not with a sum where they cancel
+        scale = r.abs().sum(0)
+        assert ((s.double() - r.sum(0)).abs() <= 1e-5 * scale + 1e-7).all(), (s, r.sum(0))
 
 
 def test_macadam_and_bad_arguments_are_refused():
