@@ -175,6 +175,33 @@ def test_resume_continues_the_same_sequence():
     ]
 
 
+def test_each_epoch_draws_new_steps_never_the_same_batches_again():
+    """Iterating the sampler again (an epoch loop, Opacus' DPDataLoader habit) continues
+    with the next steps: a second pass that replayed steps 1..T would put every example in
+    the same batches twice while the accountant counts 2T independent steps."""
+    sampler = PoissonBatchSampler(400, 0.1, 5, seed=11)
+    loader = torch.utils.data.DataLoader(
+        range(400), batch_sampler=sampler, collate_fn=lambda rows: list(rows)
+    )
+    epochs = [list(loader) for _ in range(3)]
+    whole = list(PoissonBatchSampler(400, 0.1, 15, seed=11))
+    assert epochs[0] + epochs[1] + epochs[2] == whole
+    assert epochs[0] != epochs[1]
+    assert sampler.next_step == 16
+    steps = [b.step for b in sampler.batches()]
+    assert steps == [16, 17, 18, 19, 20]
+    # an epoch left early, and two iterations interleaved, never share a step
+    s = PoissonBatchSampler(400, 0.1, 4, seed=11)
+    first = s.batches()
+    a = next(first)
+    b = [x.step for x in s.batches()]
+    assert a.step == 1 and b == [2, 3, 4, 5]
+    assert [x.step for x in first] == [6, 7, 8]
+    # a resume that passes next_step continues the sequence
+    tail = PoissonBatchSampler(400, 0.1, 3, seed=11, start_step=sampler.next_step)
+    assert list(tail) == list(PoissonBatchSampler(400, 0.1, 23, seed=11))[20:]
+
+
 def test_secure_mode_draws_a_secret_key_and_never_shows_it():
     a, b = PoissonBatchSampler(2000, 0.05, 3), PoissonBatchSampler(2000, 0.05, 3)
     assert list(a) != list(b)
@@ -194,7 +221,7 @@ def test_secure_mode_draws_a_secret_key_and_never_shows_it():
     with pytest.raises(ValueError, match="SamplingKey"):
         PoissonBatchSampler(10, 0.5, 2, key=1234)
     shared = PoissonBatchSampler(2000, 0.05, 3, key=key)  # a broadcast key: same batches
-    assert list(shared) == list(a)
+    assert list(shared) == [a.batch(t).indices.tolist() for t in (1, 2, 3)]
 
 
 # -- fixed shapes: truncated Poisson padded to B_max ----------------------------------------
@@ -209,7 +236,8 @@ def test_fixed_shape_batches_have_shape_b_max_and_mask_the_padding():
         assert batch.indices[: batch.num_rows].tolist() == want
         assert not batch.mask[n:].any() and batch.mask[:n].all()
         assert (batch.indices[n:] == 3).all() and (batch.unit_ids[n:] == -1).all()
-    assert [len(b) for b in sampler] == [len(b) for b in plain]  # __iter__: real rows only
+    again = PoissonBatchSampler(N, q, 30, seed=1, max_batch_size=B_max, pad_index=3)
+    assert [len(b) for b in again] == [len(b) for b in plain]  # __iter__: real rows only
 
 
 def test_truncation_keeps_the_smallest_words_as_a_random_subset():

@@ -131,10 +131,11 @@ class PoissonBatchSampler(torch.utils.data.Sampler[list[int]]):
     ceil(B_max / W). The ranks must share the key: a ``seed``, or ``key=`` broadcast from
     rank 0 (:class:`dpkern.distributed.DistributedPoissonSampler` does it).
 
-    Iterating the sampler yields lists of dataset indices (this rank's real rows; use it
-    as ``DataLoader(dataset, batch_sampler=sampler)`` with a ``collate_fn`` that accepts
-    an empty list); :meth:`batches` yields :class:`PoissonBatch` objects with the mask,
-    the unit ids and the static shape.
+    Iterating the sampler yields ``steps`` batches, and iterating it again (the next
+    epoch) the ``steps`` after them (:attr:`next_step`), as lists of dataset indices
+    (this rank's real rows; use it as ``DataLoader(dataset, batch_sampler=sampler)`` with
+    a ``collate_fn`` that accepts an empty list); :meth:`batches` yields
+    :class:`PoissonBatch` objects with the mask, the unit ids and the static shape.
 
     Args:
         num_samples: dataset size N, in examples (int >= 1).
@@ -145,7 +146,8 @@ class PoissonBatchSampler(torch.utils.data.Sampler[list[int]]):
             private as the data: the accounting assumes secret sampling).
         key: a :class:`dpkern.sampling.SamplingKey` instead of ``seed``.
         start_step: the step t of the first batch (int >= 1; a resumed run passes the
-            optimizer's step + 1).
+            optimizer's step + 1: a seeded sampler rebuilt with the default 1 would draw
+            the earlier steps' batches again).
         units: None, or a 1-D integer sequence/tensor ``[N]`` of unit ids >= 0 (the
             number of units is max + 1; an id without examples is an empty unit).
         max_batch_size: None (variable shape) or B_max (int), at least the expected batch
@@ -206,6 +208,7 @@ class PoissonBatchSampler(torch.utils.data.Sampler[list[int]]):
         if max_batch_size is not None:
             self._check_fixed_shape(_check_int("max_batch_size", max_batch_size, 1))
         self._overflow = None
+        self._next_step = self.start_step
 
     # -- set-up ---------------------------------------------------------------------
     def _build_units(self, units) -> None:
@@ -316,9 +319,21 @@ class PoissonBatchSampler(torch.utils.data.Sampler[list[int]]):
         for batch in self.batches():
             yield batch.indices[batch.mask].tolist()
 
+    @property
+    def next_step(self) -> int:
+        """The step t the next batch iteration draws: ``start_step``, then one past the
+        last batch any iteration drew (a resumed run passes it as ``start_step``)."""
+        return self._next_step
+
     def batches(self) -> Iterator[PoissonBatch]:
-        """Yield the ``steps`` batches (this rank's part), as :class:`PoissonBatch`."""
-        for t in range(self.start_step, self.start_step + self.steps):
+        """Yield ``steps`` batches (this rank's part), as :class:`PoissonBatch`: steps
+        ``next_step``, ``next_step + 1``, ... Each iteration continues where the last one
+        stopped (a second epoch draws steps ``start_step + steps`` onwards, as Opacus'
+        DPDataLoader draws new batches each epoch): a step's batch is never yielded twice,
+        which would put the same examples in several steps while the accountant counts
+        independent ones. (:meth:`batch` gives any step's batch on request.)"""
+        for _ in range(self.steps):
+            t, self._next_step = self._next_step, self._next_step + 1
             yield self.batch(t)
 
     def batch(self, step: int) -> PoissonBatch:
