@@ -2,6 +2,8 @@
 
 - :func:`check_group_options`: a param-group option that the class does not implement
   (``maximize``, ``amsgrad``, per-group privacy arguments, ...) is refused, never ignored;
+- :func:`refuse_grad_scaler`: AMP's GradScaler, whose skipped steps are decided by the
+  un-clipped gradients, is refused;
 - :func:`deferred_signals`: SIGINT / SIGTERM that arrive while a step mutates tensors are
   delivered once the step is committed, so an interrupted step is all-or-nothing;
 - the messages that say where dpkern differs from Opacus and torch.optim.
@@ -143,6 +145,33 @@ ALREADY_RELEASED = (
     "accumulate(); releasing it again would spend the same samples twice. Compute fresh "
     "per-sample gradients (a new backward) for each step"
 )
+
+
+GRAD_SCALER = (
+    "dpkern optimizers do not take a GradScaler (scaler.step(optimizer)): it would skip a "
+    "step whenever the raw, unclipped gradients of the batch overflow -- a decision made "
+    "from the private data, outside the clipping and the noise -- and it unscales p.grad, "
+    "never p.grad_sample. Use bfloat16 autocast or weights (no loss scaling; "
+    "stochastic_rounding=True keeps small updates) and call optimizer.step(). Nothing was "
+    "changed"
+)
+
+
+def refuse_grad_scaler(optimizer) -> None:
+    """Raise TypeError when ``torch.amp.GradScaler.step`` called ``optimizer.step()``.
+
+    dpkern optimizers set ``_step_supports_amp_scaling``, so GradScaler hands the step to
+    them, setting ``grad_scale`` and ``found_inf`` on the optimizer (or passing
+    ``grad_scaler=``); without it GradScaler would skip ``step()`` in silence when the
+    un-clipped ``p.grad`` held an inf, a release decided by the data. The attributes are
+    removed again, so a later plain ``step()`` works."""
+    if getattr(optimizer, "grad_scale", None) is None and (
+        getattr(optimizer, "found_inf", None) is None
+    ):
+        return
+    for name in ("grad_scale", "found_inf"):
+        optimizer.__dict__.pop(name, None)
+    raise TypeError(GRAD_SCALER)
 
 
 class StepInterrupted(RuntimeError):

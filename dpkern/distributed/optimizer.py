@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..guards import refuse_grad_scaler
 from ..optim import DPOptimizer
 from .fsdp import reduce_scatter_clipped_sums
 from .lockstep import (
@@ -208,7 +209,9 @@ class DistributedDPOptimizer:
     def step(self, closure=None):
         """One global DP step (a collective: every rank calls it, empty batch or not).
 
-        Returns the closure's loss (local) or None."""
+        Returns the closure's loss (local) or None. Raises TypeError under AMP's
+        GradScaler (every rank, before any collective: see :func:`refuse_grad_scaler`)."""
+        refuse_grad_scaler(self)
         loss, error, per_sample = None, None, False
         try:  # this rank's outcome joins the agreement: no rank releases a failed batch
             if closure is not None:

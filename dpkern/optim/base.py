@@ -39,6 +39,7 @@ from ..guards import (
     StepInterrupted,
     check_group_options,
     deferred_signals,
+    refuse_grad_scaler,
 )
 from ..hyper import (
     Hyper,
@@ -48,7 +49,7 @@ from ..hyper import (
     check_stochastic_rounding,
 )
 from ..interop import refuse_opacus_wrapper
-from ..keys import NoiseKey, key_fingerprint, secure_key
+from ..keys import NOT_PRIVATE, NoiseKey, key_fingerprint, secure_key
 from ..rules import PARAM, RuleSpec
 from ..sharding import common_mesh, local_shard
 from .checkpoint import _check_seed, check_state_shape, validated_state_dict
@@ -62,6 +63,11 @@ NO_NOISE = (
     "dpkern: noise_multiplier=0: no noise is added, so the steps are clipped but not "
     "differentially private (the accountant's epsilon is infinite); a test or a clipping "
     "baseline only"
+)
+SEEDED = (
+    "dpkern: seed={seed} makes the noise reproducible by anyone who knows the seed: the "
+    "run is " + NOT_PRIVATE + " (tests and reproducible research only; omit seed= for a "
+    "secret key from os.urandom)"
 )
 
 
@@ -129,6 +135,8 @@ class DPOptimizer(torch.optim.Optimizer):
         if self.noise_multiplier == 0:
             warnings.warn(NO_NOISE, UserWarning, stacklevel=3)
         self._seed = _check_seed(seed)
+        if self._seed is not None:
+            warnings.warn(SEEDED.format(seed=self._seed), UserWarning, stacklevel=3)
         self.backend = backends.check_name(backend)
         self.nonfinite = F.check_nonfinite(nonfinite)
         #: Round bfloat16 parameters stochastically on store (SPEC 3.2); float32 and
@@ -138,6 +146,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self._dp_step = 0
         self._failed: str | None = None  # why a step failed midway (see step())
         self._accum: dict[Tensor, Tensor] = {}  # never saved: un-noised private sums
+        self._accum_max_grad_norm: float | None = None  # the C _accum was clipped at
         self._batch_failed: str | None = None  # why the accumulated batch can't be released
         #: In-memory counters (exact and data-dependent: never saved, never logged by
         #: dpkern): steps, samples, clipped_samples, nonfinite_samples.
@@ -161,6 +170,10 @@ class DPOptimizer(torch.optim.Optimizer):
         """True when the noise key is secret (no ``seed=`` given). With a seed the noise
         key is known: the run is reproducible, and not private."""
         return self._seed is None
+
+    #: GradScaler.step() then calls step() (which refuses it) instead of skipping it
+    #: whenever the un-clipped p.grad overflowed
+    _step_supports_amp_scaling = True
 
     _PICKLED = (
         "_seed",
@@ -228,6 +241,7 @@ class DPOptimizer(torch.optim.Optimizer):
         super().__setstate__(state)
         self.__dict__.setdefault("_stochastic_rounding", False)  # (pickled before the option)
         self._batch_failed = None
+        self._accum_max_grad_norm = None
         self.stats = {"steps": 0, "samples": 0, "clipped_samples": 0, "nonfinite_samples": 0}
         if getattr(self, "_seed", None) is not None:
             self._key = NoiseKey(self._seed)  # (the key itself is never pickled)
@@ -379,6 +393,23 @@ class DPOptimizer(torch.optim.Optimizer):
                 "or join the next batch's); call zero_grad() to drop them, then start "
                 "the next logical batch"
             )
+        C = self._accum_max_grad_norm
+        if self._accum and C is not None and self.max_grad_norm != C:
+            raise ValueError(
+                f"max_grad_norm changed from {C!r} to {self.max_grad_norm!r} within a "
+                f"logical batch: its accumulated micro-batches were clipped at {C!r}, so "
+                "noise scaled to the new value would not cover them; set it back for "
+                "this batch, and change it only between logical batches (after step(), "
+                "or after drop_batch())"
+            )
+
+    def _accumulated(self) -> None:
+        """A micro-batch was folded into ``_accum``: remember the C it was clipped at."""
+        self._accum_max_grad_norm = self.max_grad_norm
+
+    def _clear_accum(self) -> None:
+        self._accum.clear()
+        self._accum_max_grad_norm = None
 
     def _fail_batch(self, exc: BaseException, what: str) -> None:
         """A release call raised: consume this micro-batch's ``grad_sample`` (a later
@@ -399,7 +430,7 @@ class DPOptimizer(torch.optim.Optimizer):
         ``accumulate_clipped()`` and ``GhostClipping.backward`` end the batch by
         themselves (see ``step()``)."""
         self._consume_grad_samples()
-        self._accum.clear()
+        self._clear_accum()
         self._batch_failed = None
 
     # -- the public API --------------------------------------------------------------
@@ -428,6 +459,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 reduce=self._reduce(),
             )
             self._accum.update(new_buffers)
+            self._accumulated()
             self._record(result, step=False)
             self._consume_grad_samples()
         except BaseException as exc:
@@ -484,6 +516,7 @@ class DPOptimizer(torch.optim.Optimizer):
             for s, buf in zip(clipped_sums, self.clipped_sum_buffers(), strict=True):
                 if s is not None:
                     buf += s.float()
+            self._accumulated()
             self.stats["samples"] += int(batch_size)
             self.stats["clipped_samples"] += int(clipped_samples)
             self.stats["nonfinite_samples"] += int(nonfinite_samples)
@@ -519,6 +552,7 @@ class DPOptimizer(torch.optim.Optimizer):
         (key, step) pair is never used again), the error is raised, and ``step()``,
         ``accumulate()`` and ``state_dict()`` raise StepInterrupted until a checkpoint is
         loaded with ``load_state_dict`` (and the model's weights restored with it)."""
+        refuse_grad_scaler(self)
         self._check_can_release()
         self._check_batch_usable()
         loss = None
@@ -566,7 +600,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 raise
             self._commit(groups, owners, new_states)
             self._dp_step = t
-            self._accum.clear()
+            self._clear_accum()
             self._record(result, step=True)
             self._consume_grad_samples()
         return loss
@@ -656,7 +690,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self.state = defaultdict(dict, new_state)
         self._dp_step = step
         self._failed = None
-        self._accum.clear()
+        self._clear_accum()
         self._batch_failed = None
         if self._seed is None:
             self._key = secure_key()  # never reuse a (key, step) pair after a resume
