@@ -31,12 +31,30 @@ class NoiseKey:
         ValueError: ``value`` is not such an int (the message never shows the value).
     """
 
-    __slots__ = ("_value",)
+    __slots__ = ("_value", "_last_step")
 
     def __init__(self, value: int):
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**64:
             raise ValueError("invalid noise key: expected an int in [0, 2**64)")
         object.__setattr__(self, "_value", value)
+        object.__setattr__(self, "_last_step", 0)
+
+    def claim_step(self, step: int, *, check_only: bool = False) -> None:
+        """Record that the functional API releases noise at ``step`` with this key; raise
+        ValueError, changing nothing, when ``step`` is not above every step claimed before
+        (a (key, step) pair serves one release: two calls at one step draw the same noise,
+        which their difference cancels, and clip their parameters apart). The optimizer
+        classes count their steps themselves and do not claim. ``check_only``: raise as
+        above, record nothing."""
+        if step <= self._last_step:
+            raise ValueError(
+                f"noise step {step} with a NoiseKey that already released at step "
+                f"{self._last_step}: each (key, step) pair serves one release (another call "
+                "at the same step would draw the same noise and clip apart); pass every "
+                "parameter group of a step to one dp_step_groups call, and count steps up"
+            )
+        if not check_only:
+            object.__setattr__(self, "_last_step", int(step))
 
     def __setattr__(self, name, value):
         raise AttributeError("NoiseKey is immutable")

@@ -101,3 +101,25 @@ def test_a_seeded_optimizer_warns_that_it_is_not_private():
         dpkern.DPAdamW(
             model.parameters(), max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=4
         )
+
+
+def test_functional_calls_at_one_step_with_one_noise_key_are_refused():
+    """dp_sgd called per parameter (torch.optim._functional's habit) at one (key, step):
+    the second call would draw the same noise (a difference of the two releases cancels
+    it) and clip its parameters apart. A NoiseKey refuses a step not above the last it
+    served, before anything changes; counting steps up works."""
+    from dpkern import functional as F
+    from dpkern.keys import NoiseKey
+
+    torch.manual_seed(0)
+    key = NoiseKey(0x5EED_0F_DA7A)
+    a, b = torch.randn(3), torch.randn(2)
+    ga, gb = torch.randn(4, 3), torch.randn(4, 2)
+    priv = dict(max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=4.0)
+    F.dp_sgd([a], [ga], [None], lr=0.1, step=1, key=key, backend="torch", **priv)
+    b0 = b.clone()
+    with pytest.raises(ValueError, match="already released at step 1"):
+        F.dp_sgd([b], [gb], [None], lr=0.1, step=1, key=key, backend="torch", **priv)
+    assert torch.equal(b, b0)
+    F.dp_sgd([a, b], [ga, gb], [None, None], lr=0.1, step=2, key=key, backend="torch", **priv)
+    assert not torch.equal(b, b0)

@@ -203,8 +203,16 @@ def dp_step_groups(
     rank must then call this function (a collective).
 
     ``stochastic_rounding``: round bfloat16 parameters stochastically on store (SPEC 3.2)
-    instead of to nearest even; float32 / float16 parameters are unaffected."""
+    instead of to nearest even; float32 / float16 parameters are unaffected.
+
+    Every parameter of a step goes into ONE call: the clipping bound holds over all of
+    them, and the noise of two calls at one (key, step) would be the same draw (their
+    difference cancels it). A :class:`NoiseKey` therefore refuses a step that is not above
+    the last one it served (ValueError, nothing changed); an int key (seeded, not private)
+    is not tracked."""
     check_stochastic_rounding(stochastic_rounding)
+    if isinstance(key, NoiseKey):  # before any collective: every rank refuses alike
+        key.claim_step(step, check_only=True)
     be, pass1 = prepare_step(
         groups,
         step=step,
@@ -213,6 +221,8 @@ def dp_step_groups(
         nonfinite=nonfinite,
         reduce=reduce,
     )
+    if isinstance(key, NoiseKey):  # validated: the pair is now spent, whatever follows
+        key.claim_step(step)
     apply_step(
         groups,
         be,
