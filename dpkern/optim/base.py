@@ -21,8 +21,6 @@ this layer guarantees (README, "what dpkern refuses, and why"):
 
 from __future__ import annotations
 
-from collections import defaultdict
-from typing import Any
 
 import dataclasses
 import warnings
@@ -51,10 +49,11 @@ from ..hyper import (
 from ..interop import refuse_opacus_wrapper
 from ..keys import NOT_PRIVATE, NoiseKey, key_fingerprint, secure_key
 from ..rules import PARAM, RuleSpec
-from ..sharding import common_mesh, local_shard
-from .checkpoint import _check_seed, check_state_shape, validated_state_dict
+from ..sharding import common_mesh
+from .batch import LogicalBatch
+from .checkpoint import Checkpointing, _check_seed, check_state_shape
 from .groups import build_groups, step_of
-from .inputs import check_clipped_sums, consume_grad_samples, grad_sample_of
+from .inputs import consume_grad_samples, grad_sample_of
 
 __all__ = ["DPOptimizer", "key_fingerprint", "secure_key"]
 
@@ -87,7 +86,7 @@ class _Checked:
         setattr(obj, self.private, self.check(self.name, value))
 
 
-class DPOptimizer(torch.optim.Optimizer):
+class DPOptimizer(LogicalBatch, Checkpointing, torch.optim.Optimizer):
     """Base class of dpkern's optimizers (not a wrapper: see :class:`dpkern.DPAdamW`).
 
     A subclass sets ``rule`` to its :class:`dpkern.rules.RuleSpec` (``hyper_class`` follows
@@ -175,19 +174,6 @@ class DPOptimizer(torch.optim.Optimizer):
     #: whenever the un-clipped p.grad overflowed
     _step_supports_amp_scaling = True
 
-    _PICKLED = (
-        "_seed",
-        "_dp_step",
-        "_max_grad_norm",
-        "_noise_multiplier",
-        "_failed",
-        "_expected_batch_size",
-        "backend",
-        "nonfinite",
-        "_stochastic_rounding",
-        "b_init",
-    )  # never stats
-
     def __repr__(self) -> str:
         dp = (
             f"    max_grad_norm: {self.max_grad_norm}\n"
@@ -223,28 +209,6 @@ class DPOptimizer(torch.optim.Optimizer):
         if not self.secure:
             raise ValueError("adopt_key: this optimizer is in reproducible mode (seed=)")
         self._key = key if isinstance(key, NoiseKey) else NoiseKey(key)
-
-    def __getstate__(self):
-        # Pickling would carry the key: refused in secure mode (use state_dict()).
-        if self.secure:
-            raise TypeError(
-                f"{type(self).__name__} in secure mode cannot be pickled or "
-                "deep-copied: the noise key must not leave the process; "
-                "use state_dict() / load_state_dict()"
-            )
-        state = super().__getstate__()
-        state.update({k: v for k, v in self.__dict__.items() if k in self._PICKLED})
-        state["_accum"] = {}
-        return state
-
-    def __setstate__(self, state):
-        super().__setstate__(state)
-        self.__dict__.setdefault("_stochastic_rounding", False)  # (pickled before the option)
-        self._batch_failed = None
-        self._accum_max_grad_norm = None
-        self.stats = {"steps": 0, "samples": 0, "clipped_samples": 0, "nonfinite_samples": 0}
-        if getattr(self, "_seed", None) is not None:
-            self._key = NoiseKey(self._seed)  # (the key itself is never pickled)
 
     @torch._disable_dynamo
     def add_param_group(self, param_group: dict) -> None:
@@ -379,151 +343,7 @@ class DPOptimizer(torch.optim.Optimizer):
         refuse_opacus_wrapper(self)
         self._check_usable()
 
-    def _check_batch_usable(self) -> None:
-        """Raise ValueError when the accumulated logical batch may not be released: a
-        ``step()``, ``accumulate()`` or ``accumulate_clipped()`` raised after micro-batches
-        were accumulated. What comes next cannot be told apart from the next logical
-        batch or a repeat of a micro-batch (a sample counted twice, or drawn in two
-        Poisson batches, would add up to 2C under one noise draw and one accounted
-        step)."""
-        if self._batch_failed is not None and self._accum:
-            raise ValueError(
-                f"{self._batch_failed}: the micro-batches accumulated for that logical "
-                "batch cannot be released any more (a retry could count a sample twice "
-                "or join the next batch's); call zero_grad() to drop them, then start "
-                "the next logical batch"
-            )
-        C = self._accum_max_grad_norm
-        if self._accum and C is not None and self.max_grad_norm != C:
-            raise ValueError(
-                f"max_grad_norm changed from {C!r} to {self.max_grad_norm!r} within a "
-                f"logical batch: its accumulated micro-batches were clipped at {C!r}, so "
-                "noise scaled to the new value would not cover them; set it back for "
-                "this batch, and change it only between logical batches (after step(), "
-                "or after drop_batch())"
-            )
-
-    def _accumulated(self) -> None:
-        """A micro-batch was folded into ``_accum``: remember the C it was clipped at."""
-        self._accum_max_grad_norm = self.max_grad_norm
-
-    def _clear_accum(self) -> None:
-        self._accum.clear()
-        self._accum_max_grad_norm = None
-
-    def _fail_batch(self, exc: BaseException, what: str) -> None:
-        """A release call raised: consume this micro-batch's ``grad_sample`` (a later
-        backward must not add to it: Opacus' hooks append) and, when micro-batches were
-        accumulated, refuse that logical batch (see _check_batch_usable).
-        Parameters and optimizer state are untouched."""
-        self._consume_grad_samples()
-        if self._accum:
-            self._batch_failed = f"{what} raised {type(exc).__name__}"
-
-    def drop_batch(self) -> None:
-        """Drop the logical batch accumulated so far: nothing of it is released, and this
-        micro-batch's ``p.grad_sample`` is consumed. Call it when an error outside
-        dpkern's calls (your forward, a data loader) interrupts a logical batch that you
-        then abandon; ``zero_grad()`` keeps accumulated micro-batches otherwise (they
-        belong to the logical batch), and the next logical batch's step would release
-        them with its own. Errors of ``step()``, ``accumulate()``,
-        ``accumulate_clipped()`` and ``GhostClipping.backward`` end the batch by
-        themselves (see ``step()``)."""
-        self._consume_grad_samples()
-        self._clear_accum()
-        self._batch_failed = None
-
     # -- the public API --------------------------------------------------------------
-    @torch.no_grad()
-    @torch._disable_dynamo
-    def accumulate(self) -> None:
-        """Fold the current micro-batch's clipped per-sample gradients into the logical
-        batch (fp32 buffers) and consume ``p.grad_sample``. No noise is added here.
-
-        Raises: ValueError (no, stale or inconsistent grad_sample; or the logical batch
-        can no longer be released), FloatingPointError (non-finite with
-        nonfinite="error"). Any error ends the logical batch, as in ``step()``: the
-        micro-batches accumulated before it are refused until ``zero_grad()`` drops them
-        (an error after a write, out of memory or Ctrl-C, may leave buffers partly
-        written; a repeat of the micro-batch would count it twice)."""
-        self._check_can_release()
-        self._check_batch_usable()
-        try:  # any error ends the logical batch (a retry could count a sample twice)
-            groups, _, _, new_buffers = self._groups(for_accumulate=True)
-            result = F.accumulate_groups(
-                groups,
-                step=self._dp_step + 1,
-                max_grad_norm=self.max_grad_norm,
-                backend=self.backend,
-                nonfinite=self.nonfinite,
-                reduce=self._reduce(),
-            )
-            self._accum.update(new_buffers)
-            self._accumulated()
-            self._record(result, step=False)
-            self._consume_grad_samples()
-        except BaseException as exc:
-            self._fail_batch(exc, "accumulate()")
-            raise
-
-    def trainable_params(self) -> list[Tensor]:
-        """Trainable parameters in noise-index order (param_groups order, frozen skipped)."""
-        return [p for g in self.param_groups for p in g["params"] if p.requires_grad]
-
-    def clipped_sum_buffers(self) -> list[Tensor]:
-        """The logical batch's fp32 clipped-sum buffers, one per trainable parameter
-        (created as zeros where missing), e.g. for an all-reduce across data-parallel
-        ranks before ``step()``. Un-noised private sums: never log or save them."""
-        out = []
-        for p in self.trainable_params():
-            if p not in self._accum:
-                self._accum[p] = torch.zeros_like(
-                    local_shard(p)[0], dtype=torch.float32, memory_format=torch.contiguous_format
-                )
-            out.append(self._accum[p])
-        return out
-
-    @torch.no_grad()
-    @torch._disable_dynamo
-    def accumulate_clipped(
-        self,
-        clipped_sums,
-        batch_size: int = 0,
-        *,
-        clipped_samples: int = 0,
-        nonfinite_samples: int = 0,
-    ) -> None:
-        """Add clipped sums computed elsewhere (ghost clipping, book-keeping) to the
-        logical batch; the next ``step()`` adds noise once and updates.
-
-        Args:
-            clipped_sums: one entry per ``trainable_params()`` entry, ``None`` or a tensor
-                shaped like the parameter holding sum_i c_i g_i with every sample's
-                gradient clipped to norm <= max_grad_norm over all parameters (for
-                DP-MacAdam: the sum of clipped whitened rows). FSDP2: the DTensor
-                ``p.grad`` FSDP reduce-scattered (its local shard is used).
-            batch_size: samples in this micro-batch; clipped_samples: how many of them
-                were clipped (c_i < 1); nonfinite_samples: how many were dropped as
-                non-finite. For ``stats`` only (exact counts, kept in memory only).
-        Raises: ValueError (wrong count, shape, device, non-finite values; or the logical
-        batch can no longer be released). Any error ends the logical batch, as in
-        ``step()``: the sums accumulated before it are refused until ``zero_grad()``
-        drops them."""
-        self._check_can_release()
-        self._check_batch_usable()
-        try:  # any error ends the logical batch (a retry could count a sample twice)
-            clipped_sums = check_clipped_sums(clipped_sums, self.trainable_params())
-            for s, buf in zip(clipped_sums, self.clipped_sum_buffers(), strict=True):
-                if s is not None:
-                    buf += s.float()
-            self._accumulated()
-            self.stats["samples"] += int(batch_size)
-            self.stats["clipped_samples"] += int(clipped_samples)
-            self.stats["nonfinite_samples"] += int(nonfinite_samples)
-        except BaseException as exc:
-            self._fail_batch(exc, "accumulate_clipped()")
-            raise
-
     @torch.no_grad()
     @torch._disable_dynamo
     def step(self, closure=None):
@@ -634,67 +454,3 @@ class DPOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 if hasattr(p, "grad_sample"):
                     p.grad_sample = None
-
-    # -- checkpoints -----------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """torch.optim's state_dict plus a ``"dp"`` entry: the noise step count, the
-        privacy arguments and ``stochastic_rounding`` (for information: loading keeps the
-        constructor's) and, in reproducible mode only, the seed. Never the secure key, the
-        accumulation buffers or ``stats`` (exact data-dependent counts).
-
-        Raises: StepInterrupted after a step failed midway."""
-        self._check_usable()
-        sd = super().state_dict()
-        dp = {
-            "step": self._dp_step,
-            "max_grad_norm": self.max_grad_norm,
-            "noise_multiplier": self.noise_multiplier,
-            "expected_batch_size": self.expected_batch_size,
-            "stochastic_rounding": self.stochastic_rounding,
-            "format": 2,
-        }
-        if self._seed is not None:
-            dp["seed"] = self._seed
-        sd["dp"] = dp
-        return sd
-
-    @torch._disable_dynamo
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore states (kept float32 whatever the parameter dtype) and step counts.
-
-        Follows torch.optim's order: load-state-dict pre-hooks, then validation and
-        installation, then post-hooks (what they write stays). The constructor's
-        ``max_grad_norm``, ``noise_multiplier``, ``expected_batch_size`` (as Opacus
-        does) and ``stochastic_rounding`` are kept: recalibrating sigma at a resume
-        takes effect. Secure mode draws a fresh noise key, so no (key, step) pair is
-        ever used twice; reproducible mode takes the checkpoint's seed. The accumulated
-        logical batch (and an ended one's refusal) is dropped.
-
-        Raises: ValueError (not a dpkern optimizer's state_dict -- e.g. torch.optim's or
-        Opacus' DPOptimizer's, whose step counts and moments cannot be mapped exactly --,
-        wrong groups, shapes or values). Validates before changing anything."""
-        if not isinstance(state_dict, dict):
-            raise ValueError(f"load_state_dict: expected a dict, got {type(state_dict).__name__}")
-        sd = dict(state_dict)  # shallow copy, as torch.optim
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            out = pre_hook(self, sd)
-            if out is not None:
-                sd = out
-        saved_groups, new_state, step, seed = validated_state_dict(self, sd)
-        # validated: now change things
-        for saved, group in zip(saved_groups, self.param_groups, strict=True):
-            saved["params"] = group["params"]
-            if "param_names" in group and "param_names" not in saved:
-                saved["param_names"] = group["param_names"]
-        self.param_groups = saved_groups
-        self.state = defaultdict(dict, new_state)
-        self._dp_step = step
-        self._failed = None
-        self._clear_accum()
-        self._batch_failed = None
-        if self._seed is None:
-            self._key = secure_key()  # never reuse a (key, step) pair after a resume
-        elif seed is not None:
-            self._seed, self._key = seed, NoiseKey(seed)
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)

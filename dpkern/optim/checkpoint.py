@@ -1,13 +1,17 @@
-"""The checks of a DPOptimizer checkpoint: the seed, a loaded state's shape, and a
+"""A DPOptimizer's checkpoints: ``state_dict`` / ``load_state_dict`` and pickling
+(:class:`Checkpointing`), and their checks: the seed, a loaded state's shape, and a
 state_dict validated in full before ``load_state_dict`` changes anything."""
 
 from __future__ import annotations
 
+from collections import defaultdict
 from copy import deepcopy
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from ..keys import NoiseKey, secure_key
 from ..sharding import local_shard
 
 
@@ -89,3 +93,108 @@ def validated_state_dict(opt, sd: dict) -> tuple[list, dict, int, int | None]:
                 f"{pid!r} exceeds the dp step {step}"
             )
     return saved_groups, new_state, step, seed
+
+
+class Checkpointing:
+    """Mixin of :class:`dpkern.optim.base.DPOptimizer`: what a checkpoint or a pickle holds
+    (never the secure key, the un-noised accumulated sums or ``stats``), and a resume that
+    never reuses a (key, step) pair."""
+
+    _PICKLED = (
+        "_seed",
+        "_dp_step",
+        "_max_grad_norm",
+        "_noise_multiplier",
+        "_failed",
+        "_expected_batch_size",
+        "backend",
+        "nonfinite",
+        "_stochastic_rounding",
+        "b_init",
+    )  # never stats
+
+    def __getstate__(self):
+        # Pickling would carry the key: refused in secure mode (use state_dict()).
+        if self.secure:
+            raise TypeError(
+                f"{type(self).__name__} in secure mode cannot be pickled or "
+                "deep-copied: the noise key must not leave the process; "
+                "use state_dict() / load_state_dict()"
+            )
+        state = super().__getstate__()
+        state.update({k: v for k, v in self.__dict__.items() if k in self._PICKLED})
+        state["_accum"] = {}
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.__dict__.setdefault("_stochastic_rounding", False)  # (pickled before the option)
+        self._batch_failed = None
+        self._accum_max_grad_norm = None
+        self.stats = {"steps": 0, "samples": 0, "clipped_samples": 0, "nonfinite_samples": 0}
+        if getattr(self, "_seed", None) is not None:
+            self._key = NoiseKey(self._seed)  # (the key itself is never pickled)
+
+    # -- checkpoints -----------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim's state_dict plus a ``"dp"`` entry: the noise step count, the
+        privacy arguments and ``stochastic_rounding`` (for information: loading keeps the
+        constructor's) and, in reproducible mode only, the seed. Never the secure key, the
+        accumulation buffers or ``stats`` (exact data-dependent counts).
+
+        Raises: StepInterrupted after a step failed midway."""
+        self._check_usable()
+        sd = super().state_dict()
+        dp = {
+            "step": self._dp_step,
+            "max_grad_norm": self.max_grad_norm,
+            "noise_multiplier": self.noise_multiplier,
+            "expected_batch_size": self.expected_batch_size,
+            "stochastic_rounding": self.stochastic_rounding,
+            "format": 2,
+        }
+        if self._seed is not None:
+            dp["seed"] = self._seed
+        sd["dp"] = dp
+        return sd
+
+    @torch._disable_dynamo
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore states (kept float32 whatever the parameter dtype) and step counts.
+
+        Follows torch.optim's order: load-state-dict pre-hooks, then validation and
+        installation, then post-hooks (what they write stays). The constructor's
+        ``max_grad_norm``, ``noise_multiplier``, ``expected_batch_size`` (as Opacus
+        does) and ``stochastic_rounding`` are kept: recalibrating sigma at a resume
+        takes effect. Secure mode draws a fresh noise key, so no (key, step) pair is
+        ever used twice; reproducible mode takes the checkpoint's seed. The accumulated
+        logical batch (and an ended one's refusal) is dropped.
+
+        Raises: ValueError (not a dpkern optimizer's state_dict -- e.g. torch.optim's or
+        Opacus' DPOptimizer's, whose step counts and moments cannot be mapped exactly --,
+        wrong groups, shapes or values). Validates before changing anything."""
+        if not isinstance(state_dict, dict):
+            raise ValueError(f"load_state_dict: expected a dict, got {type(state_dict).__name__}")
+        sd = dict(state_dict)  # shallow copy, as torch.optim
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            out = pre_hook(self, sd)
+            if out is not None:
+                sd = out
+        saved_groups, new_state, step, seed = validated_state_dict(self, sd)
+        # validated: now change things
+        for saved, group in zip(saved_groups, self.param_groups, strict=True):
+            saved["params"] = group["params"]
+            if "param_names" in group and "param_names" not in saved:
+                saved["param_names"] = group["param_names"]
+        self.param_groups = saved_groups
+        self.state = defaultdict(dict, new_state)
+        self._dp_step = step
+        self._failed = None
+        self._clear_accum()
+        self._batch_failed = None
+        if self._seed is None:
+            self._key = secure_key()  # never reuse a (key, step) pair after a resume
+        elif seed is not None:
+            self._seed, self._key = seed, NoiseKey(seed)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
