@@ -222,6 +222,34 @@ def test_no_frame_of_a_failing_step_holds_the_key_as_an_int(where, monkeypatch):
             assert s not in text, f"repr of local {name!r} shows the key"
 
 
+def test_a_cpp_signature_mismatch_never_shows_the_key(monkeypatch):
+    """pybind11's TypeError on a signature mismatch lists every argument ("Invoked with:
+    ..."), the key among them: the cpp backend re-raises it without them, with no
+    context exception and no frame holding the key."""
+    from dpkern.backends import cpp
+
+    if not dpkern.backends.is_available("cpp"):
+        pytest.skip("the C++ extension is not built")
+    params = _params()
+    opt = _make(dpkern.DPAdamW, params, backend="cpp")
+    key = reveal(opt._key)
+    _fill(params)
+
+    def mismatch(*args):
+        raise TypeError(f"step(): incompatible function arguments. Invoked with: {args!r}")
+
+    monkeypatch.setattr(cpp._C, "step", mismatch)
+    with pytest.raises(TypeError, match="not shown: they hold the noise key") as err:
+        opt.step()
+    assert err.value.__context__ is None and err.value.__cause__ is None
+    for s in _key_strings(key):
+        assert s not in str(err.value)
+    for name, value in _frame_values(err.value.__traceback__.tb_next):
+        assert not (isinstance(value, int) and value == key), f"local {name!r} holds the key"
+        if isinstance(value, tuple):
+            assert not any(isinstance(v, int) and v == key for v in value), name
+
+
 # -- 6. a step is all-or-nothing -----------------------------------------------------------
 def _two_groups(seed=0):
     a, b = _params(seed)

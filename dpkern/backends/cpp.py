@@ -192,6 +192,22 @@ def _hyper_dict(hyper: Hyper) -> dict:
     return d
 
 
+def _keyed(fn, *args):
+    """``fn(*args)`` for an extension entry point whose arguments hold the noise key: a
+    pybind11 signature mismatch (TypeError) lists every argument ("Invoked with: ..."),
+    the key among them, so it is re-raised without them, and this frame drops them."""
+    try:
+        return fn(*args)
+    except TypeError:
+        pass
+    args = None  # (no frame of the traceback holds the key)
+    raise TypeError(
+        f"dpkern._C.{getattr(fn, '__name__', 'kernel')}: the arguments did not match the "
+        "extension's signature (not shown: they hold the noise key); rebuild dpkern "
+        "(pip install -e .) so that the extension matches this Python code"
+    ) from None
+
+
 def _dp_tuple(dp: DPStep) -> tuple:
     return (
         reveal(dp.key),
@@ -245,7 +261,7 @@ def philox_words(index: Tensor, *, key: int, step: int, stream: int = 0) -> Tens
     if index.numel() and int(index.min()) < 0:
         raise ValueError("index: global element indices must be >= 0")
     out = torch.empty((index.numel(), 4), dtype=torch.int64)
-    _C.philox_words(_ptr(index), index.numel(), reveal(key), step, stream, _ptr(out))
+    _keyed(_C.philox_words, _ptr(index), index.numel(), reveal(key), step, stream, _ptr(out))
     return out
 
 
@@ -258,7 +274,7 @@ def gaussian_noise(
     if numel < 0 or offset < 0 or offset + numel > 2**64:
         raise ValueError(f"invalid numel={numel} / offset={offset}")
     out = torch.empty(numel, dtype=torch.float32)
-    _C.gaussian_noise(_ptr(out), numel, reveal(key), step, offset, stream)
+    _keyed(_C.gaussian_noise, _ptr(out), numel, reveal(key), step, offset, stream)
     return out
 
 
@@ -284,7 +300,7 @@ def rounding_bits(numel: int, *, key: int, step: int, offset: int = 0, device=No
     if numel < 0 or offset < 0 or offset + numel > 2**64:
         raise ValueError(f"invalid numel={numel} / offset={offset}")
     out = torch.empty(numel, dtype=torch.int64)
-    _C.rounding_bits(_ptr(out), numel, reveal(key), step, offset)
+    _keyed(_C.rounding_bits, _ptr(out), numel, reveal(key), step, offset)
     return out
 
 
@@ -294,7 +310,7 @@ def stochastic_round_bf16(x: Tensor, *, key: int, step: int, offset: int = 0) ->
     if offset < 0 or offset + x.numel() > 2**64:
         raise ValueError(f"invalid offset={offset}")
     out = torch.empty(x.shape, dtype=torch.bfloat16)
-    _C.stochastic_round_bf16(_ptr(x), x.numel(), reveal(key), step, offset, _ptr(out))
+    _keyed(_C.stochastic_round_bf16, _ptr(x), x.numel(), reveal(key), step, offset, _ptr(out))
     return out
 
 
@@ -426,7 +442,7 @@ def accumulate(
         _param_tuple(b, b.numel(), 0, gs, None, row)
         for b, gs, row in zip(bufs, gss, rows, strict=True)
     ]
-    _C.accumulate(hyper_dict, _dp_tuple(dp), params, _ptr(clip), batch)
+    _keyed(_C.accumulate, hyper_dict, _dp_tuple(dp), params, _ptr(clip), batch)
     _bump(bufs)
 
 
@@ -517,7 +533,7 @@ def _step(hyper_dict, hyper, dp, params, grad_samples, clip_factors, summed, sta
         _param_tuple(p, p.numel(), off, gs, s, row)
         for p, off, gs, s, row in zip(ps, offsets, gss, sums, st, strict=True)
     ]
-    out = _C.step(hyper_dict, _dp_tuple(dp), tuples, _ptr(clip), batch)
+    out = _keyed(_C.step, hyper_dict, _dp_tuple(dp), tuples, _ptr(clip), batch)
     _bump(ps)
     _bump(s for row in st for s in row)
     return out
