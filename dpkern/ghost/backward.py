@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from torch import Tensor
 
 from . import early as early_mod
+from .batch import LEAD
 from .graph import grad_of, refuse_mixed, unrecorded_uses
 
 if TYPE_CHECKING:
@@ -74,7 +75,7 @@ def backward(
     """
     records, generic = cap._records, cap._generic_records
     unknown, roots, mixed = cap._unknown, cap._roots, cap._mixed
-    ranges, forms, foreign = cap._ranges, cap.forms, cap._foreign
+    ranges, forms, foreign, layouts = cap._ranges, cap.forms, cap._foreign, cap.layouts
     cap._reset()
     if foreign is not None:
         raise ValueError(
@@ -125,6 +126,7 @@ def backward(
     if mixed:
         refuse_mixed(losses, mixed)
     refuse_unrecorded(cap, losses, ranges, forms)
+    _refuse_unrecorded_generic(cap, generic_modules, generic)
     used = {id(p) for r in records for p in r.params}
     used |= {id(p) for g in generic for p in cap.owners[g.module].values()}
     extra = list(cap.params) if check else [p for p in cap.params if id(p) not in used]
@@ -181,14 +183,87 @@ def backward(
             early_mod.take(r, g, B, formed, uses)
     for rec, g in zip(generic, gouts[len(rest) :]):
         if g is not None:
-            for p, use in generic_rows(cap, rec, g, B):
+            for p, use in generic_rows(cap, rec, g, B, layouts):
                 uses[id(p)].append(use)
     return B, [uses[id(p)] for p in cap.params], summed, formed
 
 
-def generic_rows(cap: Capture, r: _ModuleRecord, g: Tensor, B: int):
+def _refuse_unrecorded_generic(cap: Capture, modules, generic: list) -> None:
+    """Raise ValueError for a module of ``instantiate_unsupported`` (a parameter of it has
+    no ghost rule) with no call recorded: its forward returned no single tensor (e.g.
+    nn.LSTM's tuple), or it was not called and its parameters were used elsewhere."""
+    done = {r.module for r in generic}
+    for m in modules:
+        if m not in done:
+            raise ValueError(
+                f"ghost clipping (instantiate_unsupported): {cap.module_names[m]} "
+                f"({type(m).__name__}) has parameters without a ghost rule, and no call of it "
+                "returning a single tensor was recorded: the per-sample instantiation "
+                "handles modules whose forward returns one tensor (not a tuple, e.g. "
+                "nn.LSTM / nn.GRU / nn.MultiheadAttention) and that use their parameters "
+                "in their own forward; use the per-sample path "
+                "(dpkern.grad_sample.compute_grad_sample)"
+            )
+
+
+def _sliced(cap: Capture, r: _ModuleRecord, layouts: Tracker, B: int) -> tuple[list, list]:
+    """``(positions, keywords)``: the arguments of module call ``r`` that
+    :func:`generic_rows` slices per sample, those whose tracked layout is LEAD (dim 0 =
+    the samples), whatever the shapes of the others (a position table ``[T, d]`` with
+    T == B is passed whole). Raises ValueError for a call whose output is not LEAD, that
+    has no LEAD argument, or with a tensor argument that depends on the samples in another
+    layout (not sliceable per sample). (The recorded positional arguments are detached
+    copies made inside the recorded forward: the detach passed their layout on.)"""
+    name = cap.module_names[r.module]
+
+    def refuse(why):
+        raise ValueError(
+            f"ghost clipping (instantiate_unsupported): {name} ({type(r.module).__name__}) "
+            f"{why}: its per-sample gradients cannot be taken one sample at a time; "
+            "use the per-sample path (dpkern.grad_sample.compute_grad_sample). Nothing "
+            "was updated"
+        )
+
+    if layouts.get(r.output) != LEAD:
+        refuse("returns a tensor whose dim 0 is not proven to hold the samples")
+    pos, kws = [], []
+    items = [(k, f"{k}", x, pos) for k, x in enumerate(r.args)]
+    items += [(k, f"{k}=", x, kws) for k, x in r.kwargs.items()]
+    for k, label, x, into in items:
+        lay = layouts.get(x) if isinstance(x, Tensor) else None
+        if lay == LEAD and x.shape[0] == B:
+            into.append(k)
+        elif lay is not None or _nested_samples(x, layouts):
+            refuse(
+                f"is called with argument {label} that depends on the samples, but not "
+                f"with them in dim 0 (layout {lay or 'nested'}, "
+                f"{type(x).__name__} {tuple(getattr(x, 'shape', ()))})"
+            )
+    if not pos and not kws:
+        refuse("has no argument with the samples in dim 0")
+    return pos, kws
+
+
+def _nested_samples(x, layouts: Tracker) -> bool:
+    """Whether a list / tuple / dict argument holds a tensor that depends on the samples
+    (never sliced: such a call is refused)."""
+    if isinstance(x, dict):
+        x = list(x.values())
+    if isinstance(x, (list, tuple)):
+        return any(
+            _nested_samples(v, layouts)
+            if isinstance(v, (list, tuple, dict))
+            else isinstance(v, Tensor) and layouts.get(v) is not None
+            for v in x
+        )
+    return False
+
+
+def generic_rows(cap: Capture, r: _ModuleRecord, g: Tensor, B: int, layouts: Tracker):
     """Per-sample gradients of a module's own parameters: vmap over the batch of the
-    vjp of its forward on one sample (torch.func)."""
+    vjp of its forward on one sample (torch.func). Only the arguments proven batch-led
+    in the recorded forward's ``layouts`` are sliced per sample (:func:`_sliced`); the
+    others are passed whole."""
     from torch.func import functional_call, vjp, vmap
 
     from .norms import RowsUse
@@ -196,27 +271,26 @@ def generic_rows(cap: Capture, r: _ModuleRecord, g: Tensor, B: int):
     own = cap.owners[r.module]
     names = list(own)
     prm = {n: own[n].detach() for n in names}
-    batched = [
-        k for k, x in enumerate(r.args) if isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == B
-    ]
     if g.shape[0] != B:
         raise ValueError(
             f"ghost clipping: {cap.module_names[r.module]} ran on a batch "
             f"of {g.shape[0]}, the per-sample losses have B = {B}"
         )
+    pos, kws = _sliced(cap, r, layouts, B)
 
-    def one(xs, gi):
+    def one(xs, kw, gi):
         def f(params):
-            args = list(r.args)
-            for k, x in zip(batched, xs):
+            args, kwargs = list(r.args), dict(r.kwargs)
+            for k, x in zip(pos, xs):
                 args[k] = x.unsqueeze(0)
-            return functional_call(r.module, params, tuple(args), r.kwargs)
+            kwargs.update((k, x.unsqueeze(0)) for k, x in kw.items())
+            return functional_call(r.module, params, tuple(args), kwargs)
 
         return vjp(f, prm)[1](gi.unsqueeze(0))[0]
 
     cap._active = False  # the re-run forward must not be recorded
     try:
-        rows = vmap(one)(tuple(r.args[k] for k in batched), g)
+        rows = vmap(one)(tuple(r.args[k] for k in pos), {k: r.kwargs[k] for k in kws}, g)
     finally:
         cap._active = bool(cap._handles)
     for n in names:
