@@ -9,6 +9,13 @@ or ``.item()`` on a padding mask, as in BERT) it falls back, with a one-time
 :class:`VmapFallbackWarning`, to a loop of B ordinary forward/backward passes on one sample
 each. Models wrapped in Opacus' ``GradSampleModule`` need nothing from here: dpkern's
 optimizers read the same attribute.
+
+A per-sample forward must leave the module's buffers as they were: a buffer written from
+the samples (running statistics: InstanceNorm with ``track_running_stats=True`` in training
+mode, a running-mean normaliser) would release them without noise (in ``state_dict`` and in
+every later forward), and in the loop it would let sample i's forward see samples 0..i-1.
+:class:`BufferSnapshot` finds such writes (a buffer's value changed, whether in place, through
+``.data`` or by replacement); they are refused with a ValueError and the buffers put back.
 """
 
 from __future__ import annotations
@@ -47,11 +54,142 @@ def _warn_fallback(module: nn.Module, err: BaseException) -> None:
     warnings.warn(
         f"compute_grad_sample: torch.func.vmap cannot run on {cls.__name__} ({_reason(err)}); "
         "falling back to a loop over samples, which is slower: B forward and backward passes "
-        "of one sample each instead of one vectorised pass (the gradients are the same). "
-        "Pass method='loop' to skip the vmap attempt. This warning is shown once per "
-        "module class.",
+        "of one sample each instead of one vectorised pass. Every sample's forward sees the "
+        "same parameters and buffers (a forward that changes a buffer is refused), so for a "
+        "deterministic forward the gradients are vmap's. Pass method='loop' to skip the vmap "
+        "attempt. This warning is shown once per module class.",
         VmapFallbackWarning,
-        stacklevel=3,
+        stacklevel=4,  # (the caller of compute_grad_sample, via _per_sample)
+    )
+
+
+def _version(t: Tensor):
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor: no version counter
+        return None
+
+
+def _ptr(t: Tensor):
+    try:
+        return t.data_ptr()
+    except RuntimeError:
+        return None
+
+
+def _same_values(a, b: Tensor) -> bool:
+    """``a`` holds exactly ``b``'s values (shape, dtype, device; NaN where ``b`` has NaN)."""
+    if not isinstance(a, Tensor) or a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.device != b.device or a.layout != b.layout:
+        return False
+    if torch.equal(a, b):
+        return True
+    if not (a.is_floating_point() or a.is_complex()):
+        return False
+    na, nb = a.isnan(), b.isnan()
+    return torch.equal(na, nb) and torch.equal(a[~na], b[~nb])
+
+
+def _tracked(b) -> bool:
+    """Whether a buffer's values can be copied and compared (not None, lazy or meta)."""
+    return (
+        isinstance(b, Tensor)
+        and not nn.parameter.is_lazy(b)
+        and not b.is_meta
+        and b.layout == torch.strided
+    )
+
+
+class BufferSnapshot:
+    """The buffers of ``module`` and its submodules before a forward (each buffer's object,
+    version counter, storage address and a copy of its values), to find those the forward
+    changed and put them back. Also used by ghost clipping (:mod:`dpkern.ghost.capture`).
+
+    A buffer *changed* when its value differs from the copy: written in place (the version
+    counter moved), through ``.data`` (no version bump: only the values tell), replaced by
+    another tensor (``register_buffer`` / attribute assignment), or registered during the
+    forward. A write that leaves the values as they were (a cache refreshed with the same
+    numbers) is not a change: it releases nothing and no other sample sees a difference.
+    Costs one copy of the buffers (usually small: rotary frequencies, position ids)."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.entries = []  # (owner, qualified name, attribute, tensor, version, ptr, copy)
+        self.names: dict[nn.Module, set] = {}
+        copies: dict[int, Tensor] = {}
+        with torch.no_grad():
+            for mname, m in module.named_modules():
+                self.names[m] = set(m._buffers)
+                for n, b in m._buffers.items():
+                    if not _tracked(b):
+                        continue
+                    c = copies.get(id(b))
+                    if c is None:
+                        c = copies[id(b)] = b.detach().clone()
+                    q = f"{mname}.{n}" if mname else n
+                    self.entries.append((m, q, n, b, _version(b), _ptr(b), c))
+
+    def changed(self) -> list[tuple[str, nn.Module, str, Tensor | None]]:
+        """``(qualified name, owner module, how, current tensor)`` of every changed buffer,
+        in module order; ``how`` says how it was written."""
+        out = []
+        for m, q, n, b, v, p, c in self.entries:
+            cur = m._buffers.get(n)
+            if cur is None or _same_values(cur, c):
+                continue  # (set to None or removed: nothing released)
+            if cur is not b:
+                how = "replaced by another tensor"
+            elif _version(b) != v:
+                how = "written in place"
+            else:
+                how = "changed without a version bump (through .data or another alias)"
+            out.append((q, m, how, cur))
+        for mname, m in self.module.named_modules():
+            known = self.names.get(m, ())
+            for n, b in m._buffers.items():
+                if n not in known and isinstance(b, Tensor):
+                    q = f"{mname}.{n}" if mname else n
+                    out.append((q, m, "newly registered", b))
+        return out
+
+    def restore(self) -> None:
+        """Put every buffer back as it was: the same tensor object under each name, holding
+        its old values; buffers registered since are removed."""
+        with torch.no_grad():
+            for mname, m in self.module.named_modules():
+                known = self.names.get(m, ())
+                for n in [n for n in m._buffers if n not in known]:
+                    del m._buffers[n]
+                    m._non_persistent_buffers_set.discard(n)
+            for m, _, n, b, _, p, c in self.entries:
+                if m._buffers.get(n) is not b:
+                    m._buffers[n] = b
+                if _same_values(b, c):
+                    continue
+                if _ptr(b) == p and b.shape == c.shape and b.dtype == c.dtype:
+                    b.copy_(c)
+                else:  # (its storage was swapped through .data / set_)
+                    b.data = c.clone()
+
+
+def _refuse_buffer_changes(module: nn.Module, snap: BufferSnapshot, when: str) -> None:
+    """Raise ValueError (after restoring the buffers) if the forward changed a buffer."""
+    changes = snap.changed()
+    if not changes:
+        return
+    snap.restore()
+    q, owner, how, _ = changes[0]
+    others = f" (also: {', '.join(c[0] for c in changes[1:])})" if len(changes) > 1 else ""
+    raise ValueError(
+        f"compute_grad_sample: buffer {q!r} of {type(owner).__name__} was {how} during "
+        f"{when}{others}. A buffer written from the samples (running statistics) releases "
+        "them without noise (in state_dict and in every later forward) and lets one sample "
+        "change the others' gradients, so a per-sample forward must leave every buffer as "
+        "it was. Put that module in eval() mode, or use a normalisation without running "
+        "statistics (GroupNorm, LayerNorm, or InstanceNorm with track_running_stats=False); "
+        "keep state that does not depend on the data (a step counter) outside buffers. "
+        "Nothing was updated: the buffers were restored and no grad_sample was set."
     )
 
 
@@ -70,7 +208,10 @@ def compute_grad_sample(
 
     Args:
         module: any ``nn.Module`` without cross-sample operations (no BatchNorm in train
-            mode: it mixes samples, which DP forbids). Its training mode is left as is.
+            mode: it mixes samples, which DP forbids) whose forward leaves its buffers as
+            they were (no running statistics updated in train mode: InstanceNorm with
+            ``track_running_stats=True``, a running-mean normaliser). Its training mode is
+            left as is.
         loss_fn: ``loss_fn(output, target)`` -> scalar loss of ONE sample; it is called
             with batch dimension 1 (``output = module(x[i:i+1])``), so ordinary losses
             such as ``F.cross_entropy`` work unchanged. With ``targets=None`` it is called
@@ -97,7 +238,13 @@ def compute_grad_sample(
         float32 tensor ``[B]``: each sample's loss.
     Raises:
         ValueError: inputs/targets/batch_kwargs with different B, no batched input, a
-            module without trainable params, an FSDP2-sharded module, or an unknown method.
+            module without trainable params, an FSDP2-sharded module, an unknown method;
+            batch norm, or instance norm with ``track_running_stats=True``, in training
+            mode; a buffer whose value a per-sample forward changed (in place, through
+            ``.data``, replaced or newly registered: named in the message; the buffers
+            are then restored and no ``grad_sample`` is set). A write that leaves a
+            buffer's values as they were is allowed. State kept outside buffers (plain
+            Python attributes) is not checked.
     Source: torch.func per-sample-gradients recipe; Opacus' grad_sample convention.
     """
     if method not in _METHODS:
@@ -124,17 +271,27 @@ def compute_grad_sample(
     names = [n for n, p in module.named_parameters() if p.requires_grad]
     if not names:
         raise ValueError("compute_grad_sample: the module has no trainable parameter")
-    mixing = [
-        n or type(module).__name__
-        for n, m in module.named_modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
-    ]
-    if mixing:
-        raise ValueError(
-            f"compute_grad_sample: {mixing[0]} is batch norm in training mode, "
-            "which normalises each sample with statistics of the whole batch "
-            "(it mixes samples: not DP); use GroupNorm/LayerNorm, or eval()"
-        )
+    for n, m in module.named_modules():
+        n = n or type(module).__name__
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training:
+            raise ValueError(
+                f"compute_grad_sample: {n} is batch norm in training mode, "
+                "which normalises each sample with statistics of the whole batch "
+                "(it mixes samples: not DP); use GroupNorm/LayerNorm, or eval()"
+            )
+        if (
+            isinstance(m, nn.modules.instancenorm._InstanceNorm)
+            and m.training
+            and m.track_running_stats
+        ):
+            raise ValueError(
+                f"compute_grad_sample: {n} ({type(m).__name__}) has "
+                "track_running_stats=True in training mode: its forward writes the samples' "
+                "statistics into the buffers running_mean/running_var, which releases them "
+                "without noise (state_dict, eval) and, in the per-sample loop, lets one "
+                "sample change the others' gradients; put it in eval() mode, or use "
+                "track_running_stats=False (per-sample statistics), GroupNorm or LayerNorm"
+            )
     from .sharding import is_sharded
 
     if hasattr(module, "reshard") or any(is_sharded(p) for p in module.parameters()):
@@ -152,31 +309,64 @@ def compute_grad_sample(
             p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
         return torch.zeros(0, device=batched[0].device)
 
-    if method == "loop":
-        grads, losses = _loop(module, loss_fn, inputs, batch_kwargs, targets, names, param_of)
-    else:
-        try:
-            grads, losses = _vmap(module, loss_fn, inputs, batch_kwargs, targets, names, chunk_size)
-        except RuntimeError as vmap_err:  # functorch's trace errors are RuntimeErrors
-            if method == "vmap":
-                raise
-            try:  # the loop on sample 0: does it run where vmap could not?
-                first = _one_sample(
-                    module, loss_fn, inputs, batch_kwargs, targets, names, param_of, 0
-                )
-            except Exception as loop_err:  # noqa: BLE001 - a genuine error: the original
-                vmap_err.add_note(
-                    "(compute_grad_sample's per-sample loop fallback failed "
-                    f"on sample 0 too: {_reason(loop_err)})"
-                )
-                raise vmap_err from None
-            _warn_fallback(module, vmap_err)
-            grads, losses = _loop(
-                module, loss_fn, inputs, batch_kwargs, targets, names, param_of, first=first
-            )
+    snap = BufferSnapshot(module)  # every per-sample forward must leave the buffers as is
+    try:
+        grads, losses = _per_sample(
+            module,
+            loss_fn,
+            inputs,
+            batch_kwargs,
+            targets,
+            names,
+            param_of,
+            chunk_size,
+            method,
+            snap,
+        )
+    except BaseException:
+        snap.restore()  # (an error after a write: put the buffers back, as a refusal does)
+        raise
     for n in names:
         param_of[n].grad_sample = grads[n].detach()
     return losses.detach().float()
+
+
+def _per_sample(
+    module, loss_fn, inputs, batch_kwargs, targets, names, param_of, chunk_size, method, snap
+):
+    def check(i):  # after sample i's forward in the loop: refused before sample i + 1 runs
+        _refuse_buffer_changes(module, snap, f"the per-sample forward of sample {i} (loop)")
+
+    if method == "loop":
+        return _loop(module, loss_fn, inputs, batch_kwargs, targets, names, param_of, check=check)
+    try:
+        out = _vmap(module, loss_fn, inputs, batch_kwargs, targets, names, chunk_size)
+    except RuntimeError as vmap_err:  # functorch's trace errors are RuntimeErrors
+        if method == "vmap":
+            raise
+        try:  # the loop on sample 0: does it run where vmap could not?
+            first = _one_sample(module, loss_fn, inputs, batch_kwargs, targets, names, param_of, 0)
+        except Exception as loop_err:  # noqa: BLE001 - a genuine error: the original
+            vmap_err.add_note(
+                "(compute_grad_sample's per-sample loop fallback failed "
+                f"on sample 0 too: {_reason(loop_err)})"
+            )
+            raise vmap_err from None
+        check(0)  # (a buffer written by sample 0: refused, not a reason to fall back)
+        _warn_fallback(module, vmap_err)
+        return _loop(
+            module,
+            loss_fn,
+            inputs,
+            batch_kwargs,
+            targets,
+            names,
+            param_of,
+            first=first,
+            check=check,
+        )
+    _refuse_buffer_changes(module, snap, "the vmap forward")
+    return out
 
 
 def _vmap(module, loss_fn, inputs, batch_kwargs, targets, names, chunk_size):
@@ -220,7 +410,7 @@ def _one_sample(module, loss_fn, inputs, batch_kwargs, targets, names, param_of,
     return gs, loss.detach()
 
 
-def _loop(module, loss_fn, inputs, batch_kwargs, targets, names, param_of, first=None):
+def _loop(module, loss_fn, inputs, batch_kwargs, targets, names, param_of, first=None, check=None):
     B = next(iter([*inputs, *batch_kwargs.values()])).shape[0]
     grads = {
         n: torch.empty((B, *param_of[n].shape), dtype=param_of[n].dtype, device=param_of[n].device)
@@ -233,6 +423,8 @@ def _loop(module, loss_fn, inputs, batch_kwargs, targets, names, param_of, first
             if (i == 0 and first is not None)
             else _one_sample(module, loss_fn, inputs, batch_kwargs, targets, names, param_of, i)
         )
+        if check is not None and not (i == 0 and first is not None):  # (first: checked)
+            check(i)
         if losses is None:
             losses = torch.empty(B, dtype=torch.float32, device=loss.device)
         losses[i] = loss.float()

@@ -38,9 +38,17 @@ a trainable parameter consumed by an operation without a rule (unless
 torch.func); an activation whose batch dimension cannot be proven; operations that mix
 samples (``batch_norm`` in training mode, with or without parameters); ``nn.Embedding``
 with ``max_norm`` (its forward renormalises weight rows in place) or
-``scale_grad_by_freq``. A parameter that takes part in the loss outside the recorded
-forward is detected in the same backward: by the ``extra`` gradients when no record uses
-it, and by the autograd node numbers of the recorded forwards
+``scale_grad_by_freq``; a buffer whose value the recorded forward changes (running
+statistics written from the batch: a running-mean normaliser, InstanceNorm with
+``track_running_stats=True`` in training mode), found by comparing every buffer with a copy
+taken before the forward (:class:`dpkern.grad_sample.BufferSnapshot`: in place, through
+``.data``, replaced or newly registered) and put back before the error. The one exception
+is a cache: a non-persistent buffer (not in ``state_dict``) written visibly (not through
+``.data``) with a value that the batch tracking finds independent of the samples
+(transformers' dynamic / long RoPE recomputing ``inv_freq`` for a longer sequence). A write
+that leaves the values as they were is no change. A parameter that takes part in the loss
+outside the recorded forward is detected in the same backward: by the ``extra`` gradients
+when no record uses it, and by the autograd node numbers of the recorded forwards
 (:func:`.graph.unrecorded_uses`) when one does; a view of a parameter made outside the
 forward (kept from ``__init__``) is refused where the forward consumes it.
 """
@@ -54,6 +62,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from ..grad_sample import BufferSnapshot
 from . import backward as backward_mod
 from .batch import FLAT, LEAD, Form, Tracker, param_form
 from .graph import next_sequence_nr
@@ -181,6 +190,7 @@ class Capture(OpRecorder):
         self._depth = 0
         self._thread: int | None = None  # the thread of the recorded forward
         self._foreign: str | None = None  # a module called from another thread meanwhile
+        self._buffers_before: BufferSnapshot | None = None  # the buffers at the root forward
 
     # -- hooks -----------------------------------------------------------------------------
     def attach(self) -> None:
@@ -226,6 +236,7 @@ class Capture(OpRecorder):
                 f"{self._batch} in the same micro-batch"
             )
         self._batch = B
+        self._buffers_before = BufferSnapshot(self.model)  # (before any op of the forward)
         self._range_start = next_sequence_nr()
         self._roots += [t for t in tensors if t.requires_grad]
         for t in tensors:
@@ -253,6 +264,47 @@ class Capture(OpRecorder):
                 self._ranges.append((self._range_start, next_sequence_nr()))
                 self._range_start = None
         self._depth = 0
+        snap, self._buffers_before = self._buffers_before, None
+        if snap is not None:
+            self._refuse_buffer_changes(snap)
+
+    def _refuse_buffer_changes(self, snap: BufferSnapshot) -> None:
+        """Raise ValueError, after restoring the buffers and dropping this micro-batch's
+        records, if the recorded forward changed a buffer other than a data-independent
+        cache (see the module doc). Runs also when the forward raised (the hook is
+        ``always_call``: torch then keeps the forward's error and warns about this one),
+        so a refused forward never leaves a buffer written from the batch."""
+        bad = []
+        for q, owner, how, cur in snap.changed():
+            cache = (  # a non-persistent buffer given a value that is not the batch's
+                q.rsplit(".", 1)[-1] in owner._non_persistent_buffers_set
+                and not how.startswith("changed without a version bump")
+                and self.layouts.get(cur) is None
+            )
+            if not cache:
+                bad.append((q, owner, how, self.layouts.get(cur) is not None))
+        if not bad:
+            return
+        snap.restore()
+        self._reset()  # (fail closed: a backward of this micro-batch finds no records)
+        q, owner, how, tainted = bad[0]
+        why = (
+            "its new value depends on the samples"
+            if tainted
+            else "ghost clipping cannot prove that its new value does not depend on them"
+        )
+        others = f" (also: {', '.join(b[0] for b in bad[1:])})" if len(bad) > 1 else ""
+        raise ValueError(
+            f"ghost clipping refuses buffer {q!r} ({type(owner).__name__}): it was {how} "
+            f"during the recorded forward and {why}{others}. A buffer written from the "
+            "batch (running statistics) releases the batch without noise (in state_dict "
+            "and in every later forward) and lets one sample change the others' gradients. "
+            "Put that module in eval() mode, or use a normalisation without running "
+            "statistics (LayerNorm; InstanceNorm with track_running_stats=False; GroupNorm "
+            "with instantiate_unsupported=True or on the per-sample path); keep state that "
+            "does not depend on the data (a step counter) outside buffers. Nothing was "
+            "updated: the buffers were restored and this micro-batch's records dropped."
+        )
 
     def _enter(self, module, args):
         if self._mode is None:
