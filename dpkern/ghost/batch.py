@@ -10,6 +10,10 @@ Layouts are proven from the forward's arguments, never guessed from a shape:
 - ``UNKNOWN``: depends on the samples, in an unproven layout (dim 0 moved or reduced).
 A tensor with no layout does not depend on the samples (constants, buffers, positions
 from ``arange``): its dim 0 is never taken for the batch, even when it equals B.
+
+The rule (:func:`_one`) is an allowlist: LEAD / FLAT pass only through the views and moves
+ruled on here and the operations of :mod:`.batch_ops` known to keep the samples apart
+along dim 0; any other operation on a sample-dependent tensor gives UNKNOWN.
 """
 
 from __future__ import annotations
@@ -21,42 +25,12 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-LEAD, FLAT, UNKNOWN = "lead", "flat", "unknown"
+from .batch_ops import _ADDS, _CASTS, _DIMMOVES, _DIVS, _EXPANDS, _MULS, _NEGS  # noqa: F401
+from .batch_ops import _RESHAPES, _RSUBS, _SUBS, _TRANSPOSES, _VIEWLIKE, INPLACE_ADDS  # noqa: F401
+from .batch_ops import EW, FLAT, KIND, LEAD, MAXMIN, ROW, UNKNOWN, WHERE, _arg, _kept
+from .batch_ops import _row, kind_layout
 
 _T = torch.Tensor
-_TRANSPOSES = {_T.t, torch.t, _T.T.__get__, _T.mT.__get__}
-_CASTS = {_T.to, _T.float, _T.half, _T.bfloat16, _T.double, _T.type_as, _T.contiguous, _T.clone}
-_RESHAPES = {
-    _T.view,
-    _T.reshape,
-    torch.reshape,
-    _T.unsqueeze,
-    torch.unsqueeze,
-    _T.squeeze,
-    torch.squeeze,
-    _T.flatten,
-    torch.flatten,
-    _T.view_as,
-    _T.reshape_as,
-}
-_ADDS = {_T.add, torch.add, _T.__add__, _T.__radd__, _T.__iadd__, _T.add_}
-_SUBS = {_T.sub, torch.sub, _T.__sub__, _T.__isub__, _T.sub_}
-_RSUBS = {_T.__rsub__, torch.rsub}
-_MULS = {_T.mul, torch.mul, _T.__mul__, _T.__rmul__, _T.__imul__, _T.mul_}
-_DIVS = {_T.div, torch.div, _T.__truediv__, _T.__itruediv__, _T.div_}
-_NEGS = {_T.neg, torch.neg, _T.__neg__}
-INPLACE_ADDS = {_T.__iadd__, _T.add_, _T.__isub__, _T.sub_}
-_VIEWLIKE = _CASTS | _RESHAPES | {_T.expand, _T.expand_as, _T.unflatten, torch.unflatten}
-_DIMMOVES = {
-    _T.transpose,
-    torch.transpose,
-    _T.swapaxes,
-    torch.swapaxes,
-    _T.permute,
-    torch.permute,
-    _T.movedim,
-    torch.movedim,
-}
 
 
 class Tracker:
@@ -175,11 +149,29 @@ def _dim0_kept(func, args, kwargs, x: Tensor) -> bool:
     return False
 
 
-def _index_keeps_dim0(index, n: int) -> bool:
-    """``x[index]`` keeps dim 0 in order: a full slice or ``...`` first, or (HF's mask
-    builders) an integer tensor equal to ``arange(n)`` along its dim 0."""
-    first = index[0] if isinstance(index, tuple) and index else index
-    if first is Ellipsis or (isinstance(first, slice) and first == slice(None)):
+def _consumed(e) -> int:
+    """How many dims of the indexed tensor an index entry consumes."""
+    if e is None or e is Ellipsis or isinstance(e, bool):
+        return 0
+    if isinstance(e, Tensor) and e.dtype == torch.bool:
+        return e.dim()
+    return 1
+
+
+def _index_keeps_dim0(index, x: Tensor) -> bool:
+    """``x[index]`` keeps dim 0 in order: a full slice first, ``...`` first covering dim 0,
+    or (HF's mask builders) an integer tensor equal to ``arange(n)`` along its dim 0; and
+    no non-adjacent advanced indices (their dims would move to the front)."""
+    idx = index if isinstance(index, tuple) else (index,)
+    if not idx:
+        return True
+    adv = [k for k, e in enumerate(idx) if isinstance(e, (Tensor, list, tuple))]
+    if adv and adv != list(range(adv[0], adv[0] + len(adv))):
+        return False
+    first, n = idx[0], x.shape[0]
+    if first is Ellipsis:
+        return sum(_consumed(e) for e in idx[1:]) < x.dim()
+    if isinstance(first, slice) and first == slice(None):
         return True
     if (
         isinstance(first, Tensor)
@@ -188,114 +180,22 @@ def _index_keeps_dim0(index, n: int) -> bool:
         and first.dtype != torch.bool
         and first.shape[0] == n
         and first.numel() == n
+        and all(not isinstance(e, Tensor) or e.dim() <= first.dim() for e in idx[1:])
+        and not any(isinstance(e, (list, tuple)) for e in idx[1:])
     ):
         return bool((first.reshape(-1) == torch.arange(n, device=first.device)).all())
     return False
 
 
-_DIM_FUNCS = {
-    _T.sum,
-    torch.sum,
-    _T.mean,
-    torch.mean,
-    _T.softmax,
-    torch.softmax,
-    torch.nn.functional.softmax,
-    _T.log_softmax,
-    torch.log_softmax,
-    torch.nn.functional.log_softmax,
-    _T.cumsum,
-    torch.cumsum,
-    _T.cumprod,
-    torch.cumprod,
-    _T.index_select,
-    torch.index_select,
-    _T.gather,
-    torch.gather,
-    _T.flip,
-    torch.flip,
-    _T.roll,
-    torch.roll,
-    _T.std,
-    torch.std,
-    _T.var,
-    torch.var,
-    _T.amax,
-    torch.amax,
-    _T.amin,
-    torch.amin,
-    _T.max,
-    torch.max,
-    _T.min,
-    torch.min,
-    _T.prod,
-    torch.prod,
-    _T.logsumexp,
-    torch.logsumexp,
-    _T.norm,
-    torch.norm,
-    _T.argmax,
-    torch.argmax,
-    _T.any,
-    torch.any,
-    _T.all,
-    torch.all,
-    torch.cat,
-    torch.concat,
-    torch.stack,
-    torch.nn.functional.normalize,
-    _T.unbind,
-    torch.unbind,
-    _T.narrow,
-    torch.narrow,
-    _T.select,
-    torch.select,
-    _T.split,
-    torch.split,
-    _T.chunk,
-    torch.chunk,
-    _T.repeat_interleave,
-    torch.repeat_interleave,
-}
-
-
-#: every func with a layout rule of its own in :func:`_one` (the others: the general rule)
+_SHAPED = _VIEWLIKE | _EXPANDS
+#: every func with a layout rule in :func:`_special` (the others: the tables of .batch_ops)
 _SPECIAL = frozenset(
-    _DIM_FUNCS
-    | _TRANSPOSES
+    _TRANSPOSES
     | _VIEWLIKE
     | _DIMMOVES
-    | {torch.einsum, torch.functional.einsum, _T.expand, _T.expand_as, _T.__getitem__}
+    | _EXPANDS
+    | {torch.einsum, torch.functional.einsum, _T.__getitem__}
 )
-
-
-def _touches_dim0(func, args, kwargs, x: Tensor) -> bool:
-    """Whether ``func`` reduces, reorders or selects along dim 0 (of ``x``)."""
-    dim = kwargs.get("dim", kwargs.get("dims"))
-    if dim is None and func in (torch.cat, torch.concat, torch.stack):
-        dim = args[1] if len(args) > 1 else 0
-    elif dim is None and func in (
-        _T.split,
-        torch.split,
-        _T.chunk,
-        torch.chunk,
-        _T.repeat_interleave,
-        torch.repeat_interleave,
-    ):
-        dim = (
-            args[2]
-            if len(args) > 2
-            else 0
-            if func in (_T.split, torch.split, _T.chunk, torch.chunk)
-            else None
-        )
-    elif dim is None and len(args) > 1 and isinstance(args[1], (int, tuple, list)):
-        dim = args[1]
-    if dim is None:
-        return True  # a full reduction
-    dims = [dim] if isinstance(dim, int) else list(dim)
-    n = max(x.dim(), 1)
-    return any(isinstance(d, int) and d % n == 0 for d in dims)
 
 
 def _einsum_keeps(args, tainted) -> bool:
@@ -331,73 +231,75 @@ def tainted_inputs(args, kwargs, layouts: Tracker) -> list:
     return [(t, lay) for t, lay in ins if lay is not None]
 
 
-def _one(func, args, kwargs, out: Tensor, tainted: list, B) -> str | None:
+def _special(func, args, kwargs, out, tainted, B) -> str:
+    """Views, moves, expands, transposes, einsum, indexing (of :data:`_SPECIAL`)."""
+    src, lay = tainted[0]
+    if func in (torch.einsum, torch.functional.einsum):
+        return (
+            LEAD
+            if _einsum_keeps(args, tainted)
+            and all(lay == LEAD for _, lay in tainted)
+            and out.shape[0] == B
+            else UNKNOWN
+        )
+    if src is not args[0]:  # a constant shaped / cast like a tainted one: its values
+        return _kept(tainted, out, B) if func in _SHAPED else UNKNOWN
+    if len(tainted) > 1 and func not in _SHAPED:
+        return UNKNOWN  # (e.g. a sample-dependent index)
+    if func in _TRANSPOSES:
+        if src.dim() >= 2 and not (func is _T.mT.__get__ and src.dim() > 2):
+            return UNKNOWN
+        return _kept(tainted, out, B)
+    if func in _EXPANDS:  # (broadcast rows: same rank, same dim 0)
+        return lay if out.dim() == src.dim() and out.shape[0] == src.shape[0] else UNKNOWN
+    if func in _VIEWLIKE:
+        if lay == LEAD:
+            if out.shape[0] == B and math.prod(src.shape[1:]) == math.prod(out.shape[1:]):
+                return LEAD
+            if out.shape[0] != B and any(
+                math.prod(src.shape[:j]) == out.shape[0] for j in range(2, src.dim() + 1)
+            ):
+                return FLAT
+            return UNKNOWN
+        if lay == FLAT:
+            if out.shape[0] == src.shape[0]:
+                return FLAT
+            if out.shape[0] == B and any(
+                B * math.prod(out.shape[1:j]) == src.shape[0] for j in range(2, out.dim() + 1)
+            ):
+                return LEAD
+        return UNKNOWN
+    if func in _DIMMOVES:
+        return lay if _dim0_kept(func, args, kwargs, src) else UNKNOWN
+    if func is _T.__getitem__:
+        keeps = _index_keeps_dim0(args[1], src) and out.shape[0] == src.shape[0]
+        return lay if keeps else UNKNOWN
+    return UNKNOWN
+
+
+def _one(func, args, kwargs, out: Tensor, tainted: list, B, index: int = 0) -> str | None:
+    """The layout of ``out`` (output ``index`` of ``func``); an allowlist: a func with no
+    rule here or in :mod:`.batch_ops` gives UNKNOWN."""
     if not tainted:
         return None
     if out.dim() == 0:
         return UNKNOWN
-    src, lay = tainted[0]
-    if func in _SPECIAL:  # (every other func takes the general rule at the end)
-        if func in (torch.einsum, torch.functional.einsum):
-            return (
-                LEAD
-                if _einsum_keeps(args, tainted)
-                and all(lay == LEAD for _, lay in tainted)
-                and out.shape[0] == B
-                else UNKNOWN
-            )
-        if func in _DIM_FUNCS and _touches_dim0(func, args, kwargs, src):
-            return UNKNOWN
-        if func in _TRANSPOSES and src.dim() >= 2 and not (func is _T.mT.__get__ and src.dim() > 2):
-            return UNKNOWN
-        if func in (_T.expand, _T.expand_as) and src is args[0]:
-            return lay if out.shape[0] == src.shape[0] else UNKNOWN  # (broadcast rows)
-        if func in _VIEWLIKE and src is args[0]:
-            if lay == LEAD:
-                if out.shape[0] == B and math.prod(src.shape[1:]) == math.prod(out.shape[1:]):
-                    return LEAD
-                if out.shape[0] != B and any(
-                    math.prod(src.shape[:j]) == out.shape[0] for j in range(2, src.dim() + 1)
-                ):
-                    return FLAT
-                return UNKNOWN
-            if lay == FLAT:
-                if out.shape[0] == src.shape[0]:
-                    return FLAT
-                if out.shape[0] == B and any(
-                    B * math.prod(out.shape[1:j]) == src.shape[0] for j in range(2, out.dim() + 1)
-                ):
-                    return LEAD
-            return UNKNOWN
-        if func in _DIMMOVES:
-            return lay if _dim0_kept(func, args, kwargs, src) else UNKNOWN
-        if func is _T.__getitem__:
-            return (
-                lay
-                if (
-                    src is args[0]
-                    and _index_keeps_dim0(args[1], src.shape[0])
-                    and out.shape[0] == src.shape[0]
-                )
-                else UNKNOWN
-            )
-    # the general rule: LEAD when every such input is LEAD, B rows out, and each input
-    # has the output's rank or B rows; FLAT when every one is FLAT with the rows kept
-    n0 = out.shape[0]
-    if lay == LEAD:
-        ok, nd = n0 == B, out.dim()
-        for t, la in tainted:
-            if la != LEAD:
-                return UNKNOWN
-            if ok and t.dim() != nd and t.shape[0] != B:
-                ok = False
-        return LEAD if ok else UNKNOWN
-    if lay == FLAT and n0 == src.shape[0]:
-        for _, la in tainted:
-            if la != FLAT:
-                return UNKNOWN
-        return FLAT
-    return UNKNOWN
+    if func in _SPECIAL:
+        return _special(func, args, kwargs, out, tainted, B)
+    kind = KIND.get(func)
+    if kind == EW:
+        if func in WHERE and len(args) + len(kwargs) == 1:
+            return UNKNOWN  # (where(cond): the indices of its nonzeros)
+        return _kept(tainted, out, B)
+    if kind == MAXMIN:
+        if isinstance(_arg(args, kwargs, 1, "other"), Tensor):
+            return _kept(tainted, out, B)
+        kind = ROW
+    if kind == ROW:
+        return _row(func, args, kwargs, out, tainted, B)
+    if kind is None:
+        return UNKNOWN
+    return kind_layout(kind, func, args, kwargs, out, tainted, B, index)
 
 
 def propagate(func, args, kwargs, out, layouts: Tracker, B, tainted=None) -> str | None:
@@ -407,9 +309,9 @@ def propagate(func, args, kwargs, out, layouts: Tracker, B, tainted=None) -> str
     if tainted is None:
         tainted = tainted_inputs(args, kwargs, layouts)
     if isinstance(out, (tuple, list)):
-        for o in out:
+        for k, o in enumerate(out):
             if isinstance(o, Tensor):
-                lay = _one(func, args, kwargs, o, tainted, B)
+                lay = _one(func, args, kwargs, o, tainted, B, k)
                 if lay is not None:
                     layouts.put(o, lay)
         return None
