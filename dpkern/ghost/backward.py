@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from .batch import Tracker
     from .capture import Capture, _ModuleRecord
 
-__all__ = ["backward", "generic_rows", "refuse_unrecorded"]
+__all__ = ["backward", "generic_rows", "refuse_unrecorded", "refuse_unreplayed"]
 
 
 def refuse_unrecorded(cap: Capture, losses: Tensor, ranges, forms: Tracker) -> None:
@@ -73,7 +73,7 @@ def backward(
         reentrant activation checkpointing), RuntimeError (autograd errors of the
         backward itself).
     """
-    records, generic = cap._records, cap._generic_records
+    records, generic, unreplayed = cap._records, cap._generic_records, cap._unreplayed
     unknown, roots, mixed = cap._unknown, cap._roots, cap._mixed
     ranges, forms, foreign, layouts = cap._ranges, cap.forms, cap._foreign, cap.layouts
     cap._reset()
@@ -109,7 +109,8 @@ def backward(
         generic = [g for g in generic if g.module in generic_modules]
     else:
         generic = []
-    outputs = [r.edge for r in records] + [g.output for g in generic]
+    live = [g for g in generic if g.edge is not None]  # (the others: made under no_grad)
+    outputs = [r.edge for r in records] + [g.edge for g in live]
     if B == 0:  # an empty micro-batch: zero gradient
         if losses.requires_grad and outputs:  # still back-propagated: under FSDP2 the
             cap._in_backward = True  # backward runs collectives (parameter
@@ -126,7 +127,7 @@ def backward(
     if mixed:
         refuse_mixed(losses, mixed)
     refuse_unrecorded(cap, losses, ranges, forms)
-    _refuse_unrecorded_generic(cap, generic_modules, generic)
+    refuse_unreplayed(cap, generic_modules, generic, unreplayed)
     used = {id(p) for r in records for p in r.params}
     used |= {id(p) for g in generic for p in cap.owners[g.module].values()}
     extra = list(cap.params) if check else [p for p in cap.params if id(p) not in used]
@@ -143,7 +144,7 @@ def backward(
                     r.edge.node.register_prehook(early_mod.taker(r, B, formed, uses, fired))
                 )
     rest = [r for r in records if id(r) not in hooked]  # their gradients are returned
-    outputs = [r.edge for r in rest] + [g.output for g in generic]
+    outputs = [r.edge for r in rest] + [g.edge for g in live]
     if formed is not None:
         early_ps, also = early_mod.requests(
             cap, records, hooked, formed, bool(outputs or extra), roots
@@ -181,28 +182,46 @@ def backward(
     for r, g in zip(rest, gouts[: len(rest)]):
         if g is not None:
             early_mod.take(r, g, B, formed, uses)
-    for rec, g in zip(generic, gouts[len(rest) :]):
+    for rec, g in zip(live, gouts[len(rest) :]):
         if g is not None:
             for p, use in generic_rows(cap, rec, g, B, layouts):
                 uses[id(p)].append(use)
     return B, [uses[id(p)] for p in cap.params], summed, formed
 
 
-def _refuse_unrecorded_generic(cap: Capture, modules, generic: list) -> None:
-    """Raise ValueError for a module of ``instantiate_unsupported`` (a parameter of it has
-    no ghost rule) with no call recorded: its forward returned no single tensor (e.g.
-    nn.LSTM's tuple), or it was not called and its parameters were used elsewhere."""
+def refuse_unreplayed(cap: Capture, modules, generic: list, unreplayed: dict) -> None:
+    """Raise ValueError for a module of ``modules`` (it gets the per-sample pass: a
+    parameter of it has no ghost rule) with a call in the recorded forward that the pass
+    cannot replay, since its parameters' uses in that call would then be missing from the
+    per-sample norm: a call noted in ``unreplayed`` by :meth:`.capture.Capture._leave` (an
+    output that is not one tensor, e.g. nn.LSTM's tuple or a dict; the model's own call;
+    an argument changed in place during the call), a recorded call (``generic``) whose
+    tensor argument was changed in place since (the replay would read the new values) or
+    whose output, a view, was (its graph edge is then bypassed), or no call recorded."""
     done = {r.module for r in generic}
+    for r in generic:
+        for lab, v in r.versions.items():
+            if lab == "out":
+                x, what = r.view, "its output (a view: its own gradient is then lost)"
+            else:
+                x = r.args[int(lab)] if lab[-1] != "=" else r.kwargs[lab[:-1]]
+                what = f"its argument {lab}"
+            if x._version != v:
+                unreplayed.setdefault(r.module, f"had {what} changed in place later")
     for m in modules:
-        if m not in done:
+        why = unreplayed.get(m) or (None if m in done else "was not called")
+        if why is not None:
             raise ValueError(
                 f"ghost clipping (instantiate_unsupported): {cap.module_names[m]} "
-                f"({type(m).__name__}) has parameters without a ghost rule, and no call of it "
-                "returning a single tensor was recorded: the per-sample instantiation "
-                "handles modules whose forward returns one tensor (not a tuple, e.g. "
-                "nn.LSTM / nn.GRU / nn.MultiheadAttention) and that use their parameters "
-                "in their own forward; use the per-sample path "
-                "(dpkern.grad_sample.compute_grad_sample)"
+                f"({type(m).__name__}) has parameters without a ghost rule, so its calls in "
+                f"the recorded forward are replayed one sample at a time, but a call of it {why}"
+                ": it cannot be replayed, and the uses of its parameters there would be "
+                "missing from the per-sample norm. The pass replays calls that return one "
+                "tensor (not a tuple or dict, e.g. nn.LSTM / nn.GRU / nn.MultiheadAttention), "
+                "of a submodule (not the model itself), whose tensor arguments (and output, "
+                "if a view) are not changed in place during or after the call (pass a "
+                ".clone(), or use out-of-place operations); use the "
+                "per-sample path (dpkern.grad_sample.compute_grad_sample). Nothing was updated"
             )
 
 
@@ -224,7 +243,7 @@ def _sliced(cap: Capture, r: _ModuleRecord, layouts: Tracker, B: int) -> tuple[l
             "was updated"
         )
 
-    if layouts.get(r.output) != LEAD:
+    if r.layout != LEAD:
         refuse("returns a tensor whose dim 0 is not proven to hold the samples")
     pos, kws = [], []
     items = [(k, f"{k}", x, pos) for k, x in enumerate(r.args)]

@@ -35,7 +35,8 @@ positions); any other consumer of a pending tensor is refused (T5's relative bia
 Refused, with a ValueError naming the operation and the module path, never approximated:
 a trainable parameter consumed by an operation without a rule (unless
 ``instantiate_unsupported=True``, which instantiates that module's per-sample gradients by
-torch.func); an activation whose batch dimension cannot be proven; operations that mix
+torch.func, replaying each of its calls: a call it cannot replay is refused, see
+:func:`.backward.refuse_unreplayed`); an activation whose batch dimension cannot be proven; operations that mix
 samples (``batch_norm`` in training mode, with or without parameters); ``nn.Embedding``
 with ``max_norm`` (its forward renormalises weight rows in place) or
 ``scale_grad_by_freq``; a buffer whose value the recorded forward changes (running
@@ -61,6 +62,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
 
 from ..grad_sample import BufferSnapshot
 from . import backward as backward_mod
@@ -99,10 +101,33 @@ def _refused_module(module: nn.Module) -> str | None:
 
 @dataclass
 class _ModuleRecord:
+    """A call of a module that may get the per-sample pass (:func:`.backward.generic_rows`):
+    its arguments (the positional ones detached), the graph edge of its output (the call's
+    own output gradient even if the output is changed in place later; None: the output
+    does not require grad), the output's batch layout, and the versions of its tensor
+    arguments when it returned (:func:`.backward.refuse_unreplayed` checks them), and of
+    its output when that is a view (``view``: changed in place, its edge is left behind)."""
+
     module: nn.Module
     args: tuple
     kwargs: dict
-    output: Tensor
+    edge: object
+    layout: object
+    versions: dict
+    view: Tensor | None = None
+
+
+def _versions(args, kwargs) -> dict:
+    """``{label: (tensor, version)}`` of a call's tensor arguments (labels ``"0"``,
+    ``"name="``, as in the messages); inference tensors (no version counter) left out.
+    (Called from the module hooks, while the capture's mode is active: not seen by it.)"""
+    items = [(str(k), x) for k, x in enumerate(args)] + [(f"{k}=", x) for k, x in kwargs.items()]
+    with torch._C.DisableTorchFunction():
+        return {
+            lab: (x, x._version)
+            for lab, x in items
+            if isinstance(x, Tensor) and not x.is_inference()
+        }
 
 
 @dataclass
@@ -179,7 +204,9 @@ class Capture(OpRecorder):
         # unproven layout (a reduction over the batch, dim 0 moved), first of its chain
         self._mixed: list[tuple[object, str]] = []
         self._generic_records: list[_ModuleRecord] = []
-        self._stack: list[nn.Module] = []
+        self._stack: list[tuple] = []  # (module, its argument versions) of running calls
+        # module -> why a call of it could not be recorded for the per-sample pass
+        self._unreplayed: dict[nn.Module, str] = {}
         self._batch: int | None = None
         # [start, end) autograd node numbers of each recorded root forward (this thread)
         self._ranges: list[tuple[int, int]] = []
@@ -200,7 +227,7 @@ class Capture(OpRecorder):
         self._handles.append(self.model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
         self._handles.append(self.model.register_forward_hook(self._root_post, always_call=True))
         for m in self.owners:  # (the rest: found by where(); a hook slows every call)
-            self._handles.append(m.register_forward_pre_hook(self._enter))
+            self._handles.append(m.register_forward_pre_hook(self._enter, with_kwargs=True))
             self._handles.append(
                 m.register_forward_hook(self._leave, with_kwargs=True, always_call=True)
             )
@@ -306,12 +333,14 @@ class Capture(OpRecorder):
             "updated: the buffers were restored and this micro-batch's records dropped."
         )
 
-    def _enter(self, module, args):
+    def _enter(self, module, args, kwargs):
         if self._mode is None:
             return
         if threading.get_ident() != self._thread:
             self._from_other_thread(module)
-        self._stack.append(module)
+        self._stack.append(
+            (module, _versions(args, kwargs) if self.instantiate_unsupported else None)
+        )
         own = self.owners.get(module)
         if own:  # FSDP2 swaps in unsharded tensors: map what the module holds now
             for n, p in own.items():
@@ -333,12 +362,42 @@ class Capture(OpRecorder):
         )
 
     def _leave(self, module, args, kwargs, output):
-        if self._mode is None or not self._stack:
+        """Record a finished call of an owner for the per-sample pass, or note why it cannot
+        be replayed (:func:`.backward.refuse_unreplayed` refuses it if the module gets the
+        pass: the uses of its parameters in that call would be missing from the norm)."""
+        stack = self._stack
+        if threading.get_ident() != self._thread or not any(m is module for m, _ in stack):
+            return  # (a call not entered in a recorded forward)
+        while stack[-1][0] is not module:  # (a call whose forward hooks did not run)
+            self._unreplayable(stack.pop()[0], "did not return normally")
+        before = stack.pop()[1]
+        if not self.instantiate_unsupported or module not in self.owners:
             return
-        self._stack.pop()
-        if self.instantiate_unsupported and module in self.owners and isinstance(output, Tensor):
-            det = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
-            self._generic_records.append(_ModuleRecord(module, det, dict(kwargs), output))
+        if module is self.model:
+            return self._unreplayable(module, "is the model itself (its own call is not replayed)")
+        if not isinstance(output, Tensor):
+            what = "None (or raised)" if output is None else f"a {type(output).__name__}"
+            return self._unreplayable(module, f"returned {what}, not a single tensor")
+        after = _versions(args, kwargs)
+        for lab, (x, v) in after.items():
+            if lab in before and before[lab][0] is x and before[lab][1] != v:
+                return self._unreplayable(module, f"changed its argument {lab} in place")
+        versions = {lab: v for lab, (_, v) in after.items()}
+        with torch._C.DisableTorchFunction():  # (inspecting the output: not a torch op)
+            edge = get_gradient_edge(output) if output.requires_grad else None
+            view = output if output._base is not None else None
+            if view is not None:
+                versions["out"] = output._version
+        det = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)  # (in the mode:
+        # the copies get the arguments' layouts)
+        rec = _ModuleRecord(
+            module, det, dict(kwargs), edge, self.layouts.get(output), versions, view
+        )
+        self._generic_records.append(rec)
+
+    def _unreplayable(self, module, why: str) -> None:
+        if module in self.owners:
+            self._unreplayed.setdefault(module, why)
 
     def current_module(self) -> nn.Module | None:
         """The innermost of the model's modules whose call is running (read off the
