@@ -211,11 +211,6 @@ def test_gcn_over_the_samples_is_refused(sparse):
         _ghost(GCN(sparse), torch.randn(8, D_IN))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="x[i] = v is not tracked: the capture skips calls "
-    "that return None (Tensor.__setitem__), so the row copy keeps LEAD",
-)
 def test_setitem_copying_a_row_into_another_is_refused():
     def copy_row(h):
         h2 = h.clone()

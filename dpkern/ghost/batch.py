@@ -336,3 +336,84 @@ def reduce_rows(t: Tensor, shape) -> Tensor:
     if dims:
         t = t.sum(dim=dims, keepdim=True)
     return t.reshape(t.shape[0], *shape)
+
+
+# -- in-place writes (``x[i] = v``, ``index_put_``, ``copy_`` into a view, ...) -----------
+def row_aligned(v: Tensor, base: Tensor) -> bool:
+    """Whether view ``v`` of ``base`` (contiguous) has ``base``'s rows as its dim 0, in
+    order: ``v[i]`` lies inside ``base[i]`` for every i (``base[:, 2:]``, ``base[..., 0]``,
+    not ``base[0]``, ``base[1:]``, ``base.view(-1)`` nor ``base.t()``). Read off the strides,
+    so it holds for any chain of views. A view of a non-contiguous base: False."""
+    if v.dim() == 0 or base.dim() == 0 or v.shape[0] != base.shape[0]:
+        return False
+    if (
+        not base.is_contiguous()
+        or v.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+    ):
+        return False
+    n, row = base.shape[0], math.prod(base.shape[1:])
+    if n > 1 and v.stride(0) != row:
+        return False
+    off = v.storage_offset() - base.storage_offset()
+    span = sum((s - 1) * st for s, st in zip(v.shape[1:], v.stride()[1:]))
+    return 0 <= off and off + span < max(row, 1) and v.numel() > 0
+
+
+def _index_tensors(index) -> list:
+    idx = index if isinstance(index, tuple) else (index,)
+    out = []
+    for e in idx:
+        if isinstance(e, Tensor):
+            out.append(e)
+        elif isinstance(e, (list, tuple)):
+            out += [x for x in e if isinstance(x, Tensor)]
+    return out
+
+
+def write_layout(dest: Tensor, lay, index, value, lay_of, B) -> tuple:
+    """``(layout, harmless)`` of ``dest`` after ``dest[index] = value`` (``index_put_``
+    too); ``lay`` its layout before, ``lay_of(t)`` the layout of another tensor. An
+    allowlist, like :func:`_one`:
+
+    - nothing written depends on the samples (constants, an untainted index): the layout
+      is kept, ``harmless`` (no alias of ``dest`` changes layout);
+    - a sample-dependent value written into every row in order (``dest[:, 1:] = h[:, :-1]``,
+      ``dest[..., 0] = h[:, 3]``, the index keeping dim 0 as :func:`_index_keeps_dim0`
+      says) with its own rows (same rank as the target, same dim 0): kept as
+      :func:`.batch_ops._kept` of ``dest`` and the value;
+    - a sample-dependent boolean mask of ``dest``'s shape, a constant written
+      (``dest[dest > 0] = 0``): element-wise, kept;
+    - anything else (a sample-dependent value written into chosen rows, ``dest[0] = h[1]``;
+      a sample-dependent index): UNKNOWN."""
+    idx = index if isinstance(index, tuple) else (index,)
+    t_idx = [(t, lay_of(t)) for t in _index_tensors(idx)]
+    t_idx = [(t, la) for t, la in t_idx if la is not None]
+    v_lay = lay_of(value) if isinstance(value, Tensor) else None
+    if not t_idx and v_lay is None:
+        return lay, True
+    own = [(dest, lay)] if lay is not None else []
+    if dest.dim() == 0:
+        return UNKNOWN, False
+    if t_idx:
+        m = idx[0]
+        ok = (
+            len(idx) == 1
+            and isinstance(m, Tensor)
+            and m.dtype == torch.bool
+            and tuple(m.shape) == tuple(dest.shape)
+            and v_lay is None
+            and (not isinstance(value, Tensor) or value.numel() == 1)
+        )
+        return (_kept(own + t_idx, dest, B) if ok else UNKNOWN), False
+    if not _index_keeps_dim0(idx, dest):
+        return UNKNOWN, False
+    with torch._C.DisableTorchFunction():
+        target = dest[index]
+    if (
+        target.dim() == 0
+        or target.shape[0] != dest.shape[0]
+        or value.dim() != target.dim()
+        or value.shape[0] != target.shape[0]
+    ):
+        return UNKNOWN, False
+    return _kept([(value, v_lay)] + own, dest, B, same_rank=False), False

@@ -24,8 +24,10 @@ from torch.overrides import TorchFunctionMode
 
 from .batch import _CASTS as CASTS
 from .batch import _one as layout_one
-from .batch import UNKNOWN, layout_of, param_form, propagate
-from .rules import RULES, pending_uses, uses_of
+from .batch import UNKNOWN, _index_tensors, layout_of, param_form, propagate, row_aligned
+from .batch import write_layout
+from .batch_ops import EW, KIND
+from .rules import RULES, _ps, pending_uses, uses_of
 
 __all__ = ["OpRecorder"]
 
@@ -37,6 +39,38 @@ _MAKES_LEAF = frozenset({Tensor.requires_grad_, Tensor.requires_grad.__set__})
 _NONE: list = []  # an empty list that is never appended to
 #: the code of the frame every module call runs in (its local ``self``: the module)
 _CALL_IMPL = nn.Module._call_impl.__code__
+_SETITEM = Tensor.__setitem__
+_INDEX_PUT = frozenset({Tensor.index_put_, torch.index_put_})
+_IDUNDERS = frozenset(
+    f"__i{n}__"
+    for n in "add sub mul truediv div floordiv mod pow and or xor lshift rshift matmul".split()
+)
+_INPLACE_POS: dict = {}  # func -> position of its ``inplace`` parameter (or None)
+
+
+def _inplace_pos(func):
+    if func not in _INPLACE_POS:
+        import inspect
+
+        try:
+            names = list(inspect.signature(func).parameters)
+        except (TypeError, ValueError):
+            names = []
+        _INPLACE_POS[func] = names.index("inplace") if "inplace" in names else None
+    return _INPLACE_POS[func]
+
+
+def _writes_first(func, args, kwargs) -> bool:
+    """Whether ``func`` (which returned ``args[0]``) changed ``args[0]`` in place: a method
+    ``x.name_()``, ``x += y`` (``__iadd__``), or ``inplace=True`` (``F.relu``, ...);
+    not ``x.to()`` / ``x.contiguous()`` returning ``x`` itself."""
+    name = getattr(func, "__name__", "")
+    if (name.endswith("_") and not name.endswith("__")) or name in _IDUNDERS:
+        return True
+    if "inplace" in kwargs:
+        return bool(kwargs["inplace"])
+    pos = _inplace_pos(func)
+    return pos is not None and len(args) > pos and bool(args[pos])
 
 
 class Mode(TorchFunctionMode):
@@ -76,6 +110,9 @@ class OpRecorder:
             single = True
         elif isinstance(out, _SEQ) and out and isinstance(out[0], Tensor):
             single = False
+        elif func is _SETITEM:  # (returns None)
+            self._on_setitem(func, args)
+            return out
         else:
             return out  # shapes, dtypes, ...
         # the tensor arguments: top-level args, top-level kwargs, then the elements of
@@ -117,10 +154,14 @@ class OpRecorder:
             e = pd.get(k)
             if e is not None and e[0]() is t:
                 pend = [(t, e[1])] if pend is _NONE else pend + [(t, e[1])]
+        wr = self.__dict__.get("_written")  # (roots written with samples: see _on_write)
+        written = wr[1] if wr is not None and wr[0] is ld else None
         for t in ordered:
             e = ld.get(id(t))
             if e is not None and e[0]() is t:
                 tainted.append((t, e[1]))
+            elif written and (lay := self._alias_layout(t, written)) is not None:
+                tainted.append((t, lay))
         if not forms and not pend and not tainted:  # nothing tracked depends on it
             return out
         if forms and not any(f.param.requires_grad for _, f in forms):
@@ -138,7 +179,11 @@ class OpRecorder:
         if forms:
             self._use(func, args, kwargs, out, forms, rule)
         if tainted:
-            if single:
+            if single and args and out is args[0] and _writes_first(func, args, kwargs):
+                self._on_write(func, args, kwargs, out, tainted)
+            elif single and kwargs and out is kwargs.get("out"):
+                self._on_write(func, args, kwargs, out, tainted)
+            elif single:
                 layout = layout_one(func, args, kwargs, out, tainted, self._batch)
                 if layout is not None:
                     ld[id(out)] = (weakref.ref(out), layout)  # self.layouts.put(out, layout)
@@ -151,6 +196,130 @@ class OpRecorder:
                         if layout_of(self.layouts, o) == UNKNOWN:
                             self._note_mixed(func, o, tainted)
         return out
+
+    # -- in-place writes --------------------------------------------------------------------
+    # A write changes the values of the written tensor and of every tensor sharing its
+    # memory: its base (``root``: ``t._base``, or ``t``) and the base's other views. The
+    # written tensor's layout is recomputed by the allowlist (:func:`.batch._one`, or
+    # :func:`.batch.write_layout` for ``x[i] = v`` / ``index_put_``); unless the write is
+    # harmless (constants, or an element-wise op of the tensor with constants), the root's
+    # layout follows (kept only through a view holding the root's rows in order,
+    # :func:`.batch.row_aligned`), and when it changes, so do the layouts of its views: the
+    # tracked ones at once, the untracked ones (views taken while the root did not depend
+    # on the samples) when an operation reads them (:meth:`_alias_layout`).
+
+    def _lay(self, t):
+        e = self._ld.get(id(t))
+        if e is not None and e[0]() is t:
+            return e[1]
+        wr = self.__dict__.get("_written")
+        return self._alias_layout(t, wr[1]) if wr is not None and wr[0] is self._ld else None
+
+    def _alias_layout(self, t, written: dict):
+        """The layout of untracked ``t`` if it is a view of a root written with the samples
+        (then tracked), else None."""
+        b = t._base
+        if b is None:
+            return None
+        r = written.get(id(b))
+        if r is None or r() is not b:
+            return None
+        e = self._ld.get(id(b))
+        lb = e[1] if e is not None and e[0]() is b else None
+        if lb is None:
+            return None
+        lay = lb if lb != UNKNOWN and row_aligned(t, b) else UNKNOWN
+        self._ld[id(t)] = (weakref.ref(t), lay)
+        return lay
+
+    def _on_setitem(self, func, args) -> None:
+        """``dest[index] = value`` (returns None: not seen by the rest of :meth:`_on_op`)."""
+        if len(args) < 3 or not isinstance(args[0], Tensor):
+            return
+        dest, index, value = args[0], args[1], args[2]
+        tensors = [dest] + _index_tensors(index) + ([value] if isinstance(value, Tensor) else [])
+        fd, pd = self._fd, self._pd
+        forms = [(t, e[1]) for t in tensors if (e := fd.get(id(t))) is not None and e[0]() is t]
+        pend = [(t, e[1]) for t in tensors if (e := pd.get(id(t))) is not None and e[0]() is t]
+        root = dest._base if dest._base is not None else dest
+        if any(t is dest and f.param.requires_grad for t, f in forms) or (
+            id(root) in self._identity and root.requires_grad
+        ):
+            raise ValueError(
+                f"ghost clipping refuses {self.where()}: x[i] = v writes into (a view of) a "
+                "trainable parameter, whose per-sample gradient then cannot be proven. "
+                "Write into a copy made by an out-of-place operation instead"
+            )
+        if forms and any(f.param.requires_grad for _, f in forms):
+            self._use(func, args, {}, dest, forms, None)
+        if pend:
+            self._consume_pending(func, args, {}, dest, pend)
+        old = self._lay(dest)
+        new, harmless = write_layout(dest, old, index, value, self._lay, self._batch)
+        if harmless:
+            return
+        tainted = [(t, la) for t in tensors if (la := self._lay(t)) is not None]
+        self._written_into(func, dest, old, new, tainted)
+
+    def _on_write(self, func, args, kwargs, dest, tainted) -> None:
+        """``func`` changed ``dest`` in place (``x.copy_(y)``, ``x += y``, ``index_put_``,
+        ``F.relu(x, inplace=True)``, ``out=x``); ``tainted``: layouts before the call."""
+        B = self._batch
+        old = next((la for t, la in tainted if t is dest), None)
+        if func in _INDEX_PUT:
+            index = args[1] if len(args) > 1 else kwargs.get("indices")
+            value = args[2] if len(args) > 2 else kwargs.get("values")
+            new, harmless = write_layout(dest, old, tuple(index), value, self._lay, B)
+        else:
+            new = layout_one(func, args, kwargs, dest, tainted, B)
+            harmless = KIND.get(func) == EW and all(t is dest for t, _ in tainted)
+        if harmless:
+            if new is not None:
+                self._ld[id(dest)] = (weakref.ref(dest), new)
+            return
+        self._written_into(func, dest, old, new, tainted)
+
+    def _written_into(self, func, dest, old, new, tainted) -> None:
+        """Layouts after a write of sample-dependent values into ``dest`` (``old``, ``new``:
+        its layout before and after), of its root and of the root's other views."""
+        ld = self._ld
+        new = UNKNOWN if new is None else new
+        ld[id(dest)] = (weakref.ref(dest), new)
+        root = dest._base if dest._base is not None else dest
+        if root is dest:
+            old_root = old
+        else:
+            e = ld.get(id(root))
+            old_root = e[1] if e is not None and e[0]() is root else None
+            if row_aligned(dest, root):
+                cand = new
+            elif (  # the whole root reshaped (F.linear's 3-D output): the view's rule
+                dest.numel() == root.numel()
+                and dest.storage_offset() == root.storage_offset()
+                and dest.is_contiguous()
+                and root.is_contiguous()
+            ):
+                shape = tuple(root.shape)
+                cand = layout_one(
+                    Tensor.reshape, (dest, shape), {}, root, [(dest, new)], self._batch
+                )
+            else:
+                cand = UNKNOWN
+            ld[id(root)] = (weakref.ref(root), cand if old_root in (None, cand) else UNKNOWN)
+        new_root = ld[id(root)][1]
+        if new_root != old_root:
+            wr = self.__dict__.get("_written")
+            if wr is None or wr[0] is not ld:
+                wr = self._written = (ld, {})
+            wr[1][id(root)] = weakref.ref(root)
+            for k, (r, _) in list(ld.items()):
+                t = r()
+                if t is not None and t is not dest and t._base is root:
+                    keep = new_root != UNKNOWN and row_aligned(t, root)
+                    ld[k] = (r, new_root if keep else UNKNOWN)
+        for t in (dest, root):
+            if ld[id(t)][1] == UNKNOWN and t.requires_grad:
+                self._note_mixed(func, t, tainted)
 
     def _refuse_kept_view(self, func, t: Tensor) -> None:
         """Raise ValueError if ``t``, a view this forward did not make, is a view of a
@@ -368,7 +537,48 @@ class OpRecorder:
         if getattr(rec, "replayers", None):
             self._refuse_part_replayed(rec, rec.replayers)
         out = rec.output
-        rec.edge = get_gradient_edge(out)
+        rec.edge = self._edge_of(rec, out)
         rec.meta = (out.shape, out.dtype, out.device)
         rec.output = None
         self._records.append(rec)
+
+    def _edge_of(self, rec, out: Tensor):
+        """The graph edge whose gradient is that of ``out``. When ``out`` is a view (e.g.
+        ``F.linear`` with a bias on a 3-D / 4-D input: a view of its 2-D result), its own
+        node is bypassed once it (or another view of its base) is changed in place
+        (``y.mul_(3)``: autograd rebases the view onto the base): the edge of the base is
+        taken instead when ``out`` is the whole base reshaped (same gradient, reshaped) and
+        the base is the op's own temporary (not a tracked tensor of the forward, whose
+        gradient would include its other uses); other views are refused."""
+        b = out._base
+        if b is None:
+            return get_gradient_edge(out)
+        k = id(b)
+        if not (
+            b.grad_fn is not None
+            and all(d.get(k) is None or d[k][0]() is not b for d in (self._ld, self._fd, self._pd))
+            and out.numel() == b.numel()
+            and out.storage_offset() == b.storage_offset()
+            and out.is_contiguous()
+            and b.is_contiguous()
+        ):
+            raise ValueError(
+                f"ghost clipping: the output of {rec.where or 'a ruled operation'} in "
+                f"{self.where()} is a view of (part of) another tensor: its gradient "
+                "could be bypassed by an in-place change, or include other uses of that tensor; use the per-sample path "
+                "(dpkern.grad_sample.compute_grad_sample)"
+            )
+        B, shape = self._batch, tuple(out.shape)
+        n = b.shape[0] if b.dim() else 0
+        ps = tuple(b.shape) if n == B else (B, n // B, *b.shape[1:]) if B and n % B == 0 else ()
+        if ps != shape:  # (the rule's gradient rows: reshape the base's gradient first)
+            old = rec.g_map
+
+            def g_map(g, Bn, rec=rec, old=old, shape=shape):
+                g = g.reshape(shape)
+                if old is not None:
+                    return old(g, Bn)
+                return _ps(g, Bn), [_ps(x, Bn) if isinstance(x, Tensor) else x for x in rec.inputs]
+
+            rec.g_map = g_map
+        return get_gradient_edge(b)
