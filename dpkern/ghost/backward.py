@@ -14,7 +14,8 @@ from torch import Tensor
 
 from . import early as early_mod
 from .batch import LEAD
-from .graph import grad_of, refuse_mixed, unrecorded_uses
+from .graph import grad_of, refuse_mixed, replay_leaks, unrecorded_uses
+from .replay import call_forward
 
 if TYPE_CHECKING:
     from .batch import Tracker
@@ -128,6 +129,8 @@ def backward(
         refuse_mixed(losses, mixed)
     refuse_unrecorded(cap, losses, ranges, forms)
     refuse_unreplayed(cap, generic_modules, generic, unreplayed)
+    if generic:  # (also calls whose output needs no grad: a side channel may)
+        refuse_leaks(cap, losses, generic, generic_modules, forms)
     used = {id(p) for r in records for p in r.params}
     used |= {id(p) for g in generic for p in cap.owners[g.module].values()}
     extra = list(cap.params) if check else [p for p in cap.params if id(p) not in used]
@@ -225,6 +228,45 @@ def refuse_unreplayed(cap: Capture, modules, generic: list, unreplayed: dict) ->
             )
 
 
+def refuse_leaks(cap: Capture, losses: Tensor, generic: list, modules, forms: Tracker) -> None:
+    """Raise ValueError if a tensor computed from a parameter of a replayed module
+    (``modules``) inside one of its recorded calls (``generic``) reaches the losses other
+    than through the call's output (a side channel: kept as an attribute, or the output
+    detached): the replay differentiates the output only (:func:`.graph.replay_leaks`).
+    (A use outside the module's calls: refused or recorded by :mod:`.ops`.)"""
+    held: dict = {}  # id(p) -> the replayed modules holding p (tied weights: several)
+    for m in modules:
+        for p in cap.owners[m].values():
+            held.setdefault(id(p), (set(), p))[0].add(m)
+    owner = dict(held)
+    for k, (ref, f) in forms._d.items():  # (FSDP2: a tensor standing for p)
+        if ref() is not None and id(f.param) in held:
+            owner.setdefault(k, held[id(f.param)])
+    calls = [
+        (
+            *r.span,
+            *((r.edge.node, r.edge.output_nr) if r.edge is not None else (None, -1)),
+            r.module,
+        )
+        for r in generic
+    ]
+    hit = replay_leaks(losses, calls, owner)
+    if hit is None:
+        return
+    m, p = hit
+    raise ValueError(
+        f"ghost clipping (instantiate_unsupported): {cap.module_names[m]} "
+        f"({type(m).__name__}) has parameters without a ghost rule, so its calls are "
+        f"replayed one sample at a time, but a tensor computed from its parameter "
+        f"{cap._pname(p)} inside a call of it reaches the loss other than through the "
+        "call's output (kept as an attribute or in a container and used outside, or the "
+        "output detached): the replay differentiates the output only, so the per-sample "
+        "norm would miss that gradient. Return everything the loss uses from the module's "
+        "forward, or use the per-sample path (dpkern.grad_sample.compute_grad_sample). "
+        "Nothing was updated"
+    )
+
+
 def _sliced(cap: Capture, r: _ModuleRecord, layouts: Tracker, B: int) -> tuple[list, list]:
     """``(positions, keywords)``: the arguments of module call ``r`` that
     :func:`generic_rows` slices per sample, those whose tracked layout is LEAD (dim 0 =
@@ -283,7 +325,7 @@ def generic_rows(cap: Capture, r: _ModuleRecord, g: Tensor, B: int, layouts: Tra
     vjp of its forward on one sample (torch.func). Only the arguments proven batch-led
     in the recorded forward's ``layouts`` are sliced per sample (:func:`_sliced`); the
     others are passed whole."""
-    from torch.func import functional_call, vjp, vmap
+    from torch.func import vjp, vmap
 
     from .norms import RowsUse
 
@@ -303,7 +345,7 @@ def generic_rows(cap: Capture, r: _ModuleRecord, g: Tensor, B: int, layouts: Tra
             for k, x in zip(pos, xs):
                 args[k] = x.unsqueeze(0)
             kwargs.update((k, x.unsqueeze(0)) for k, x in kw.items())
-            return functional_call(r.module, params, tuple(args), kwargs)
+            return call_forward(r.module, params, tuple(args), kwargs)
 
         return vjp(f, prm)[1](gi.unsqueeze(0))[0]
 

@@ -36,9 +36,10 @@ Refused, with a ValueError naming the operation and the module path, never appro
 a trainable parameter consumed by an operation without a rule (unless
 ``instantiate_unsupported=True``, which instantiates that module's per-sample gradients by
 torch.func, replaying each of its calls: a call it cannot replay is refused, see
-:func:`.backward.refuse_unreplayed`); an activation whose batch dimension cannot be proven; operations that mix
-samples (``batch_norm`` in training mode, with or without parameters); ``nn.Embedding``
-with ``max_norm`` (its forward renormalises weight rows in place) or
+:func:`.backward.refuse_unreplayed`; hooks, random draws, side channels: :mod:`.replay`);
+an activation whose batch dimension cannot be proven; operations that mix samples
+(``batch_norm`` in training mode, with or without parameters); ``nn.Embedding`` with
+``max_norm`` (its forward renormalises weight rows in place) or
 ``scale_grad_by_freq``; a buffer whose value the recorded forward changes (running
 statistics written from the batch: a running-mean normaliser, InstanceNorm with
 ``track_running_stats=True`` in training mode), found by comparing every buffer with a copy
@@ -66,6 +67,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from ..grad_sample import BufferSnapshot
 from . import backward as backward_mod
+from . import replay
 from .batch import FLAT, LEAD, Form, Tracker, param_form
 from .graph import next_sequence_nr
 from .ops import Mode, OpRecorder
@@ -115,19 +117,7 @@ class _ModuleRecord:
     layout: object
     versions: dict
     view: Tensor | None = None
-
-
-def _versions(args, kwargs) -> dict:
-    """``{label: (tensor, version)}`` of a call's tensor arguments (labels ``"0"``,
-    ``"name="``, as in the messages); inference tensors (no version counter) left out.
-    (Called from the module hooks, while the capture's mode is active: not seen by it.)"""
-    items = [(str(k), x) for k, x in enumerate(args)] + [(f"{k}=", x) for k, x in kwargs.items()]
-    with torch._C.DisableTorchFunction():
-        return {
-            lab: (x, x._version)
-            for lab, x in items
-            if isinstance(x, Tensor) and not x.is_inference()
-        }
+    span: tuple = (0, 0)  # [start, end) autograd node numbers of the call (graph.replay_leaks)
 
 
 @dataclass
@@ -191,6 +181,9 @@ class Capture(OpRecorder):
         # (their requires_grad is read at every backward: see early.requests)
         self._uncovered = [p for p in model.parameters() if id(p) not in wanted]
         self._all_early = False  # request every formed parameter (see early.check_reached)
+        self._hook_ids: set = set()  # the ids of this capture's module hooks
+        if instantiate_unsupported:  # (the mode reads capture._on_op: see replay)
+            self._on_op = self._on_op_random
         self._reset()
 
     def _reset(self) -> None:
@@ -204,7 +197,9 @@ class Capture(OpRecorder):
         # unproven layout (a reduction over the batch, dim 0 moved), first of its chain
         self._mixed: list[tuple[object, str]] = []
         self._generic_records: list[_ModuleRecord] = []
-        self._stack: list[tuple] = []  # (module, its argument versions) of running calls
+        # (module, its argument versions, first node number, generator states) of the
+        # running calls (the last three: instantiate_unsupported only)
+        self._stack: list[tuple] = []
         # module -> why a call of it could not be recorded for the per-sample pass
         self._unreplayed: dict[nn.Module, str] = {}
         self._batch: int | None = None
@@ -231,6 +226,7 @@ class Capture(OpRecorder):
             self._handles.append(
                 m.register_forward_hook(self._leave, with_kwargs=True, always_call=True)
             )
+        self._hook_ids = {h.id for h in self._handles}
         self._active = True
 
     def detach(self) -> None:
@@ -338,9 +334,13 @@ class Capture(OpRecorder):
             return
         if threading.get_ident() != self._thread:
             self._from_other_thread(module)
-        self._stack.append(
-            (module, _versions(args, kwargs) if self.instantiate_unsupported else None)
-        )
+        if self.instantiate_unsupported:
+            with torch._C.DisableTorchFunction():
+                start = next_sequence_nr()
+            entry = (module, replay.versions(args, kwargs), start, replay.rng_state())
+        else:
+            entry = (module, None, None, None)
+        self._stack.append(entry)
         own = self.owners.get(module)
         if own:  # FSDP2 swaps in unsharded tensors: map what the module holds now
             for n, p in own.items():
@@ -366,19 +366,24 @@ class Capture(OpRecorder):
         be replayed (:func:`.backward.refuse_unreplayed` refuses it if the module gets the
         pass: the uses of its parameters in that call would be missing from the norm)."""
         stack = self._stack
-        if threading.get_ident() != self._thread or not any(m is module for m, _ in stack):
+        if threading.get_ident() != self._thread or not any(e[0] is module for e in stack):
             return  # (a call not entered in a recorded forward)
         while stack[-1][0] is not module:  # (a call whose forward hooks did not run)
             self._unreplayable(stack.pop()[0], "did not return normally")
-        before = stack.pop()[1]
+        _, before, start, rng = stack.pop()
         if not self.instantiate_unsupported or module not in self.owners:
             return
         if module is self.model:
             return self._unreplayable(module, "is the model itself (its own call is not replayed)")
+        if replay.rng_changed(rng, replay.rng_state()):
+            return self._unreplayable(module, replay.random_why("a random generator advanced"))
+        hooks = replay.hooks_problem(module, self._hook_ids)
+        if hooks:
+            return self._unreplayable(module, hooks)
         if not isinstance(output, Tensor):
             what = "None (or raised)" if output is None else f"a {type(output).__name__}"
             return self._unreplayable(module, f"returned {what}, not a single tensor")
-        after = _versions(args, kwargs)
+        after = replay.versions(args, kwargs)
         for lab, (x, v) in after.items():
             if lab in before and before[lab][0] is x and before[lab][1] != v:
                 return self._unreplayable(module, f"changed its argument {lab} in place")
@@ -390,14 +395,25 @@ class Capture(OpRecorder):
                 versions["out"] = output._version
         det = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)  # (in the mode:
         # the copies get the arguments' layouts)
+        with torch._C.DisableTorchFunction():
+            span = (start, next_sequence_nr())
         rec = _ModuleRecord(
-            module, det, dict(kwargs), edge, self.layouts.get(output), versions, view
+            module, det, dict(kwargs), edge, self.layouts.get(output), versions, view, span
         )
         self._generic_records.append(rec)
 
     def _unreplayable(self, module, why: str) -> None:
         if module in self.owners:
             self._unreplayed.setdefault(module, why)
+
+    def _on_op_random(self, func, args, kwargs):
+        """``_on_op`` under instantiate_unsupported: a random draw inside running calls
+        makes them unreplayable (:mod:`.replay`)."""
+        if self._stack and replay.draws_random(func, args, kwargs):
+            why = replay.random_why(getattr(func, "__name__", str(func)))
+            for entry in self._stack:
+                self._unreplayable(entry[0], why)
+        return OpRecorder._on_op(self, func, args, kwargs)
 
     def current_module(self) -> nn.Module | None:
         """The innermost of the model's modules whose call is running (read off the

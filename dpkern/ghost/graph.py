@@ -5,12 +5,20 @@ its refusal of reentrant activation checkpointing (:func:`grad_of`)."""
 
 from __future__ import annotations
 
+import bisect
 import functools
 
 import torch
 from torch import Tensor
 
-__all__ = ["grad_of", "next_sequence_nr", "reached", "refuse_mixed", "unrecorded_uses"]
+__all__ = [
+    "grad_of",
+    "next_sequence_nr",
+    "reached",
+    "refuse_mixed",
+    "replay_leaks",
+    "unrecorded_uses",
+]
 
 REENTRANT = (
     "ghost clipping cannot run through reentrant activation checkpointing "
@@ -130,6 +138,83 @@ def unrecorded_uses(loss: Tensor, ranges: list, params: dict) -> list:
             if p is not None and id(p) not in hit and not inside(node):
                 hit[id(p)] = p
     return list(hit.values())
+
+
+def _leaf_of(fn, acc):
+    """The accumulator a graph edge ends at (a leaf, or autocast's cached cast of one), or
+    None for an interior node."""
+    if type(fn) is acc:
+        return fn
+    return fn.next_functions[0][0] if _cached_cast(fn) else None
+
+
+def replay_leaks(loss: Tensor, calls: list, owner: dict):
+    """``(module, p)``: a way the graph of ``loss`` gets a gradient of parameter ``p`` of a
+    replayed module that the replay of its calls does not give, or None. ``calls``: ``(lo,
+    hi, node, nr, module)`` per replayed call: its ``[lo, hi)`` autograd node numbers
+    (calls nest: the spans are nested or disjoint) and its output edge (node None: the
+    output needs no grad); ``owner``: ``{id(leaf): (modules, p)}`` of those modules'
+    parameters (or the tensors standing for them in the graph; ``modules``: the replayed
+    modules holding p). Found: an edge from outside a call into a node made inside it,
+    other than the call's output edge, that leads (within the call, not through its
+    output edge) to a parameter of the call's module: a tensor computed from the
+    parameters inside the call that reaches the loss other than through the call's
+    output (kept as an attribute). Walks the graph once (plus, from each such edge, the
+    nodes of that call)."""
+    acc, _ = _node_types()
+    calls = sorted(calls, key=lambda c: (c[0], -c[1]))
+    los, parent, open_ = [c[0] for c in calls], [], []
+    for k, c in enumerate(calls):  # the innermost call enclosing each call
+        while open_ and calls[open_[-1]][1] <= c[0]:
+            open_.pop()
+        parent.append(open_[-1] if open_ else -1)
+        open_.append(k)
+
+    def containing(n) -> list:
+        k = bisect.bisect_right(los, n) - 1
+        while k >= 0 and calls[k][1] <= n:
+            k = parent[k]
+        out = []
+        while k >= 0:
+            out.append(calls[k])
+            k = parent[k]
+        return out
+
+    def param_inside(v, c):  # (v: made inside call c)
+        seen, todo = set(), [v]
+        while todo:
+            node = todo.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            for fn, nr in node.next_functions:
+                if fn is None or (fn is c[2] and nr == c[3]):
+                    continue
+                leaf = _leaf_of(fn, acc)
+                if leaf is not None:
+                    hit = owner.get(id(leaf.variable))
+                    if hit is not None and c[4] in hit[0]:
+                        return hit[1]
+                elif c[0] <= fn._sequence_nr() < c[1]:
+                    todo.append(fn)
+        return None
+
+    seen, todo = set(), [(None, [(loss.grad_fn, loss.output_nr)])]
+    while todo:
+        u, edges = todo.pop()
+        in_u = [] if u is None else containing(u._sequence_nr())
+        for fn, nr in edges:
+            if fn is None or _leaf_of(fn, acc) is not None:
+                continue
+            for c in containing(fn._sequence_nr()):
+                if not any(c is d for d in in_u) and not (fn is c[2] and nr == c[3]):
+                    p = param_inside(fn, c)
+                    if p is not None:
+                        return c[4], p
+            if fn not in seen:
+                seen.add(fn)
+                todo.append((fn, fn.next_functions))
+    return None
 
 
 def _reentrant(node) -> bool:
