@@ -10,24 +10,25 @@ is returned at once (the hot path: every torch call of the forward goes through 
 Otherwise the output becomes a new form of a parameter (a view, a cast, ``1 + w``), the
 record(s) of a use of a parameter (:func:`.rules.uses_of`), the use of a pending tensor
 where it meets the batch (:func:`.rules.pending_uses`), and/or gets its batch layout
-(:mod:`.batch`)."""
+(:mod:`.batch`). In-place writes are tracked by :class:`.writes.WriteTracker`, and under
+``instantiate_unsupported`` the replay that counts each use by
+:class:`.owners.ReplayOwners` (mixins of :class:`OpRecorder`)."""
 
 from __future__ import annotations
 
-import sys
 import weakref
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 from torch.overrides import TorchFunctionMode
 
 from .batch import _CASTS as CASTS
 from .batch import _one as layout_one
-from .batch import UNKNOWN, _index_tensors, layout_of, param_form, propagate, row_aligned
-from .batch import write_layout
-from .batch_ops import EW, KIND
+from .batch import UNKNOWN, layout_of, param_form, propagate
+from .owners import ReplayOwners
 from .rules import RULES, _ps, pending_uses, uses_of
+from .writes import WriteTracker
 
 __all__ = ["OpRecorder"]
 
@@ -38,9 +39,7 @@ _SEQ = (list, tuple)
 _MAKES_LEAF = frozenset({Tensor.requires_grad_, Tensor.requires_grad.__set__})
 _NONE: list = []  # an empty list that is never appended to
 #: the code of the frame every module call runs in (its local ``self``: the module)
-_CALL_IMPL = nn.Module._call_impl.__code__
 _SETITEM = Tensor.__setitem__
-_INDEX_PUT = frozenset({Tensor.index_put_, torch.index_put_})
 _IDUNDERS = frozenset(
     f"__i{n}__"
     for n in "add sub mul truediv div floordiv mod pow and or xor lshift rshift matmul".split()
@@ -85,7 +84,7 @@ class Mode(TorchFunctionMode):
         return self._on_op(func, args, kwargs or {})
 
 
-class OpRecorder:
+class OpRecorder(WriteTracker, ReplayOwners):
     """The mode's handlers, mixed into :class:`.capture.Capture`, whose state they use:
     the trackers ``forms`` / ``_pending`` / ``layouts`` (their dicts ``_fd`` / ``_pd`` /
     ``_ld``), ``_identity``, ``_batch``, ``_records``, ``_unknown``, ``_mixed``,
@@ -197,149 +196,6 @@ class OpRecorder:
                             self._note_mixed(func, o, tainted)
         return out
 
-    # -- in-place writes --------------------------------------------------------------------
-    # A write changes the values of the written tensor and of every tensor sharing its
-    # memory: its base (``root``: ``t._base``, or ``t``) and the base's other views. The
-    # written tensor's layout is recomputed by the allowlist (:func:`.batch._one`, or
-    # :func:`.batch.write_layout` for ``x[i] = v`` / ``index_put_``); unless the write is
-    # harmless (constants, or an element-wise op of the tensor with constants), the root's
-    # layout follows (kept only through a view holding the root's rows in order,
-    # :func:`.batch.row_aligned`), and when it changes, so do the layouts of its views: the
-    # tracked ones at once, the untracked ones (views taken while the root did not depend
-    # on the samples) when an operation reads them (:meth:`_alias_layout`).
-
-    def _lay(self, t):
-        e = self._ld.get(id(t))
-        if e is not None and e[0]() is t:
-            return e[1]
-        wr = self.__dict__.get("_written")
-        return self._alias_layout(t, wr[1]) if wr is not None and wr[0] is self._ld else None
-
-    def _alias_layout(self, t, written: dict):
-        """The layout of untracked ``t`` if it is a view of a root written with the samples
-        (then tracked), else None."""
-        b = t._base
-        if b is None:
-            return None
-        r = written.get(id(b))
-        if r is None or r() is not b:
-            return None
-        e = self._ld.get(id(b))
-        lb = e[1] if e is not None and e[0]() is b else None
-        if lb is None:
-            return None
-        lay = lb if lb != UNKNOWN and row_aligned(t, b) else UNKNOWN
-        self._ld[id(t)] = (weakref.ref(t), lay)
-        return lay
-
-    def _on_setitem(self, func, args) -> None:
-        """``dest[index] = value`` (returns None: not seen by the rest of :meth:`_on_op`)."""
-        if len(args) < 3 or not isinstance(args[0], Tensor):
-            return
-        dest, index, value = args[0], args[1], args[2]
-        tensors = [dest] + _index_tensors(index) + ([value] if isinstance(value, Tensor) else [])
-        fd, pd = self._fd, self._pd
-        forms = [(t, e[1]) for t in tensors if (e := fd.get(id(t))) is not None and e[0]() is t]
-        pend = [(t, e[1]) for t in tensors if (e := pd.get(id(t))) is not None and e[0]() is t]
-        root = dest._base if dest._base is not None else dest
-        if any(t is dest and f.param.requires_grad for t, f in forms) or (
-            id(root) in self._identity and root.requires_grad
-        ):
-            raise ValueError(
-                f"ghost clipping refuses {self.where()}: x[i] = v writes into (a view of) a "
-                "trainable parameter, whose per-sample gradient then cannot be proven. "
-                "Write into a copy made by an out-of-place operation instead"
-            )
-        if forms and any(f.param.requires_grad for _, f in forms):
-            self._use(func, args, {}, dest, forms, None)
-        if pend:
-            self._consume_pending(func, args, {}, dest, pend)
-        old = self._lay(dest)
-        new, harmless = write_layout(dest, old, index, value, self._lay, self._batch)
-        if harmless:
-            return
-        tainted = [(t, la) for t in tensors if (la := self._lay(t)) is not None]
-        self._written_into(func, dest, old, new, tainted)
-
-    def _on_write(self, func, args, kwargs, dest, tainted) -> None:
-        """``func`` changed ``dest`` in place (``x.copy_(y)``, ``x += y``, ``index_put_``,
-        ``F.relu(x, inplace=True)``, ``out=x``); ``tainted``: layouts before the call."""
-        B = self._batch
-        old = next((la for t, la in tainted if t is dest), None)
-        if func in _INDEX_PUT:
-            index = args[1] if len(args) > 1 else kwargs.get("indices")
-            value = args[2] if len(args) > 2 else kwargs.get("values")
-            new, harmless = write_layout(dest, old, tuple(index), value, self._lay, B)
-        else:
-            new = layout_one(func, args, kwargs, dest, tainted, B)
-            harmless = KIND.get(func) == EW and all(t is dest for t, _ in tainted)
-        if harmless:
-            if new is not None:
-                self._ld[id(dest)] = (weakref.ref(dest), new)
-            return
-        self._written_into(func, dest, old, new, tainted)
-
-    def _written_into(self, func, dest, old, new, tainted) -> None:
-        """Layouts after a write of sample-dependent values into ``dest`` (``old``, ``new``:
-        its layout before and after), of its root and of the root's other views."""
-        ld = self._ld
-        new = UNKNOWN if new is None else new
-        ld[id(dest)] = (weakref.ref(dest), new)
-        root = dest._base if dest._base is not None else dest
-        if root is dest:
-            old_root = old
-        else:
-            e = ld.get(id(root))
-            old_root = e[1] if e is not None and e[0]() is root else None
-            if row_aligned(dest, root):
-                cand = new
-            elif (  # the whole root reshaped (F.linear's 3-D output): the view's rule
-                dest.numel() == root.numel()
-                and dest.storage_offset() == root.storage_offset()
-                and dest.is_contiguous()
-                and root.is_contiguous()
-            ):
-                shape = tuple(root.shape)
-                cand = layout_one(
-                    Tensor.reshape, (dest, shape), {}, root, [(dest, new)], self._batch
-                )
-            else:
-                cand = UNKNOWN
-            ld[id(root)] = (weakref.ref(root), cand if old_root in (None, cand) else UNKNOWN)
-        new_root = ld[id(root)][1]
-        if new_root != old_root:
-            wr = self.__dict__.get("_written")
-            if wr is None or wr[0] is not ld:
-                wr = self._written = (ld, {})
-            wr[1][id(root)] = weakref.ref(root)
-            for k, (r, _) in list(ld.items()):
-                t = r()
-                if t is not None and t is not dest and t._base is root:
-                    keep = new_root != UNKNOWN and row_aligned(t, root)
-                    ld[k] = (r, new_root if keep else UNKNOWN)
-        for t in (dest, root):
-            if ld[id(t)][1] == UNKNOWN and t.requires_grad:
-                self._note_mixed(func, t, tainted)
-
-    def _refuse_kept_view(self, func, t: Tensor) -> None:
-        """Raise ValueError if ``t``, a view this forward did not make, is a view of a
-        trainable parameter (``self.wt = self.weight.T`` in ``__init__``): its use has no
-        record, so its gradient would be missing from the norms and the clipped sums. The
-        graph-node check of :meth:`backward` misses it once an in-place change of the
-        parameter (an optimizer step, an initialisation) has made autograd regenerate the
-        view's node inside the forward. Views made inside this forward without a form
-        belong to a parameter already marked as having no rule (refused, or handled by
-        ``instantiate_unsupported``)."""
-        p = t._base
-        if not t.requires_grad or id(p) in self._unknown:
-            return
-        raise ValueError(
-            f"ghost clipping: {getattr(func, '__name__', func)} in {self.where()} consumes "
-            f"a view of trainable parameter {self._pname(p)} made outside the forward "
-            "(kept from __init__ or an earlier step): its gradient there cannot be "
-            "clipped per sample. Take the view inside forward (e.g. self.weight.T there)"
-        )
-
     def _note_mixed(self, func, out: Tensor, tainted) -> None:
         """Remember ``out``'s node: it requires grad and depends on the samples in an
         unproven layout; :meth:`backward` refuses losses that reach it. Only the first of
@@ -389,117 +245,6 @@ class OpRecorder:
                 self._pending.put(out, rec)
             else:
                 self._add(rec)
-
-    # -- instantiate_unsupported: which uses the per-sample pass of a module replays ----------
-    # A module owning a parameter that an operation without a rule consumes gets a per-sample
-    # pass (:func:`.backward.generic_rows`): each of its recorded calls is replayed on each
-    # sample, giving the per-sample gradients of its own parameters through the uses made
-    # inside that call (and the modules it calls), and the ruled records whose ``module`` is
-    # it are dropped. So each use of a parameter must be counted exactly once: by one
-    # replayed call around it, or by its record (``module`` None or not replayed).
-
-    def _calls(self) -> list:
-        """The model's modules whose call is running, innermost first (read off the Python
-        stack, like ``current_module``)."""
-        names, f, out = self.module_names, sys._getframe(2), []
-        while f is not None:
-            if f.f_code is _CALL_IMPL:
-                m = f.f_locals.get("self")
-                if m in names:
-                    out.append(m)
-            f = f.f_back
-        return out
-
-    def _owners_of(self, p) -> tuple:
-        """The modules that register ``p`` (several when it is tied)."""
-        owners = self.__dict__.get("_owner_map")
-        if owners is None:  # (``self.owners`` is fixed at construction)
-            owners = {}
-            for m, own in self.owners.items():
-                for q in own.values():
-                    if m not in owners.setdefault(id(q), ()):
-                        owners[id(q)] += (m,)
-            self._owner_map = owners
-        return owners.get(id(p), ())
-
-    def _generic(self, m) -> bool:
-        """Whether ``m`` gets the per-sample pass so far (a parameter of it has no rule)."""
-        return any(id(q) in self._unknown for q in self.owners.get(m, {}).values())
-
-    def _unruled(self, where: str, forms, calls: list) -> None:
-        """The parameters of ``forms`` are consumed by an operation without a rule (``where``)
-        during the module calls ``calls``: their modules will get the per-sample pass, which
-        replays this use only if exactly one call of a module that owns the parameter is
-        running. Raise ValueError otherwise (a use outside its module's forward would be left
-        out of the per-sample norm; one inside nested calls of two owners counted twice)."""
-        names = self.module_names
-        for _, f in forms:
-            p = f.param
-            owners = self._owners_of(p)
-            around = [m for m in calls if m in owners]
-            if p.requires_grad and len(around) != 1:
-                mods = ", ".join(names[m] for m in owners)
-                if not around:
-                    why = (
-                        f"outside the forward of its module {mods}: it is used outside its "
-                        "module's forward, which the per-sample pass (it replays only the "
-                        "module's own calls, one sample at a time) cannot replay, so this "
-                        "use's gradient would be left out of the per-sample norm. Move the "
-                        "operation into that module's forward (or give the parameter to the "
-                        "module that runs it)"
-                    )
-                else:
-                    why = (
-                        "inside nested calls of modules that all own it ("
-                        + ", ".join(names[m] for m in around)
-                        + "): the per-sample pass of each would replay this use, counting "
-                        "it more than once in the per-sample norm. Register the parameter in "
-                        "one of them only"
-                    )
-                raise ValueError(
-                    f"ghost clipping (instantiate_unsupported): trainable parameter "
-                    f"{self._pname(p)} is consumed by {where}, an operation without a ghost "
-                    f"rule, {why}; or use the per-sample path "
-                    "(dpkern.grad_sample.compute_grad_sample). Nothing was updated"
-                )
-            if id(p) not in self._unknown:
-                self._unknown[id(p)] = where
-                for rec in self._records:  # (those made before its modules got the pass)
-                    if getattr(rec, "replayers", None) and set(owners) & rec.replayers:
-                        self._refuse_part_replayed(rec, rec.replayers)
-
-    def _replayed_by(self, params: list, calls: list) -> tuple:
-        """``(module, replayers)`` for the records of a ruled use of ``params`` during the
-        module calls ``calls``: ``module`` is the one running call of a module that owns
-        every one of them (the record is dropped if that module gets the per-sample pass,
-        whose replay of the call then counts the use), or None when no owner of any of them
-        is running (the record always counts). Otherwise (owners of only some of them
-        running, or two nested ones): ``(None, those modules)``, refused by
-        :meth:`_refuse_part_replayed` if one gets the per-sample pass (its replay would count
-        the use for its parameters while the record counts it again, or the record dropped
-        would lose the others')."""
-        around = [tuple(m for m in calls if m in self._owners_of(p)) for p in params]
-        first = around[0]
-        if len(first) <= 1 and all(a == first for a in around):
-            return (first[0] if first else None), None
-        return None, frozenset(m for a in around for m in a)
-
-    def _refuse_part_replayed(self, rec, replayers) -> None:
-        bad = [m for m in replayers if self._generic(m)]
-        if not bad:
-            return
-        names = self.module_names
-        raise ValueError(
-            f"ghost clipping (instantiate_unsupported): {rec.where} consumes "
-            + ", ".join(self._pname(p) for p in rec.params)
-            + f" during the call of {', '.join(names[m] for m in replayers)}, and "
-            + ", ".join(names[m] for m in bad)
-            + " gets the per-sample pass (one of its parameters has no ghost rule): that "
-            "pass would replay this use for its own parameters only (or more than once), so "
-            "the per-sample norm would miss or double-count part of it. Use each parameter "
-            "in its own module's forward, or use the per-sample path "
-            "(dpkern.grad_sample.compute_grad_sample). Nothing was updated"
-        )
 
     def _consume_pending(self, func, args, kwargs, out, pend) -> None:
         for t, rec in pend:
