@@ -27,6 +27,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
+from .separability import check_separable
+
 _METHODS = ("auto", "vmap", "loop")
 # Module classes already warned about (the fallback warning is shown once per class).
 _FALLBACK_WARNED: set[type] = set()
@@ -242,7 +244,10 @@ def compute_grad_sample(
             batch norm, or instance norm with ``track_running_stats=True``, in training
             mode; a buffer whose value a per-sample forward changed (in place, through
             ``.data``, replaced or newly registered: named in the message; the buffers
-            are then restored and no ``grad_sample`` is set). A write that leaves a
+            are then restored and no ``grad_sample`` is set); a forward that mixes
+            samples (:func:`dpkern.separability.check_separable`, at a module's first
+            call with B >= 2: its first rows forwarded together get other losses than
+            each alone, in eval mode). A write that leaves a
             buffer's values as they were is allowed. State kept outside buffers (plain
             Python attributes) is not checked.
     Source: torch.func per-sample-gradients recipe; Opacus' grad_sample convention.
@@ -311,6 +316,8 @@ def compute_grad_sample(
 
     snap = BufferSnapshot(module)  # every per-sample forward must leave the buffers as is
     try:
+        check_separable(module, loss_fn, inputs, batch_kwargs, targets)
+        _refuse_buffer_changes(module, snap, "the separability check's forwards")
         grads, losses = _per_sample(
             module,
             loss_fn,

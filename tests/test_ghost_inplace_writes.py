@@ -193,7 +193,7 @@ def test_inplace_write_mixing_samples_is_refused(name, verify):
     model.l1.requires_grad_(True)  # (only to check the case mixes the samples)
     assert _truth_mixes(model, x) or name in DISCRETE
     model.l1.requires_grad_(False)
-    with pytest.raises(ValueError, match=r"batch dimension is not dim 0"):
+    with pytest.raises(ValueError, match=r"not provably one row per sample in dim 0"):
         _ghost(model, x, verify=verify)
 
 

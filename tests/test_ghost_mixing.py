@@ -165,14 +165,21 @@ def test_mixing_op_before_a_trainable_linear_is_refused(name, verify):
     torch.manual_seed(case_seed(list(MIXING).index(name)))
     model = Head(MIXING[name])
     x = torch.randn(B, D_IN)
-    with pytest.raises(ValueError, match=r"batch dimension is not dim 0.*in l2, consuming l2\."):
+    with pytest.raises(
+        ValueError, match=r"not provably one row per sample in dim 0.*in l2, consuming l2\."
+    ) as err:
         _ghost(model, x, verify=verify)
+    # the message names the operation that mixed the samples, and what to do instead
+    assert "The samples were mixed or their rows moved by " in str(err.value)
+    assert "per-sample normalisation" in str(err.value)
 
 
 def test_time_major_lstm_over_the_samples_is_refused():
     torch.manual_seed(case_seed(50))
     model = Head(None, extra=_LSTM())
-    with pytest.raises(ValueError, match=r"batch dimension is not dim 0.*in l2, consuming l2\."):
+    with pytest.raises(
+        ValueError, match=r"not provably one row per sample in dim 0.*in l2, consuming l2\."
+    ):
         _ghost(model, torch.randn(B, D_IN))
 
 
@@ -207,7 +214,9 @@ class GCN(nn.Module):
 @pytest.mark.parametrize("sparse", [False, True])
 def test_gcn_over_the_samples_is_refused(sparse):
     torch.manual_seed(case_seed(70))
-    with pytest.raises(ValueError, match=r"batch dimension is not dim 0.*consuming lin\."):
+    with pytest.raises(
+        ValueError, match=r"not provably one row per sample in dim 0.*consuming lin\."
+    ):
         _ghost(GCN(sparse), torch.randn(8, D_IN))
 
 
@@ -218,7 +227,7 @@ def test_setitem_copying_a_row_into_another_is_refused():
         return h2
 
     torch.manual_seed(case_seed(90))
-    with pytest.raises(ValueError, match=r"batch dimension is not dim 0"):
+    with pytest.raises(ValueError, match=r"not provably one row per sample in dim 0"):
         _ghost(Head(copy_row), torch.randn(B, D_IN))
 
 

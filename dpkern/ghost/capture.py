@@ -196,6 +196,7 @@ class Capture(OpRecorder):
         # grad_fn of each tensor that requires grad and depends on the samples in an
         # unproven layout (a reduction over the batch, dim 0 moved), first of its chain
         self._mixed: list[tuple[object, str]] = []
+        self._origins: dict[int, tuple] = {}  # id(unproven tensor) -> (ref, the op behind it)
         self._generic_records: list[_ModuleRecord] = []
         # (module, its argument versions, first node number, generator states) of the
         # running calls (the last three: instantiate_unsupported only)

@@ -32,6 +32,16 @@ from .writes import WriteTracker
 
 __all__ = ["OpRecorder"]
 
+#: What a refusal of an unproven input adds when the operation behind it is known.
+MIXED = (
+    ". The samples were mixed or their rows moved by {origin}: ghost clipping follows a "
+    "tensor's rows only through operations known to keep samples apart, and per-sample "
+    "gradients are undefined once samples are mixed (batch statistics such as x.mean(0) "
+    "or BatchNorm in training, a [B, B] matmul, a sort or scatter over the batch). Use "
+    "per-sample normalisation (LayerNorm, GroupNorm) or statistics from public data; if "
+    "the operation only moves the batch dimension, move it back to dim 0 before the layer"
+)
+
 _SEQ = (list, tuple)
 #: calls that make a tensor require grad during the forward (e.g. transformers'
 #: ``enable_input_require_grads`` hook on the input embeddings); factories are caught by
@@ -186,15 +196,33 @@ class OpRecorder(WriteTracker, ReplayOwners):
                 layout = layout_one(func, args, kwargs, out, tainted, self._batch)
                 if layout is not None:
                     ld[id(out)] = (weakref.ref(out), layout)  # self.layouts.put(out, layout)
-                    if layout == UNKNOWN and out.requires_grad:
-                        self._note_mixed(func, out, tainted)
+                    if layout == UNKNOWN:
+                        self._note_origin(func, out, tainted)
+                        if out.requires_grad:
+                            self._note_mixed(func, out, tainted)
             else:
                 propagate(func, args, kwargs, out, self.layouts, self._batch, tainted)
                 for o in out:
-                    if isinstance(o, Tensor) and o.requires_grad:
-                        if layout_of(self.layouts, o) == UNKNOWN:
+                    if isinstance(o, Tensor) and layout_of(self.layouts, o) == UNKNOWN:
+                        self._note_origin(func, o, tainted)
+                        if o.requires_grad:
                             self._note_mixed(func, o, tainted)
         return out
+
+    def _note_origin(self, func, out: Tensor, tainted) -> None:
+        """Remember the operation that first left ``out``'s samples unproven (inherited
+        from an unproven input), for the refusal's message."""
+        origin = self._origin_of(t for t, la in tainted if la == UNKNOWN)
+        if origin is None:
+            origin = f"{getattr(func, '__name__', func)} in {self.where()}"
+        self._origins[id(out)] = (weakref.ref(out), origin)
+
+    def _origin_of(self, tensors) -> str | None:
+        for t in tensors:
+            e = self._origins.get(id(t)) if isinstance(t, Tensor) else None
+            if e is not None and e[0]() is t:
+                return e[1]
+        return None
 
     def _note_mixed(self, func, out: Tensor, tainted) -> None:
         """Remember ``out``'s node: it requires grad and depends on the samples in an
@@ -217,10 +245,12 @@ class OpRecorder(WriteTracker, ReplayOwners):
                 else None
             )
         except ValueError as exc:
+            origin = self._origin_of([*args, *kwargs.values()])
             raise ValueError(
                 f"{exc} (in {self.where()}, consuming "
                 + ", ".join(self._pname(f.param) for _, f in forms)
                 + ")"
+                + ("" if origin is None else MIXED.format(origin=origin))
             ) from None
         if not self.instantiate_unsupported:
             if recs is None:

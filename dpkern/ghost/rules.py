@@ -418,9 +418,9 @@ def uses_of(rule, func, args, kwargs, out, forms, layouts, B):
     lay = layout_of(layouts, x)
     if lay == UNKNOWN:
         raise ValueError(
-            f"ghost clipping: the input of {rule.name} depends on the samples, "
-            "but in a layout where the batch dimension is not dim 0 (it was "
-            "moved, flattened or reduced): per-sample gradients unproven"
+            f"ghost clipping: the input of {rule.name} depends on the samples, but not "
+            "provably one row per sample in dim 0 (an operation mixed samples, or moved, "
+            "flattened or reduced the batch dimension): per-sample gradients unproven"
         )
     if lay in (LEAD, FLAT) and out.shape[0] != x.shape[0]:
         return None
