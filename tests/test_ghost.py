@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 
 import pytest
 import torch
@@ -101,6 +102,36 @@ def assert_norms_match(model, loss_of, inputs, **kw):
             g.double(), want, rtol=RTOL, atol=1e-12, msg=lambda m: f"{names[id(p)]}: {m}"
         )
     return params, ref
+
+
+def sq(m, x):
+    """Per-sample losses: each row's squared outputs summed, in float64."""
+    return m(x).double().square().sum(1)
+
+
+def clip_only_optimizer(model, expected_batch_size=4):
+    """DP-SGD over ``model``'s parameters without noise: a clipping check only (seeded)."""
+    return dpkern.DPSGD(
+        model.parameters(),
+        lr=0.1,
+        max_grad_norm=1.0,
+        noise_multiplier=0.0,
+        expected_batch_size=expected_batch_size,
+        seed=0,
+    )
+
+
+def ghost_sums(model, x, verify="off"):
+    """GhostClipping's clipped sums of ``sq``-like losses (C = 1e9: unclipped) for the
+    trainable parameters, the noise warning silenced."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # noise_multiplier=0: a clipping check only
+        opt = dpkern.DPSGD(
+            params, lr=0.0, max_grad_norm=1e9, noise_multiplier=0.0, expected_batch_size=x.shape[0]
+        )
+        with GhostClipping(model, opt, verify=verify) as gc:
+            return gc.clipped_sums(model(x).square().sum(1))
 
 
 def gpt2_loss(model, ids):
@@ -455,14 +486,7 @@ def test_nonfinite_samples_error_or_dropped(route, monkeypatch):
         out = seq_loss(m, ids)
         return out * torch.tensor([1.0, float("nan"), 1.0, 1.0])
 
-    opt = dpkern.DPSGD(
-        model.parameters(),
-        lr=0.1,
-        max_grad_norm=1.0,
-        noise_multiplier=0.0,
-        expected_batch_size=4,
-        seed=0,
-    )
+    opt = clip_only_optimizer(model)
     with GhostClipping(model, opt, **kw) as gc:
         with pytest.raises(FloatingPointError, match=r"\[1\]"):
             gc.backward(losses_with_nan(model))

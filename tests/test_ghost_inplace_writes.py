@@ -11,19 +11,16 @@ is not bypassed).
 
 from __future__ import annotations
 
-import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import dpkern
-from dpkern.ghost import GhostClipping
 from conftest import case_seed
 
 pytest.importorskip("transformers")  # (test_ghost's helpers need it at import)
-from test_ghost import assert_norms_match  # noqa: E402
+from test_ghost import assert_norms_match, ghost_sums  # noqa: E402
 
 B, D_IN, D = 4, 6, 4
 
@@ -39,17 +36,6 @@ class Head(nn.Module):
 
     def forward(self, x):
         return self.l2(self.f(torch.tanh(self.l1(x))))
-
-
-def _ghost(model, x, verify="off"):
-    params = [p for p in model.parameters() if p.requires_grad]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # noise_multiplier=0: a clipping check only
-        opt = dpkern.DPSGD(
-            params, lr=0.0, max_grad_norm=1e9, noise_multiplier=0.0, expected_batch_size=B
-        )
-        with GhostClipping(model, opt, verify=verify) as gc:
-            return gc.clipped_sums(model(x).square().sum(1))
 
 
 def _sq(m, x):
@@ -194,7 +180,7 @@ def test_inplace_write_mixing_samples_is_refused(name, verify):
     assert _truth_mixes(model, x) or name in DISCRETE
     model.l1.requires_grad_(False)
     with pytest.raises(ValueError, match=r"not provably one row per sample in dim 0"):
-        _ghost(model, x, verify=verify)
+        ghost_sums(model, x, verify=verify)
 
 
 def _ctl_col_zero(h):
@@ -276,7 +262,7 @@ def test_row_keeping_inplace_writes_stay_exact(name):
     torch.manual_seed(case_seed(100 + list(CONTROLS).index(name)))
     assert_norms_match(Head(CONTROLS[name]), _sq, torch.randn(B, D_IN))
     torch.manual_seed(case_seed(100 + list(CONTROLS).index(name)))
-    _ghost(Head(CONTROLS[name]), torch.randn(B, D_IN), verify="first")
+    ghost_sums(Head(CONTROLS[name]), torch.randn(B, D_IN), verify="first")
 
 
 def test_constants_written_into_some_rows_are_not_refused():
@@ -292,7 +278,7 @@ def test_constants_written_into_some_rows_are_not_refused():
         return h2
 
     torch.manual_seed(case_seed(150))
-    _ghost(Head(f), torch.randn(B, D_IN), verify="first")
+    ghost_sums(Head(f), torch.randn(B, D_IN), verify="first")
 
 
 # -- a ruled op whose output is a view, changed in place ----------------------------------

@@ -14,13 +14,12 @@ import pytest
 import torch
 from torch import nn
 
-import dpkern
 from dpkern.ghost import GhostClipping
 from dpkern.ghost.capture import Capture
 from conftest import case_seed
 
 pytest.importorskip("transformers")  # (test_ghost's helpers need it at import)
-from test_ghost import assert_norms_match  # noqa: E402
+from test_ghost import assert_norms_match, clip_only_optimizer, sq  # noqa: E402
 
 D = 4
 
@@ -71,21 +70,6 @@ def _pick(out):
     return out[0] if isinstance(out, tuple) else out["y"] if isinstance(out, dict) else out
 
 
-def sq(m, x):
-    return m(x).double().square().sum(1)
-
-
-def _optimizer(model):
-    return dpkern.DPSGD(
-        model.parameters(),
-        lr=0.1,
-        max_grad_norm=1.0,
-        noise_multiplier=0.0,
-        expected_batch_size=4,
-        seed=0,
-    )
-
-
 def _capture_backward(model, x):
     cap = Capture(model, list(model.parameters()), instantiate_unsupported=True)
     cap.attach()
@@ -123,7 +107,9 @@ def test_a_call_with_a_non_tensor_output_is_refused_by_the_capture(first, second
 def test_a_call_with_a_non_tensor_output_is_refused_by_ghost_clipping(first, second, kind, verify):
     torch.manual_seed(case_seed(620))
     model = Twice(first, second)
-    with GhostClipping(model, _optimizer(model), verify=verify, instantiate_unsupported=True) as gc:
+    with GhostClipping(
+        model, clip_only_optimizer(model), verify=verify, instantiate_unsupported=True
+    ) as gc:
         with pytest.raises(ValueError, match=rf"(?s)\bm \(Unruled\).*returned a {kind}"):
             gc.clipped_sums(sq(model, torch.randn(4, 3)))
 

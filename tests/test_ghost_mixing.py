@@ -12,19 +12,16 @@ a one-sample-at-a-time autograd loop.
 
 from __future__ import annotations
 
-import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import dpkern
-from dpkern.ghost import GhostClipping
 from conftest import case_seed
 
 pytest.importorskip("transformers")  # (test_ghost's helpers need it at import)
-from test_ghost import assert_norms_match  # noqa: E402
+from test_ghost import assert_norms_match, ghost_sums  # noqa: E402
 
 B, D_IN, D = 4, 6, 4  # D == B: a reduction over the batch keeps the shape [B, D]
 
@@ -141,17 +138,6 @@ class Head(nn.Module):
         return self.l2(self.extra(h) if self.extra is not None else self.mix(h))
 
 
-def _ghost(model, x, verify="off"):
-    params = [p for p in model.parameters() if p.requires_grad]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # noise_multiplier=0: a clipping check only
-        opt = dpkern.DPSGD(
-            params, lr=0.0, max_grad_norm=1e9, noise_multiplier=0.0, expected_batch_size=B
-        )
-        with GhostClipping(model, opt, verify=verify) as gc:
-            return gc.clipped_sums(model(x).square().sum(1))
-
-
 def _truth_mixes(model, x, loss):
     """Sample 0's loss depends on the other samples (the case is not vacuous)."""
     xg = x.clone().requires_grad_(True)
@@ -168,7 +154,7 @@ def test_mixing_op_before_a_trainable_linear_is_refused(name, verify):
     with pytest.raises(
         ValueError, match=r"not provably one row per sample in dim 0.*in l2, consuming l2\."
     ) as err:
-        _ghost(model, x, verify=verify)
+        ghost_sums(model, x, verify=verify)
     # the message names the operation that mixed the samples, and what to do instead
     assert "The samples were mixed or their rows moved by " in str(err.value)
     assert "per-sample normalisation" in str(err.value)
@@ -180,7 +166,7 @@ def test_time_major_lstm_over_the_samples_is_refused():
     with pytest.raises(
         ValueError, match=r"not provably one row per sample in dim 0.*in l2, consuming l2\."
     ):
-        _ghost(model, torch.randn(B, D_IN))
+        ghost_sums(model, torch.randn(B, D_IN))
 
 
 @pytest.mark.parametrize(
@@ -195,7 +181,7 @@ def test_mixing_op_after_a_trainable_linear_is_refused(name):
     x = torch.randn(B, D_IN)
     assert _truth_mixes(model, x, lambda m, x: m(x).square().sum(1))
     with pytest.raises(ValueError, match=r"losses depend on .* without a proven batch"):
-        _ghost(model, x)
+        ghost_sums(model, x)
 
 
 class GCN(nn.Module):
@@ -217,7 +203,7 @@ def test_gcn_over_the_samples_is_refused(sparse):
     with pytest.raises(
         ValueError, match=r"not provably one row per sample in dim 0.*consuming lin\."
     ):
-        _ghost(GCN(sparse), torch.randn(8, D_IN))
+        ghost_sums(GCN(sparse), torch.randn(8, D_IN))
 
 
 def test_setitem_copying_a_row_into_another_is_refused():
@@ -228,7 +214,7 @@ def test_setitem_copying_a_row_into_another_is_refused():
 
     torch.manual_seed(case_seed(90))
     with pytest.raises(ValueError, match=r"not provably one row per sample in dim 0"):
-        _ghost(Head(copy_row), torch.randn(B, D_IN))
+        ghost_sums(Head(copy_row), torch.randn(B, D_IN))
 
 
 # -- controls: ops that keep the samples apart stay exact ---------------------------------

@@ -13,13 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import dpkern
 from dpkern.ghost import GhostClipping
 from dpkern.ghost.capture import Capture
 from conftest import case_seed
 
 pytest.importorskip("transformers")  # (test_ghost's helpers need it at import)
-from test_ghost import assert_norms_match  # noqa: E402
+from test_ghost import assert_norms_match, clip_only_optimizer, sq  # noqa: E402
 
 D, K = 5, 4
 
@@ -72,21 +71,6 @@ class Parent(nn.Module):
         return y
 
 
-def sq(m, x):
-    return m(x).double().square().sum(1)
-
-
-def _optimizer(model):
-    return dpkern.DPSGD(
-        model.parameters(),
-        lr=0.1,
-        max_grad_norm=1.0,
-        noise_multiplier=0.0,
-        expected_batch_size=4,
-        seed=0,
-    )
-
-
 OUTSIDE = r"(?s)child\.w .*{op} in Parent.*outside .*forward.*per-sample pass"
 
 
@@ -95,7 +79,9 @@ OUTSIDE = r"(?s)child\.w .*{op} in Parent.*outside .*forward.*per-sample pass"
 def test_unruled_use_outside_the_instantiated_module_is_refused(how, op, verify):
     torch.manual_seed(case_seed(400 + (how == "exp")))
     model = Parent(how)
-    with GhostClipping(model, _optimizer(model), verify=verify, instantiate_unsupported=True) as gc:
+    with GhostClipping(
+        model, clip_only_optimizer(model), verify=verify, instantiate_unsupported=True
+    ) as gc:
         with pytest.raises(ValueError, match=OUTSIDE.format(op=op)):
             gc.clipped_sums(sq(model, torch.randn(4, 3)))
 

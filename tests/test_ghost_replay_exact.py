@@ -21,13 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import dpkern
 from dpkern.ghost import GhostClipping
 from dpkern.ghost.capture import Capture
 from conftest import case_seed
 
 pytest.importorskip("transformers")  # (test_ghost's helpers need it at import)
-from test_ghost import RTOL, assert_norms_match, loop_grads  # noqa: E402
+from test_ghost import RTOL, assert_norms_match, loop_grads, clip_only_optimizer, sq  # noqa: E402
 from dpkern.ghost.norms import param_norm_sq  # noqa: E402
 
 D = 4
@@ -58,21 +57,6 @@ class Outer(nn.Module):
         h = self.lin(x)
         y = self.m(h)
         return self.after(self, h, y) if self.after is not None else y + h
-
-
-def sq(m, x):
-    return m(x).double().square().sum(1)
-
-
-def _optimizer(model):
-    return dpkern.DPSGD(
-        model.parameters(),
-        lr=0.1,
-        max_grad_norm=1.0,
-        noise_multiplier=0.0,
-        expected_batch_size=4,
-        seed=0,
-    )
 
 
 def _norms(model, x, setup=None):
@@ -174,7 +158,7 @@ def test_forward_pre_hook_is_refused_by_ghost_clipping_with_verify_off():
     torch.manual_seed(case_seed(906))
     model = Outer(Unruled())
     model.m.register_forward_pre_hook(lambda mod, args: (args[0] * 2,))
-    opt = _optimizer(model)
+    opt = clip_only_optimizer(model)
     with GhostClipping(model, opt, verify="off", instantiate_unsupported=True) as gc:
         with pytest.raises(ValueError, match=r"(?s)\bm \(Unruled\).*pre-hook"):
             gc.clipped_sums(sq(model, torch.randn(4, 3)))
@@ -222,7 +206,9 @@ def test_side_channel_from_an_intermediate_of_the_output_is_refused():
 def test_side_channel_refused_by_ghost_clipping_with_verify_off():
     torch.manual_seed(case_seed(912))
     model = Outer(Unruled(_keep_param_tensor), _use_last)
-    with GhostClipping(model, _optimizer(model), verify="off", instantiate_unsupported=True) as gc:
+    with GhostClipping(
+        model, clip_only_optimizer(model), verify="off", instantiate_unsupported=True
+    ) as gc:
         with pytest.raises(ValueError, match=r"(?s)\bm \(Unruled\)"):
             gc.clipped_sums(sq(model, torch.randn(4, 3)))
 
@@ -279,7 +265,9 @@ def test_random_op_in_instantiated_module_is_refused(kind):
 def test_dropout_refused_by_ghost_clipping(verify):
     torch.manual_seed(case_seed(930))
     model = Outer(Drop())
-    with GhostClipping(model, _optimizer(model), verify=verify, instantiate_unsupported=True) as gc:
+    with GhostClipping(
+        model, clip_only_optimizer(model), verify=verify, instantiate_unsupported=True
+    ) as gc:
         with pytest.raises(ValueError, match=r"(?s)\bm \(Drop\).*random"):
             gc.clipped_sums(sq(model, torch.randn(4, 3)))
 
