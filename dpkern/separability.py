@@ -9,15 +9,32 @@ once per module, before any gradient is used.
 from __future__ import annotations
 
 import weakref
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["check_separable"]
+__all__ = ["check_separable", "side_effect_free"]
 
 #: Modules already checked (the check runs at the first call of each).
 _CHECKED: weakref.WeakSet = weakref.WeakSet()
 _ROWS = 4  # rows compared: a batch of up to 4 against the same rows one at a time
+
+
+@contextmanager
+def side_effect_free(module: nn.Module, tensors=()):
+    """Extra forwards of a check, as if they never ran: eval mode (no dropout; each
+    submodule's own mode restored after, an eval-mode BatchNorm stays in eval), no grad,
+    and the RNG state of the CPU and of the CUDA devices of ``tensors`` restored."""
+    modes = [(m, m.training) for m in module.modules()]
+    cuda = list({t.device for t in tensors if isinstance(t, Tensor) and t.is_cuda})
+    module.eval()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
+            yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
 
 
 def _rows(out, i: int, n: int):
@@ -40,12 +57,11 @@ def _loss(loss_fn, out, targets, i):
     return loss_fn(out) if targets is None else loss_fn(out, targets[i : i + 1])
 
 
-@torch.no_grad()
 def check_separable(module: nn.Module, loss_fn, inputs: tuple, batch_kwargs: dict, targets):
     """Raise ValueError when ``module``'s first rows, forwarded together, get other losses
     than each forwarded alone (the forward mixes samples); once per module, B >= 2.
 
-    Runs in eval mode (dropout off; each submodule's mode is restored) on the first
+    Runs under :func:`side_effect_free` (eval mode: dropout off) on the first
     ``min(B, 4)`` rows: one forward of them together and one per row, comparing the
     losses of ``loss_fn`` (the batched output's rows are sliced as batches of one) to
     rtol 1e-4 (5e-2 for low-precision outputs), atol 1e-6 of the largest loss. Nothing
@@ -56,25 +72,23 @@ def check_separable(module: nn.Module, loss_fn, inputs: tuple, batch_kwargs: dic
     n = min(int(batched[0].shape[0]), _ROWS)
     if n < 2 or module in _CHECKED:
         return
-    modes = [(m, m.training) for m in module.modules()]  # (each its own: eval BN stays)
-    module.eval()
     pairs = []
     try:
-        together = module(*(x[:n] for x in inputs), **{k: v[:n] for k, v in batch_kwargs.items()})
-        for i in range(n):
-            alone = module(
-                *(x[i : i + 1] for x in inputs),
-                **{k: v[i : i + 1] for k, v in batch_kwargs.items()},
+        with side_effect_free(module, batched):
+            together = module(
+                *(x[:n] for x in inputs), **{k: v[:n] for k, v in batch_kwargs.items()}
             )
-            a = _loss(loss_fn, alone, targets, i)
-            b = _loss(loss_fn, _rows(together, i, n), targets, i)
-            if isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape:
-                pairs.append((a.detach().double(), b.detach().double(), a.dtype))
+            for i in range(n):
+                alone = module(
+                    *(x[i : i + 1] for x in inputs),
+                    **{k: v[i : i + 1] for k, v in batch_kwargs.items()},
+                )
+                a = _loss(loss_fn, alone, targets, i)
+                b = _loss(loss_fn, _rows(together, i, n), targets, i)
+                if isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape:
+                    pairs.append((a.detach().double(), b.detach().double(), a.dtype))
     except Exception:
         return  # (not checkable here: the per-sample path raises the genuine error, or works)
-    finally:
-        for m, mode in modes:
-            m.training = mode
     if len(pairs) < n:
         return  # losses of another shape (the loss_fn's own error surfaces later)
     low = any(dt in (torch.float16, torch.bfloat16) for _, _, dt in pairs)

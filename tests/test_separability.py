@@ -70,3 +70,21 @@ def test_separable_models_pass_with_dropout_in_training_mode_and_b_of_one():
     other = _Centred()  # B = 1: nothing to compare, nothing mixed
     compute_grad_sample(other, _loss, x[:1], y[:1])
     assert other.lin.weight.grad_sample.shape == (1, 3, 4)
+
+
+def test_the_checks_forwards_leave_modes_and_the_rng_as_they_were():
+    """The separability checks (compute_grad_sample's and DPTrainer's) forward under
+    side_effect_free: a submodule the user put in eval() stays there, and the RNG state
+    (dropout masks after the check) is as if the check never ran."""
+    from dpkern.separability import side_effect_free
+
+    torch.manual_seed(case_seed(3))
+    model = _Separable()
+    model.drop.eval()  # the user's choice for one submodule
+    x = torch.randn(2, 4)
+    before = torch.random.get_rng_state()
+    with side_effect_free(model, [x]):
+        assert not model.training and not model.drop.training
+        torch.rand(5)  # a random draw inside the check
+    assert model.training and not model.drop.training
+    assert torch.equal(torch.random.get_rng_state(), before)

@@ -179,28 +179,25 @@ def _check_accelerator(accelerator) -> None:
 def check_separable(loss_of, model, chunk: Mapping, rows: int, low_precision: bool) -> None:
     """Raise ValueError unless each per-sample loss depends on its own sample alone: the
     losses of the first half of ``chunk``'s ``rows`` (>= 2) rows, computed alone, equal
-    theirs within the whole chunk (``loss_of(model, batch)``, eval mode, no grad: no
-    dropout; the RNG state is restored). A loss divided by the batch's token count or
+    theirs within the whole chunk (``loss_of(model, batch)``, under
+    :func:`dpkern.separability.side_effect_free`: eval mode, no dropout, no grad, the RNG
+    state and each submodule's mode restored). A loss divided by the batch's token count or
     scaled by a batch statistic (``l * l.mean()``, ``l / l.sum()``) changes when samples
     are left out: one sample would move the others' gradients, which clipping does not
     bound. Tolerance (relative to each loss): 1e-4, 5e-2 with ``low_precision`` (bf16
     weights or autocast; batch-size-dependent kernels round differently)."""
     import torch
 
+    from ...separability import side_effect_free
+
     half = rows // 2
     part = {
         k: v[:half] if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == rows else v
         for k, v in chunk.items()
     }
-    was_training = model.training
-    cuda = list({v.device for v in chunk.values() if isinstance(v, torch.Tensor) and v.is_cuda})
-    model.eval()
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
-            whole = loss_of(model, chunk)[:half].double()
-            alone = loss_of(model, part).double()
-    finally:
-        model.train(was_training)
+    with side_effect_free(model, chunk.values()):
+        whole = loss_of(model, chunk)[:half].double()
+        alone = loss_of(model, part).double()
     if tuple(alone.shape) != (half,) or not torch.isfinite(whole).all():
         return  # (the step's own checks report a wrong shape or a non-finite loss)
     rtol = 5e-2 if low_precision else 1e-4
