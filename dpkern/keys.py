@@ -22,8 +22,9 @@ class NoiseKey:
     """An opaque 64-bit noise key.
 
     ``repr``/``str``/``format`` print ``NoiseKey(<secret>)``; pickling and copying to another
-    process are refused (``TypeError``); ``copy``/``deepcopy`` return the same object (it is
-    immutable). Equality is identity. :func:`reveal` returns the integer.
+    process are refused (``TypeError``); ``copy``/``deepcopy`` return the same object (its
+    value is immutable, and a copy must share :meth:`claim_step`'s record of the last
+    functional step). Equality is identity. :func:`reveal` returns the integer.
 
     Args:
         value: an int in [0, 2**64).
